@@ -1,0 +1,58 @@
+"""Atomic root checkpoints: temp file, fsync, rename; the last K kept (sync, no event loop).
+
+    path = save(directory, state)       # state: a dict of numpy arrays and JSON-able values
+    state = load_latest(directory)      # None when there is none
+
+The root takes an in-memory copy and calls ``save`` in a thread, so training does not stall
+on the disk. A crash mid-write leaves only a ``.tmp`` file, which loading ignores.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["save", "load_latest", "list_checkpoints"]
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    return sorted(Path(directory).glob("ckpt-*.npz"))
+
+
+def save(directory: str | Path, version: int, arrays: dict[str, np.ndarray], meta: dict,
+         keep: int = 3) -> Path:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"ckpt-{version:012d}.npz"
+    tmp = d / f".ckpt-{version:012d}.npz.tmp"
+    buf = io.BytesIO()
+    np.savez(buf, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    with open(tmp, "wb") as f:
+        f.write(buf.getbuffer())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    dir_fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+    for old in list_checkpoints(d)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def load_latest(directory: str | Path) -> tuple[dict[str, np.ndarray], dict] | None:
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            with np.load(path) as z:
+                arrays = {k: z[k] for k in z.files if k != "__meta__"}
+                meta = json.loads(bytes(z["__meta__"]).decode())
+            return arrays, meta
+        except (OSError, ValueError, KeyError):
+            continue  # a damaged file: fall back to the one before
+    return None

@@ -1,0 +1,115 @@
+"""Validated, frozen configuration: one dataclass per job and per server role.
+
+    job = JobConfig(name="lm", optimizer=OptimizerConfig(kind="adam", lr=3e-4))
+    srv = ServerConfig(role="zone", listen="127.0.0.1:0", parent="127.0.0.1:7000")
+
+Every check runs at construction and names the bad value, so a typo in a flag or a YAML
+file fails at start-up with a sentence rather than mid-run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ps.codecs import CODEC_NAMES
+from ps.errors import BadInput
+
+__all__ = ["OptimizerConfig", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS"]
+
+MODES = ("bsp", "ssp", "async")
+ROLES = ("global", "regional", "zone")
+OPTIMIZERS = ("sgd", "adam")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise BadInput(message)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The root's optimizer for a job (torch semantics for every hyper-parameter)."""
+
+    kind: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.kind in OPTIMIZERS, f"optimizer kind {self.kind!r} is not one of {OPTIMIZERS}")
+        _require(self.lr > 0, f"learning rate must be positive, got {self.lr}")
+        _require(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
+        _require(not self.nesterov or self.momentum > 0, "nesterov needs momentum > 0")
+        _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+                 f"Adam betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
+        _require(self.eps > 0, f"eps must be positive, got {self.eps}")
+        _require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One training run's configuration, fixed at creation."""
+
+    name: str
+    mode: str = "bsp"
+    staleness: int = 0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    push_codec: str = "fp32"
+    delta_codec: str = "fp32"
+    delta_log_length: int = 64
+
+    def __post_init__(self) -> None:
+        _require(bool(_NAME.match(self.name)),
+                 f"job name {self.name!r} must be 1-63 letters, digits, '.', '_' or '-'")
+        _require(self.mode in MODES, f"mode {self.mode!r} is not one of {MODES}")
+        _require(self.staleness >= 0, f"staleness must be >= 0, got {self.staleness}")
+        _require(self.push_codec in CODEC_NAMES, f"push codec {self.push_codec!r} is not one of {CODEC_NAMES}")
+        _require(self.delta_codec in CODEC_NAMES, f"delta codec {self.delta_codec!r} is not one of {CODEC_NAMES}")
+        _require(1 <= self.delta_log_length <= 100_000,
+                 f"delta_log_length must be in [1, 100000], got {self.delta_log_length}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server process (a tier)."""
+
+    role: str
+    listen: str = "127.0.0.1:0"
+    parent: str = ""
+    name: str = ""
+    metrics_port: int = -1  # -1: no /metrics endpoint; 0: any free port
+    heartbeat_s: float = 0.5
+    member_timeout_s: float = 3.0
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 50
+    checkpoint_keep: int = 3
+    upstream_timeout_s: float = 10.0
+    round_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _require(self.role in ROLES, f"role {self.role!r} is not one of {ROLES}")
+        _require(":" in self.listen, f"listen address {self.listen!r} must be HOST:PORT")
+        if self.role == "global":
+            _require(not self.parent, f"the global root has no parent, got parent={self.parent!r}")
+        else:
+            _require(":" in self.parent, f"a {self.role} tier needs --parent HOST:PORT, got {self.parent!r}")
+            _require(not self.checkpoint_dir, "only the global root writes checkpoints")
+        _require(0 < self.heartbeat_s < self.member_timeout_s,
+                 f"heartbeat ({self.heartbeat_s}s) must be positive and shorter than the member "
+                 f"timeout ({self.member_timeout_s}s)")
+        _require(self.metrics_port >= -1, f"metrics port must be >= -1, got {self.metrics_port}")
+        _require(self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        _require(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
+        _require(self.upstream_timeout_s > 0, f"upstream timeout must be positive, got {self.upstream_timeout_s}")
+
+    @property
+    def display_name(self) -> str:
+        return self.name or self.role

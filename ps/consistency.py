@@ -1,0 +1,177 @@
+"""Membership, BSP round accounting and exactly-once bookkeeping (pure, time injected).
+
+    members = Membership()
+    members.join("w0", now=0.0, first_round=0)
+    rnd = BspRound(round=0, numel=10)
+    rnd.add("w0", base_version=0, grad=g, contributors=1, clocks=(0, 0))
+    if rnd.complete(members): agg = rnd.close()     # sum, contributors, clock range
+
+A round r aggregates gradients computed on version r. It is complete when every live member
+expected in it (joined at or before r) has pushed: a member that stops heart-beating is
+dropped and no longer holds the round (DESIGN: "a worker that dies leaves the barrier").
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ps.errors import BadInput, NotReady, Stale
+
+__all__ = ["Member", "Membership", "BspRound", "Aggregate", "SeqBook"]
+
+
+@dataclass
+class Member:
+    id: str
+    role: str
+    address: str
+    first_round: int
+    last_seen: float
+    pushes: int = 0
+
+
+class Membership:
+    """Live children of one tier for one job."""
+
+    def __init__(self) -> None:
+        self._m: dict[str, Member] = {}
+
+    def __len__(self) -> int:
+        return len(self._m)
+
+    def __contains__(self, member: str) -> bool:
+        return member in self._m
+
+    def __iter__(self):
+        return iter(self._m.values())
+
+    def get(self, member: str) -> Member:
+        try:
+            return self._m[member]
+        except KeyError:
+            raise NotReady(f"{member!r} is not a registered member of this job here; register first") from None
+
+    def join(self, member: str, now: float, first_round: int, role: str = "worker",
+             address: str = "") -> Member:
+        old = self._m.get(member)
+        if old is not None:  # re-registration keeps the place it had in the rounds
+            old.last_seen, old.role, old.address = now, role, address
+            return old
+        m = Member(member, role, address, first_round, now)
+        self._m[member] = m
+        return m
+
+    def touch(self, member: str, now: float) -> bool:
+        m = self._m.get(member)
+        if m is None:
+            return False
+        m.last_seen = now
+        return True
+
+    def leave(self, member: str) -> bool:
+        return self._m.pop(member, None) is not None
+
+    def expire(self, now: float, timeout: float) -> list[str]:
+        gone = [k for k, m in self._m.items() if now - m.last_seen > timeout]
+        for k in gone:
+            del self._m[k]
+        return gone
+
+    def expected_in(self, round_: int) -> set[str]:
+        return {k for k, m in self._m.items() if m.first_round <= round_}
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """A closed round: the summed gradient and who is in it."""
+
+    round: int
+    grad: np.ndarray
+    contributors: int
+    clock_min: int
+    clock_max: int
+    members: tuple[str, ...]
+
+
+@dataclass
+class BspRound:
+    """Running sum of one round's pushes."""
+
+    round: int
+    numel: int
+    pushed: dict[str, int] = field(default_factory=dict)  # member -> contributors it brought
+    _sum: np.ndarray | None = None
+    _clock_min: int | None = None
+    _clock_max: int | None = None
+
+    def check(self, member: str, base_version: int) -> None:
+        """Raise unless ``member`` may push for this round now (changes nothing)."""
+        if base_version < self.round:
+            raise Stale(f"gradient computed on version {base_version}, but round {self.round} is "
+                        "open here; the round it belonged to has closed: pull and recompute")
+        if base_version > self.round:
+            raise NotReady(f"gradient computed on version {base_version}, ahead of this tier's round "
+                           f"{self.round}; the tier is still catching up, retry shortly")
+        if member in self.pushed:
+            raise BadInput(f"{member!r} already pushed for round {self.round} with another sequence number")
+
+    def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
+            clocks: tuple[int, int]) -> None:
+        self.check(member, base_version)
+        if grad is not None and contributors > 0:
+            if self._sum is None:
+                self._sum = np.array(grad, dtype=np.float32, copy=True)
+            else:
+                self._sum += grad
+            lo, hi = clocks
+            self._clock_min = lo if self._clock_min is None else min(self._clock_min, lo)
+            self._clock_max = hi if self._clock_max is None else max(self._clock_max, hi)
+        self.pushed[member] = contributors
+
+    def complete(self, members: Membership) -> bool:
+        expected = members.expected_in(self.round)
+        if not expected and not self.pushed:
+            return False  # nobody here for this round: nothing to aggregate
+        return expected.issubset(self.pushed)
+
+    def close(self) -> Aggregate:
+        total = sum(self.pushed.values())
+        grad = self._sum if self._sum is not None else np.zeros(self.numel, dtype=np.float32)
+        return Aggregate(self.round, grad, total, self._clock_min or 0, self._clock_max or 0,
+                         tuple(self.pushed))
+
+
+@dataclass
+class SeqBook:
+    """Exactly-once bookkeeping for one sender (invariant 4).
+
+    ``classify(seq)`` says whether a push is new, a duplicate of an acknowledged one (answer
+    with the recorded ack, apply nothing), or refused (from the future / aborted earlier).
+    """
+
+    highest: int = 0
+    acks: OrderedDict = field(default_factory=OrderedDict)  # seq -> recorded ack
+    keep: int = 64
+
+    def classify(self, seq: int) -> str:
+        if seq == 0:
+            raise BadInput("push sequence numbers start at 1; got 0")
+        if seq in self.acks:
+            return "duplicate"
+        if seq > self.highest + 1:
+            raise BadInput(f"push sequence {seq} is from the future: the last one seen from this "
+                           f"sender is {self.highest}; sequences must increase by one")
+        if seq <= self.highest:
+            return "retry"  # seen but not acknowledged: pending, or failed and never applied
+        return "new"
+
+    def accept(self, seq: int) -> None:
+        self.highest = max(self.highest, seq)
+
+    def record(self, seq: int, ack: object) -> None:
+        self.acks[seq] = ack
+        while len(self.acks) > self.keep:
+            self.acks.popitem(last=False)

@@ -1,0 +1,67 @@
+"""Server-side optimizers as state objects (pure; only the root holds one).
+
+    opt = ServerOptimizer(OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9), params)
+    opt.step(grad)            # params (a flat float32 numpy vector) updated in place
+    state = opt.state_dict()  # numpy arrays + counters: what a checkpoint saves
+
+The arithmetic is torch.optim's own, run on a tensor that shares memory with the numpy
+vector: the root then matches a single process using torch.optim to fp32 rounding
+(invariant 2), and torch's kernels are multi-threaded where numpy's are not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ps.config import OptimizerConfig
+
+__all__ = ["ServerOptimizer", "lr_at"]
+
+
+def lr_at(cfg: OptimizerConfig, step: int) -> float:
+    """Learning rate for 0-based ``step``: linear warm-up to ``cfg.lr`` over warmup_steps."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    return cfg.lr
+
+
+class ServerOptimizer:
+    """One job's optimizer over its flat parameter vector."""
+
+    def __init__(self, cfg: OptimizerConfig, params: np.ndarray) -> None:
+        if params.dtype != np.float32 or params.ndim != 1:
+            raise ValueError("params must be a flat float32 vector")
+        self.cfg = cfg
+        self.steps = 0
+        self._p = torch.from_numpy(params)  # shares memory: params change in place
+        self._p.grad = torch.zeros_like(self._p)
+        if cfg.kind == "sgd":
+            self._opt = torch.optim.SGD([self._p], lr=cfg.lr, momentum=cfg.momentum,
+                                        nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+        else:
+            self._opt = torch.optim.Adam([self._p], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                         eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+    def step(self, grad: np.ndarray) -> None:
+        """Apply one aggregated (already averaged) gradient."""
+        if grad.shape != self._p.shape:
+            raise ValueError(f"gradient has {grad.size} elements, parameters {self._p.numel()}")
+        self._p.grad.copy_(torch.from_numpy(grad))
+        for group in self._opt.param_groups:
+            group["lr"] = lr_at(self.cfg, self.steps)
+        self._opt.step()
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, np.ndarray | int]:
+        out: dict[str, np.ndarray | int] = {"steps": self.steps}
+        for name, value in self._opt.state.get(self._p, {}).items():
+            out[f"state.{name}"] = value.detach().cpu().numpy().copy()
+        return out
+
+    def load_state_dict(self, state: dict[str, np.ndarray | int]) -> None:
+        self.steps = int(state["steps"])
+        inner = {k[len("state."):]: torch.from_numpy(np.array(v)) for k, v in state.items()
+                 if k.startswith("state.")}
+        if inner:
+            self._opt.state[self._p] = inner

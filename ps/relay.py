@@ -1,0 +1,206 @@
+"""A relay (regional master or zone replica): a server to its children, a client of its parent.
+
+    relay = Relay(ServerConfig(role="zone", parent="region-eu:7000", name="eu-a"))
+    await relay.start()
+
+What it does with what passes through:
+- upward: sums its children's pushes per round and forwards one aggregate (with the number
+  of contributors and their clock range), acknowledging children once the parent has;
+- downward: follows the parent's versions with long-polling pulls, verifies every checksum,
+  and keeps the deltas verbatim in its own log, so its children are served without going
+  upstream and a region pulls each delta across the WAN once.
+A relay holds no durable state: after a restart it rebuilds from its parent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ps.codecs import get_codec
+from ps.config import ServerConfig
+from ps.consistency import Aggregate
+from ps.deltas import DeltaEntry
+from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable
+from ps.tensors import assemble, payload_bytes, split
+from ps.tier import JobState, Tier
+from ps.upstream import Upstream
+from ps.wire import PullMeta, PushMeta, encode_push
+
+__all__ = ["Relay"]
+
+log = logging.getLogger("hps.relay")
+
+_PULL_WAIT_S = 5.0   # long-poll window of the follow loop
+_BACKOFF_S = (0.05, 2.0)  # first and largest retry delay
+
+
+class Relay(Tier):
+    def __init__(self, config: ServerConfig, **kw) -> None:
+        super().__init__(config, **kw)
+        self.role = config.role
+        self.member_id = f"{config.display_name}-{self.epoch:x}"
+        self.up = Upstream(config.parent, self.member_id, config.role,
+                           timeout_s=config.upstream_timeout_s)
+        self.attached: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._up_seq: dict[str, int] = {}
+        self._force_snapshot: set[str] = set()
+
+    def set_address(self, address: str) -> None:
+        self.up.own_address = address
+
+    async def start(self) -> None:
+        await super().start()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+
+    async def stop(self) -> None:
+        for job in list(self.attached):
+            try:
+                await asyncio.wait_for(self.up.leave(job), 1.0)
+            except (HpsError, asyncio.TimeoutError):
+                pass  # the parent drops us by timeout instead
+        await super().stop()
+        await self.up.close()
+
+    # -- joining the parent ----------------------------------------------------------------
+    async def _job_for_register(self, job: str) -> JobState:
+        async with self._locks.setdefault(job, asyncio.Lock()):
+            js = self.jobs.get(job)
+            if js is not None and job in self.attached:
+                return js
+            reg = await self.up.register(job, last_seq=self._up_seq.get(job, 0))
+            if js is None or js.layout != reg.layout:
+                js = JobState(reg.config, reg.layout)
+                self.jobs[job] = js
+                self._tasks.append(asyncio.create_task(self._follow(job), name=f"follow-{job}"))
+            self.attached.add(job)
+            if js.round.round != reg.start_version:
+                js.reset_round(reg.start_version, "joined the parent's round")
+            log.info("%s: attached to job %s at parent %s, round %d", self.role, job,
+                     self.config.parent, reg.start_version)
+            return js
+
+    async def _members_changed(self, js: JobState) -> None:
+        self._maybe_close(js)
+        job = js.config.name
+        if len(js.members) == 0 and job in self.attached:
+            # No children left: stop holding the parent's rounds.
+            self.attached.discard(job)
+            try:
+                await self.up.leave(job)
+            except HpsError as exc:
+                log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            if not self.attached:
+                continue
+            known = self.up.server_epoch
+            try:
+                epoch, unknown = await self.up.heartbeat(sorted(self.attached))
+            except HpsError as exc:
+                log.warning("%s: parent %s unreachable: %s", self.role, self.config.parent, exc)
+                continue
+            if known and epoch != known:
+                log.warning("%s: parent %s restarted (epoch %#x -> %#x); registering again",
+                            self.role, self.config.parent, known, epoch)
+                unknown = sorted(self.attached)
+            for job in unknown:
+                self.attached.discard(job)
+                if len(self.jobs[job].members):
+                    try:
+                        await self._job_for_register(job)
+                    except HpsError as exc:
+                        log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
+
+    # -- upward ----------------------------------------------------------------------------
+    def _finish_round(self, js: JobState, agg: Aggregate, fut: asyncio.Future) -> None:
+        task = asyncio.create_task(self._forward(js, agg, fut))
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _forward(self, js: JobState, agg: Aggregate, fut: asyncio.Future) -> None:
+        job = js.config.name
+        seq = self._up_seq[job] = self._up_seq.get(job, 0) + 1
+        chunks = split(js.layout, agg.grad, get_codec(js.config.push_codec)) if agg.contributors else []
+        frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
+                                      agg.contributors, agg.clock_min, agg.clock_max), chunks)
+        deadline = self.clock() + self.config.round_timeout_s
+        delay = _BACKOFF_S[0]
+        while True:
+            try:
+                ack = await self.up.push(frames, timeout=max(1.0, deadline - self.clock()))
+                break
+            except (Unavailable, TimedOut) as exc:
+                # Outcome unknown: retry with the same sequence number; the parent
+                # answers a retry of an applied push with its recorded ack (invariant 4).
+                if self.clock() + delay > deadline:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                    return
+                log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
+                            agg.round, job, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
+            except HpsError as exc:
+                log.warning("%s: parent refused round %d of %s: %s", self.role, agg.round, job, exc)
+                if isinstance(exc, NotReady):
+                    self.attached.discard(job)  # dropped upstream: the heartbeat loop re-registers
+                if not fut.done():
+                    fut.set_exception(Stale(f"the parent refused this round: {exc}"))
+                return
+        js.stats.bytes_pushed_up += payload_bytes(chunks)
+        if not fut.done():
+            fut.set_result(ack)
+
+    # -- downward --------------------------------------------------------------------------
+    async def _follow(self, job: str) -> None:
+        delay = _BACKOFF_S[0]
+        while True:
+            js = self.jobs.get(job)
+            if js is None:
+                return
+            epoch = 0 if job in self._force_snapshot else js.view.epoch
+            # Without a view, take a snapshot of whatever the parent holds right away.
+            want = js.view.version + 1 if epoch else 0
+            try:
+                meta, versions = await self.up.pull(job, epoch, js.view.version, want, _PULL_WAIT_S)
+                self._force_snapshot.discard(job)
+                self.apply_pulled(js, meta, versions)
+                delay = _BACKOFF_S[0]
+            except Stale as exc:
+                log.warning("%s: %s", self.role, exc)
+                self._force_snapshot.add(job)
+            except HpsError as exc:
+                log.debug("%s: pull of %s failed: %s", self.role, job, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
+
+    def apply_pulled(self, js: JobState, meta: PullMeta, versions: list) -> None:
+        """Bring the view to the parent's: a verified snapshot or verified deltas."""
+        js.parent_version = max(meta.to_version, js.view.version) if meta.view_epoch == js.view.epoch \
+            else meta.to_version
+        if meta.snapshot:
+            vm, chunks = versions[0]
+            values = assemble(js.layout, chunks, what="snapshot", check_finite=False, require_all=True)
+            previous = js.view.epoch
+            js.view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum)
+            js.log.clear()
+            js.stats.bytes_pulled_in += payload_bytes(chunks)
+            if previous and previous != meta.view_epoch:
+                log.warning("%s: job %s moved to root epoch %#x at version %d; resynced from a snapshot",
+                            self.role, js.config.name, meta.view_epoch, vm.version)
+                js.reset_round(vm.version, "the root restarted")
+        else:
+            for vm, chunks in versions:
+                delta = assemble(js.layout, chunks, what=f"delta {vm.version}", check_finite=False)
+                js.view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum)
+                js.log.append(DeltaEntry(vm.version, vm.checksum, tuple(chunks), vm.clock_min,
+                                         vm.contributors))
+                js.stats.bytes_pulled_in += payload_bytes(chunks)
+        if js.view.version >= js.parent_version:
+            js.synced_at = self.clock()
+        if versions:
+            js.notify()

@@ -1,0 +1,70 @@
+"""Server lifecycle: ``create_server(config) -> (server, port, tier)``, ``serve(config)``.
+
+    server, port, tier = await create_server(ServerConfig(role="global", listen="127.0.0.1:0"))
+    ...
+    await shutdown(server, tier)
+
+``serve`` prints one ready line (``hps: serving ROLE NAME on HOST:PORT``) that ``hps launch``
+reads to learn the bound port, and stops gracefully on SIGTERM/SIGINT: the root writes a
+final checkpoint, relays leave their parent, in-flight RPCs get ``grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+
+from ps.config import ServerConfig
+from ps.relay import Relay
+from ps.root import Root
+from ps.service import handler
+from ps.tier import Tier
+from ps.wire import GRPC_OPTIONS
+
+__all__ = ["create_server", "shutdown", "serve"]
+
+log = logging.getLogger("hps.server")
+
+
+async def create_server(config: ServerConfig) -> tuple[grpc.aio.Server, int, Tier]:
+    tier: Tier = Root(config) if config.role == "global" else Relay(config)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers([handler(tier)])
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"could not bind {config.listen}")
+    host = config.listen.rsplit(":", 1)[0]
+    if isinstance(tier, Relay):
+        tier.set_address(f"{host}:{port}")
+    await server.start()
+    await tier.start()
+    return server, port, tier
+
+
+async def shutdown(server: grpc.aio.Server, tier: Tier, grace: float = 2.0) -> None:
+    await tier.stop()
+    await server.stop(grace)
+
+
+async def serve(config: ServerConfig, ready_stream=sys.stdout) -> None:
+    server, port, tier = await create_server(config)
+    metrics_port = None
+    if config.metrics_port >= 0:
+        from ps.metrics import start_metrics
+
+        metrics_port = start_metrics(tier, config.metrics_port)
+    host = config.listen.rsplit(":", 1)[0]
+    extra = f" metrics {metrics_port}" if metrics_port is not None else ""
+    print(f"hps: serving {config.role} {config.display_name} on {host}:{port}{extra}",
+          file=ready_stream, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping %s %s", config.role, config.display_name)
+    await shutdown(server, tier)

@@ -1,0 +1,302 @@
+"""What every tier does with what passes through: membership, BSP rounds, pushes, pulls.
+
+    tier = Root(ServerConfig(role="global"))           # or Relay(config, upstream)
+    ack = await tier.push(meta, chunks)                 # returns once the root applied it
+    meta, versions = await tier.pull("lm", epoch, since=3, min_version=4, wait_s=5)
+
+This is the async shell over the pure core (store, deltas, consistency, tensors): it owns the
+event-loop waiting (version waits, round futures) and nothing about protobuf. ``Root`` and
+``Relay`` differ only in how a closed round is finished and where views come from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+
+from ps.codecs import get_codec
+from ps.config import JobConfig, ServerConfig
+from ps.consistency import Aggregate, BspRound, Membership, SeqBook
+from ps.deltas import DeltaLog
+from ps.errors import NotBuilt, NotReady, Stale, TimedOut, UnknownJob
+from ps.store import Layout, View
+from ps.tensors import Chunk, assemble, payload_bytes, split
+from ps.wire import PullMeta, PushMeta, VersionMeta
+
+__all__ = ["Tier", "JobState", "Ack", "Registration", "JobStats"]
+
+log = logging.getLogger("hps.tier")
+
+
+@dataclass(frozen=True)
+class Ack:
+    applied_version: int
+    view_epoch: int
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class Registration:
+    config: JobConfig
+    layout: Layout
+    start_version: int
+    server_epoch: int
+
+
+@dataclass
+class JobStats:
+    pushes: int = 0
+    bytes_pushed_in: int = 0
+    bytes_pushed_up: int = 0
+    bytes_pulled_out: int = 0
+    bytes_pulled_in: int = 0
+    snapshots_served: int = 0
+    deltas_served: int = 0
+    rounds: int = 0
+    aborted_rounds: int = 0
+
+
+@dataclass
+class JobState:
+    """One job at one tier: the replica view, its delta log, members and the open round."""
+
+    config: JobConfig
+    layout: Layout
+    view: View = None
+    log: DeltaLog = None
+    members: Membership = field(default_factory=Membership)
+    books: dict[str, SeqBook] = field(default_factory=dict)
+    round: BspRound = None
+    round_futs: dict[int, asyncio.Future] = field(default_factory=dict)
+    pending: dict[tuple[str, int], asyncio.Future] = field(default_factory=dict)
+    stats: JobStats = field(default_factory=JobStats)
+    parent_version: int = 0
+    synced_at: float = 0.0
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _snapshot: tuple[int, int, list[Chunk]] | None = None
+
+    def __post_init__(self) -> None:
+        self.view = self.view or View(self.layout)
+        self.log = self.log or DeltaLog(self.config.delta_log_length)
+        self.round = self.round or BspRound(round=0, numel=self.layout.numel)
+
+    def notify(self) -> None:
+        """Wake everything waiting for a newer version."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_change(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def round_future(self) -> asyncio.Future:
+        r = self.round.round
+        if r not in self.round_futs:
+            self.round_futs[r] = asyncio.get_running_loop().create_future()
+        return self.round_futs[r]
+
+    def reset_round(self, round_: int, why: str) -> None:
+        """Abort every pending push (they were not applied) and open ``round_``."""
+        for r, fut in self.round_futs.items():
+            if not fut.done():
+                fut.set_exception(Stale(f"round {r} was aborted ({why}); pull the latest version"))
+                self.stats.aborted_rounds += 1
+        self.round_futs.clear()
+        self.round = BspRound(round=round_, numel=self.layout.numel)
+        for m in self.members:
+            m.first_round = min(m.first_round, round_)
+
+    def snapshot_chunks(self) -> list[Chunk]:
+        """The held view, losslessly encoded; cached per (epoch, version)."""
+        key = (self.view.epoch, self.view.version)
+        if self._snapshot is None or self._snapshot[:2] != key:
+            codec = get_codec("fp32+zstd" if self.config.delta_codec == "fp32+zstd" else "fp32")
+            self._snapshot = (*key, split(self.layout, self.view.values, codec))
+        return self._snapshot[2]
+
+
+def new_epoch() -> int:
+    """A fresh, non-zero incarnation id."""
+    return secrets.randbits(62) | 1
+
+
+class Tier:
+    """Behaviour shared by the root and the relays."""
+
+    role = "tier"
+
+    def __init__(self, config: ServerConfig, clock=time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.epoch = new_epoch()
+        self.started = clock()
+        self.jobs: dict[str, JobState] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lookups ---------------------------------------------------------------------------
+    def job(self, name: str) -> JobState:
+        try:
+            return self.jobs[name]
+        except KeyError:
+            raise UnknownJob(f"job {name!r} is not known at this {self.role} tier; create it first "
+                             "(the first worker with a JobConfig does) or check the name") from None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._expire_loop(), name="expire"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            now = self.clock()
+            for js in list(self.jobs.values()):
+                gone = js.members.expire(now, self.config.member_timeout_s)
+                if gone:
+                    log.warning("%s: job %s dropped members %s after %.1fs of silence",
+                                self.role, js.config.name, gone, self.config.member_timeout_s)
+                    await self._members_changed(js)
+
+    async def _members_changed(self, js: JobState) -> None:
+        """Membership shrank: the open round may now be complete."""
+        self._maybe_close(js)
+
+    # -- membership ------------------------------------------------------------------------
+    async def register(self, job: str, member: str, role: str, address: str, last_seq: int) -> Registration:
+        js = await self._job_for_register(job)
+        m = js.members.join(member, self.clock(), js.round.round, role, address)
+        book = js.books.setdefault(member, SeqBook())
+        if not any(k[0] == member for k in js.pending):
+            # A (re)starting member continues from its last acknowledged push.
+            book.highest = last_seq
+            for s in [s for s in book.acks if s > last_seq]:
+                del book.acks[s]
+        log.info("%s: %s %r joined job %s at round %d", self.role, role, member, job, m.first_round)
+        return Registration(js.config, js.layout, max(m.first_round, js.round.round), self.epoch)
+
+    async def _job_for_register(self, job: str) -> JobState:
+        return self.job(job)
+
+    def heartbeat(self, member: str, jobs: list[str]) -> list[str]:
+        now = self.clock()
+        return [j for j in jobs if j not in self.jobs or not self.jobs[j].members.touch(member, now)]
+
+    async def leave(self, job: str, member: str) -> None:
+        js = self.job(job)
+        if js.members.leave(member):
+            log.info("%s: %r left job %s", self.role, member, job)
+            await self._members_changed(js)
+
+    # -- push ------------------------------------------------------------------------------
+    async def push(self, meta: PushMeta, chunks: list[Chunk]) -> Ack:
+        js = self.job(meta.job)
+        if js.config.mode != "bsp":
+            raise NotBuilt(f"job {meta.job!r} uses mode {js.config.mode!r}; only bsp is built so far")
+        member = js.members.get(meta.sender)
+        book = js.books.setdefault(meta.sender, SeqBook())
+        kind = book.classify(meta.seq)
+        if kind == "duplicate":
+            return replace(book.acks[meta.seq], duplicate=True)
+        if kind == "retry":
+            fut = js.pending.get((meta.sender, meta.seq))
+            if fut is None:
+                raise Stale(f"push {meta.seq} from {meta.sender!r} was not applied (its round was "
+                            "aborted or refused); pull the latest version and push a new gradient")
+            return replace(await asyncio.shield(fut), duplicate=True)
+        if meta.view_epoch and js.view.ready and meta.view_epoch != js.view.epoch:
+            raise Stale(f"gradient computed on a view of root epoch {meta.view_epoch:#x}; this tier "
+                        f"holds epoch {js.view.epoch:#x} (the root restarted): pull a snapshot")
+        js.round.check(meta.sender, meta.base_version)
+        if meta.contributors == 0:
+            if chunks:
+                raise NotReady("a push with 0 contributors must carry no tensors")
+            grad = None
+        else:
+            grad = assemble(js.layout, chunks, what=f"push {meta.seq} from {meta.sender!r}")
+        # Everything is validated: from here the push is committed to the round.
+        book.accept(meta.seq)
+        js.round.add(meta.sender, meta.base_version, grad, meta.contributors,
+                     (meta.clock_min, meta.clock_max))
+        member.pushes += 1
+        js.stats.pushes += 1
+        js.stats.bytes_pushed_in += payload_bytes(chunks)
+        fut = js.round_future()
+        key = (meta.sender, meta.seq)
+        js.pending[key] = fut
+        fut.add_done_callback(lambda f: self._settle(js, book, key, f))
+        self._maybe_close(js)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.config.round_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimedOut(f"round {meta.base_version} did not complete within "
+                           f"{self.config.round_timeout_s:.0f}s; the push stays in it") from None
+
+    @staticmethod
+    def _settle(js: JobState, book: SeqBook, key: tuple[str, int], fut: asyncio.Future) -> None:
+        """Record the outcome even when the pusher is gone (its retry gets the same ack)."""
+        js.pending.pop(key, None)
+        if not fut.cancelled() and fut.exception() is None:
+            book.record(key[1], fut.result())
+
+    def _maybe_close(self, js: JobState) -> None:
+        if not js.round.complete(js.members):
+            return
+        agg = js.round.close()
+        fut = js.round_future()
+        js.round = BspRound(round=agg.round + 1, numel=js.layout.numel)
+        js.stats.rounds += 1
+        self._finish_round(js, agg, fut)
+
+    def _finish_round(self, js: JobState, agg: Aggregate, fut: asyncio.Future) -> None:
+        raise NotImplementedError
+
+    # -- pull ------------------------------------------------------------------------------
+    async def pull(self, job: str, view_epoch: int, since: int, min_version: int, wait_s: float
+                   ) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
+        js = self.job(job)
+        deadline = self.clock() + max(0.0, wait_s)
+        while (not js.view.ready or js.view.version < min_version) and self.clock() < deadline:
+            await js.wait_change(deadline - self.clock())
+        if not js.view.ready:
+            raise NotReady(f"this {self.role} tier has no view of job {job!r} yet (still syncing "
+                           "with its parent); retry shortly")
+        v = js.view.version
+        if view_epoch == js.view.epoch:
+            entries = js.log.since(since, v)
+            if entries is not None:
+                js.stats.deltas_served += len(entries)
+                js.stats.bytes_pulled_out += sum(e.nbytes for e in entries)
+                versions = [(VersionMeta(e.version, e.checksum, e.clock_min, e.contributors), list(e.chunks))
+                            for e in entries]
+                return PullMeta(js.view.epoch, since, v, False, self.epoch), versions
+        chunks = js.snapshot_chunks()
+        js.stats.snapshots_served += 1
+        js.stats.bytes_pulled_out += payload_bytes(chunks)
+        return (PullMeta(js.view.epoch, since, v, True, self.epoch),
+                [(VersionMeta(v, js.view.checksum), chunks)])
+
+    # -- status ----------------------------------------------------------------------------
+    def status(self) -> dict:
+        now = self.clock()
+        jobs = []
+        for name, js in self.jobs.items():
+            jobs.append(dict(
+                name=name, mode=js.config.mode, version=js.view.version, view_epoch=js.view.epoch,
+                parent_version=js.parent_version or js.view.version,
+                lag_s=(now - js.synced_at) if js.synced_at and js.parent_version > js.view.version else 0.0,
+                round=js.round.round, round_pushed=len(js.round.pushed), checksum=js.view.checksum,
+                members=[dict(member=m.id, role=m.role, address=m.address,
+                              last_seen_s=now - m.last_seen, pushes=m.pushes) for m in js.members],
+                **js.stats.__dict__))
+        return dict(role=self.role, name=self.config.display_name, server_epoch=self.epoch,
+                    parent=self.config.parent, uptime_s=now - self.started, jobs=jobs)

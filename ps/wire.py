@@ -1,0 +1,300 @@
+"""The only place generated protobuf meets domain types; raw tensor frames.
+
+    frames = encode_push(PushMeta(job="lm", sender="w0", seq=1, base_version=0), chunks)
+    meta, chunks = decode_push(frames)        # payloads are zero-copy memoryview slices
+
+A frame is the protobuf encoding of ``hps.v1.Frame`` written by hand:
+``0x0a varint(len(header)) header 0x12 varint(len(payload)) payload``. Decoding parses the
+small header with protobuf and slices the payload without copying it (a protobuf ``bytes``
+field would copy on access: measured 0.41x of raw TCP against 0.91x for raw frames).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from google.protobuf.message import DecodeError
+
+from ps.codecs import CODEC_NAMES
+from ps.config import MODES, OPTIMIZERS, JobConfig, OptimizerConfig
+from ps.errors import BadInput
+from ps.proto import hps_pb2 as pb
+from ps.store import KeySpec, Layout
+from ps.tensors import Chunk
+
+__all__ = [
+    "pb", "PushMeta", "PullMeta", "VersionMeta", "encode_frame", "decode_frame",
+    "encode_push", "decode_push", "encode_pull_reply", "decode_pull_reply",
+    "encode_create_job", "decode_create_job", "job_to_pb", "job_from_pb", "layout_to_pb",
+    "layout_from_pb", "ROLE", "ROLE_NAME", "MODE", "METHODS", "SERVICE", "stubs", "MAX_MESSAGE", "GRPC_OPTIONS",
+]
+
+MAX_MESSAGE = 16 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE + 4096),
+    ("grpc.max_receive_message_length", MAX_MESSAGE + 4096),
+]
+
+# Enum tables; complete at import (every non-UNSPECIFIED value has a domain name).
+_MODE = {"bsp": pb.MODE_BSP, "ssp": pb.MODE_SSP, "async": pb.MODE_ASYNC}
+_CODEC = {"fp32": pb.CODEC_FP32, "fp32+zstd": pb.CODEC_FP32_ZSTD}
+_OPT = {"sgd": pb.OPTIMIZER_SGD, "adam": pb.OPTIMIZER_ADAM}
+_DTYPE = {"float32": pb.DTYPE_FLOAT32}
+ROLE = {"global": pb.ROLE_GLOBAL, "regional": pb.ROLE_REGIONAL, "zone": pb.ROLE_ZONE,
+        "worker": pb.ROLE_WORKER}
+ROLE_NAME = {v: k for k, v in ROLE.items()}
+MODE = _MODE
+for _table, _enum, _names in ((_MODE, pb.Mode, MODES), (_CODEC, pb.Codec, CODEC_NAMES),
+                              (_OPT, pb.OptimizerKind, OPTIMIZERS), (_DTYPE, pb.DType, ("float32",)),
+                              (ROLE, pb.Role, tuple(ROLE))):
+    assert set(_table.values()) == set(_enum.values()) - {0}, f"{_enum} has unmapped values"
+    assert set(_table) == set(_names), f"{_names} and the proto disagree"
+del _table, _enum, _names
+
+
+def _name(table: dict[str, int], value: int, what: str) -> str:
+    for k, v in table.items():
+        if v == value:
+            return k
+    raise BadInput(f"unknown {what} enum value {value}")
+
+
+# ---- varint + frames ----------------------------------------------------------------------
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise BadInput("malformed frame: truncated length prefix")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def encode_frame(header: pb.FrameHeader, payload: bytes | memoryview = b"") -> bytes:
+    h = header.SerializeToString()
+    return b"".join((b"\x0a", _varint(len(h)), h, b"\x12", _varint(len(payload)), payload))
+
+
+def decode_frame(data: bytes) -> tuple[pb.FrameHeader, memoryview]:
+    buf = memoryview(data)
+    if len(buf) < 2 or buf[0] != 0x0A:
+        raise BadInput(f"malformed frame: {len(buf)} bytes not starting with a header field")
+    n, pos = _read_varint(buf, 1)
+    if pos + n > len(buf):
+        raise BadInput(f"malformed frame: header of {n} bytes overruns the {len(buf)}-byte frame")
+    header = pb.FrameHeader()
+    try:
+        header.ParseFromString(buf[pos:pos + n])
+    except DecodeError as exc:
+        raise BadInput(f"malformed frame: header does not parse ({exc})") from None
+    pos += n
+    payload = buf[pos:pos]
+    if pos < len(buf):
+        if buf[pos] != 0x12:
+            raise BadInput("malformed frame: unexpected field after the header")
+        m, pos = _read_varint(buf, pos + 1)
+        if pos + m != len(buf):
+            raise BadInput(f"malformed frame: payload says {m} bytes, {len(buf) - pos} present")
+        payload = buf[pos:pos + m]
+    if header.WhichOneof("kind") is None:
+        raise BadInput("malformed frame: header has no kind")
+    return header, payload
+
+
+def _chunk_frame(c: Chunk) -> bytes:
+    h = pb.FrameHeader(chunk=pb.TensorChunk(key=c.key, dtype=_DTYPE[c.dtype], shape=c.shape,
+                                            offset=c.offset, numel=c.numel, codec=_CODEC[c.codec]))
+    return encode_frame(h, c.payload)
+
+
+def _chunk_from(h: pb.TensorChunk, payload: memoryview) -> Chunk:
+    return Chunk(h.key, tuple(h.shape), _name(_DTYPE, h.dtype, "dtype"), h.offset, h.numel,
+                 _name(_CODEC, h.codec, "codec"), payload)
+
+
+# ---- domain headers -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PushMeta:
+    job: str
+    sender: str
+    seq: int
+    base_version: int
+    view_epoch: int = 0
+    contributors: int = 1
+    clock_min: int = 0
+    clock_max: int = 0
+
+
+@dataclass(frozen=True)
+class PullMeta:
+    view_epoch: int
+    from_version: int
+    to_version: int
+    snapshot: bool
+    server_epoch: int
+
+
+@dataclass(frozen=True)
+class VersionMeta:
+    version: int
+    checksum: int
+    clock_min: int = 0
+    contributors: int = 0
+
+
+def encode_push(meta: PushMeta, chunks: Iterable[Chunk]) -> list[bytes]:
+    h = pb.FrameHeader(push=pb.PushHeader(**meta.__dict__))
+    return [encode_frame(h)] + [_chunk_frame(c) for c in chunks]
+
+
+def decode_push(frames: Iterable[bytes]) -> tuple[PushMeta, list[Chunk]]:
+    meta, chunks = None, []
+    for i, data in enumerate(frames):
+        h, payload = decode_frame(data)
+        kind = h.WhichOneof("kind")
+        if i == 0:
+            if kind != "push":
+                raise BadInput(f"malformed push: first frame is {kind!r}, expected a push header")
+            p = h.push
+            meta = PushMeta(p.job, p.sender, p.seq, p.base_version, p.view_epoch, p.contributors,
+                            p.clock_min, p.clock_max)
+        elif kind == "chunk":
+            chunks.append(_chunk_from(h.chunk, payload))
+        else:
+            raise BadInput(f"malformed push: frame {i} is {kind!r}, expected a tensor chunk")
+    if meta is None:
+        raise BadInput("malformed push: the stream carried no frames")
+    return meta, chunks
+
+
+def encode_pull_reply(meta: PullMeta, versions: Iterable[tuple[VersionMeta, Iterable[Chunk]]]
+                      ) -> Iterator[bytes]:
+    yield encode_frame(pb.FrameHeader(pull=pb.PullHeader(**meta.__dict__)))
+    for vm, chunks in versions:
+        yield encode_frame(pb.FrameHeader(version=pb.VersionHeader(**vm.__dict__)))
+        for c in chunks:
+            yield _chunk_frame(c)
+
+
+def decode_pull_reply(frames: Iterable[bytes]) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
+    meta, versions = None, []
+    for i, data in enumerate(frames):
+        h, payload = decode_frame(data)
+        kind = h.WhichOneof("kind")
+        if i == 0:
+            if kind != "pull":
+                raise BadInput(f"malformed pull reply: first frame is {kind!r}")
+            meta = PullMeta(h.pull.view_epoch, h.pull.from_version, h.pull.to_version,
+                            h.pull.snapshot, h.pull.server_epoch)
+        elif kind == "version":
+            v = h.version
+            versions.append((VersionMeta(v.version, v.checksum, v.clock_min, v.contributors), []))
+        elif kind == "chunk" and versions:
+            versions[-1][1].append(_chunk_from(h.chunk, payload))
+        else:
+            raise BadInput(f"malformed pull reply: unexpected {kind!r} frame at position {i}")
+    if meta is None:
+        raise BadInput("malformed pull reply: empty stream")
+    return meta, versions
+
+
+# ---- jobs ---------------------------------------------------------------------------------
+
+def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
+    o = cfg.optimizer
+    return pb.JobConfig(
+        name=cfg.name, mode=_MODE[cfg.mode], staleness=cfg.staleness,
+        optimizer=pb.OptimizerConfig(kind=_OPT[o.kind], lr=o.lr, momentum=o.momentum,
+                                     nesterov=o.nesterov, weight_decay=o.weight_decay,
+                                     beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                                     warmup_steps=o.warmup_steps),
+        push_codec=_CODEC[cfg.push_codec], delta_codec=_CODEC[cfg.delta_codec],
+        delta_log_length=cfg.delta_log_length)
+
+
+def job_from_pb(m: pb.JobConfig) -> JobConfig:
+    o = m.optimizer
+    return JobConfig(
+        name=m.name, mode=_name(_MODE, m.mode, "mode"), staleness=m.staleness,
+        optimizer=OptimizerConfig(kind=_name(_OPT, o.kind, "optimizer"), lr=o.lr, momentum=o.momentum,
+                                  nesterov=o.nesterov, weight_decay=o.weight_decay, beta1=o.beta1,
+                                  beta2=o.beta2, eps=o.eps, warmup_steps=o.warmup_steps),
+        push_codec=_name(_CODEC, m.push_codec, "codec"), delta_codec=_name(_CODEC, m.delta_codec, "codec"),
+        delta_log_length=m.delta_log_length)
+
+
+def layout_to_pb(layout: Layout) -> list[pb.KeySpec]:
+    return [pb.KeySpec(key=s.key, dtype=_DTYPE[s.dtype], shape=s.shape) for s in layout]
+
+
+def layout_from_pb(keys: Iterable[pb.KeySpec]) -> Layout:
+    return Layout([KeySpec(k.key, tuple(k.shape), _name(_DTYPE, k.dtype, "dtype")) for k in keys])
+
+
+def encode_create_job(cfg: JobConfig, layout: Layout, chunks: Iterable[Chunk]) -> list[bytes]:
+    h = pb.FrameHeader(job=pb.JobHeader(config=job_to_pb(cfg), keys=layout_to_pb(layout)))
+    return [encode_frame(h)] + [_chunk_frame(c) for c in chunks]
+
+
+def decode_create_job(frames: Iterable[bytes]) -> tuple[JobConfig, Layout, list[Chunk]]:
+    cfg = layout = None
+    chunks = []
+    for i, data in enumerate(frames):
+        h, payload = decode_frame(data)
+        kind = h.WhichOneof("kind")
+        if i == 0:
+            if kind != "job":
+                raise BadInput(f"malformed create-job stream: first frame is {kind!r}")
+            cfg, layout = job_from_pb(h.job.config), layout_from_pb(h.job.keys)
+        elif kind == "chunk":
+            chunks.append(_chunk_from(h.chunk, payload))
+        else:
+            raise BadInput(f"malformed create-job stream: frame {i} is {kind!r}")
+    if cfg is None:
+        raise BadInput("malformed create-job stream: no frames")
+    return cfg, layout, chunks
+
+
+# ---- method table (shared by the server, the relays' async link and the worker) ----------
+
+SERVICE = "hps.v1.ParameterServer"
+_ident = None  # identity (de)serialiser: raw frames are passed as bytes
+# name -> (cardinality, request serialiser, response deserialiser)
+METHODS = {
+    "Register": ("unary_unary", pb.RegisterRequest, pb.RegisterReply),
+    "Heartbeat": ("unary_unary", pb.HeartbeatRequest, pb.HeartbeatReply),
+    "Leave": ("unary_unary", pb.LeaveRequest, pb.LeaveReply),
+    "Push": ("stream_unary", _ident, pb.PushAck),
+    "Pull": ("unary_stream", pb.PullRequest, _ident),
+    "CreateJob": ("stream_unary", _ident, pb.CreateJobReply),
+    "Status": ("unary_unary", pb.StatusRequest, pb.StatusReply),
+}
+
+
+def stubs(channel) -> dict:
+    """Callables for every method on a grpc (sync or aio) channel."""
+    out = {}
+    for name, (kind, req, resp) in METHODS.items():
+        out[name] = getattr(channel, kind)(
+            f"/{SERVICE}/{name}",
+            request_serializer=req.SerializeToString if req else None,
+            response_deserializer=resp.FromString if resp else None)
+    return out

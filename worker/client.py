@@ -1,0 +1,204 @@
+"""The worker's link to its tier: register, push gradients, pull the published view.
+
+    client = ParameterClient("127.0.0.1:7001", job="lm", worker_id="w0")
+    client.create_job(config, layout, initial_flat)        # idempotent; first caller wins
+    client.register()
+    ack = client.push(flat_grad)                           # returns once applied (BSP)
+    client.pull(min_version=ack.applied_version)           # client.view is the root's view_v
+
+The client keeps its own replica (``ps.store.View``) and verifies every version's checksum,
+so what a training script sees is the root's published view bit for bit (invariant 1). A
+background thread heart-beats; transient faults are retried with backoff and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from ps.codecs import get_codec
+from ps.config import JobConfig
+from ps.deltas import DeltaEntry  # noqa: F401  (documented type of what pull applies)
+from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, from_rpc_error
+from ps.store import Layout, View
+from ps.tensors import assemble, payload_bytes, split
+from ps.wire import (GRPC_OPTIONS, ROLE, PushMeta, decode_pull_reply, encode_create_job,
+                     encode_push, job_from_pb, layout_from_pb, pb, stubs)
+
+__all__ = ["ParameterClient", "StepResult"]
+
+log = logging.getLogger("hps.worker")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    version: int          # version the worker now holds
+    applied: bool         # False: the gradient was not applied (round aborted); see log
+    bytes_up: int         # payload bytes pushed this step
+    bytes_down: int       # payload bytes pulled this step
+
+
+class ParameterClient:
+    def __init__(self, address: str, job: str, worker_id: str | None = None,
+                 timeout_s: float = 30.0, round_timeout_s: float = 600.0) -> None:
+        self.address = address
+        self.job = job
+        self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
+        self.timeout_s = timeout_s
+        self.round_timeout_s = round_timeout_s
+        self.config: JobConfig | None = None
+        self.layout: Layout | None = None
+        self.view: View | None = None
+        self.start_version = 0
+        self.server_epoch = 0
+        self.seq = 0                # last sequence number used
+        self.acked_seq = 0          # last sequence number acknowledged
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.lost_steps = 0
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._rpc = stubs(self._channel)
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._heartbeat_s = 0.5
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _call(self, name: str, request, timeout: float | None = None):
+        try:
+            return self._rpc[name](request, timeout=timeout or self.timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def _retrying(self, what: str, fn, attempts: int = 20):
+        delay = 0.05
+        for i in range(attempts):
+            try:
+                return fn()
+            except (Unavailable, NotReady) as exc:
+                if i == attempts - 1:
+                    raise
+                log.warning("%s: %s failed (%s); retrying in %.2fs", self.worker_id, what, exc, delay)
+                if isinstance(exc, NotReady) and "not a registered member" in str(exc):
+                    self.register()
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def close(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=2)
+        if self.config is not None:
+            try:
+                self._call("Leave", pb.LeaveRequest(job=self.job, member=self.worker_id), timeout=2)
+            except HpsError:
+                pass
+        self._channel.close()
+
+    # -- jobs and membership ---------------------------------------------------------------
+    def create_job(self, config: JobConfig, layout: Layout, values: np.ndarray) -> bool:
+        """Create the job with these initial values; False if it already existed."""
+        frames = encode_create_job(config, layout, split(layout, values, get_codec("fp32")))
+        reply = self._retrying("create job", lambda: self._call("CreateJob", iter(frames)))
+        return reply.created
+
+    def register(self) -> None:
+        r = self._retrying("register", lambda: self._call("Register", pb.RegisterRequest(
+            job=self.job, member=self.worker_id, role=ROLE["worker"], last_seq=self.acked_seq)))
+        self.config, self.start_version = job_from_pb(r.config), r.start_version
+        layout = layout_from_pb(r.keys)
+        if self.layout is None or self.layout != layout:
+            self.layout, self.view = layout, View(layout)
+        self.server_epoch = r.server_epoch
+        self._heartbeat_s = max(r.heartbeat_ms / 1000.0, 0.05)
+        if self._hb_thread is None:
+            self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                               name=f"hps-heartbeat-{self.worker_id}")
+            self._hb_thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(self._heartbeat_s):
+            try:
+                r = self._call("Heartbeat", pb.HeartbeatRequest(
+                    member=self.worker_id, jobs=[self.job], server_epoch=self.server_epoch),
+                    timeout=max(self._heartbeat_s * 2, 1.0))
+            except HpsError as exc:
+                log.warning("%s: heartbeat failed: %s", self.worker_id, exc)
+                continue
+            if r.unknown_jobs or r.server_epoch != self.server_epoch:
+                log.warning("%s: tier forgot us (restarted or dropped us); registering again", self.worker_id)
+                try:
+                    self.register()
+                except HpsError as exc:
+                    log.warning("%s: re-register failed: %s", self.worker_id, exc)
+
+    # -- data plane ------------------------------------------------------------------------
+    def pull(self, min_version: int = 0, wait_s: float | None = None) -> int:
+        """Bring the local view to at least ``min_version``; returns payload bytes received."""
+        deadline = time.monotonic() + (self.round_timeout_s if wait_s is None else wait_s)
+        received = 0
+        while True:
+            view = self.view
+            req = pb.PullRequest(job=self.job, member=self.worker_id, view_epoch=view.epoch,
+                                 since_version=view.version, min_version=min_version,
+                                 wait_ms=int(min(5.0, max(0.0, deadline - time.monotonic())) * 1000))
+            try:
+                frames = list(self._rpc["Pull"](req, timeout=self.timeout_s + 5.0))
+            except grpc.RpcError as err:
+                exc = from_rpc_error(err)
+                if not isinstance(exc, (Unavailable, NotReady)) or time.monotonic() > deadline:
+                    raise exc from None
+                time.sleep(0.1)
+                continue
+            meta, versions = decode_pull_reply(frames)
+            try:
+                received += self._apply(meta, versions)
+            except Stale as exc:
+                log.warning("%s: %s", self.worker_id, exc)
+                view.epoch = 0  # ask for a snapshot next time
+                continue
+            if view.ready and view.version >= min_version:
+                self.bytes_down += received
+                return received
+            if time.monotonic() > deadline:
+                raise TimedOut(f"version {min_version} did not arrive within the deadline; the tier "
+                               f"holds {meta.to_version}")
+
+    def _apply(self, meta, versions) -> int:
+        n = 0
+        if meta.snapshot:
+            vm, chunks = versions[0]
+            values = assemble(self.layout, chunks, what="snapshot", check_finite=False, require_all=True)
+            self.view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum)
+            n += payload_bytes(chunks)
+        else:
+            for vm, chunks in versions:
+                delta = assemble(self.layout, chunks, what=f"delta {vm.version}", check_finite=False)
+                self.view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum)
+                n += payload_bytes(chunks)
+        return n
+
+    def push(self, grad: np.ndarray, clock: int = 0) -> tuple[int, int]:
+        """Push a flat gradient computed on the held view; (applied version, payload bytes).
+
+        Raises Stale when the round it belonged to was aborted (nothing applied).
+        """
+        if not np.isfinite(grad).all():
+            from ps.errors import BadInput
+            raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
+        self.seq = self.acked_seq + 1
+        chunks = split(self.layout, grad, get_codec(self.config.push_codec))
+        frames = encode_push(PushMeta(self.job, self.worker_id, self.seq, self.view.version,
+                                      self.view.epoch, 1, clock, clock), chunks)
+        nbytes = payload_bytes(chunks)
+        # A retry after a lost acknowledgement reuses the sequence number: applied once.
+        reply = self._retrying("push", lambda: self._call("Push", iter(frames),
+                                                          timeout=self.round_timeout_s))
+        self.acked_seq = self.seq
+        self.bytes_up += nbytes
+        return reply.applied_version, nbytes

@@ -1,0 +1,117 @@
+"""The three-line integration: an optimizer-like object whose ``step()`` trains through hps.
+
+    opt = HpsOptimizer(model, "127.0.0.1:7001", JobConfig(name="lm"), worker_id="w0")
+    for x, y in batches:
+        opt.zero_grad()
+        model(x, y)[1].backward()
+        opt.step()          # push gradients, wait for the round, bring parameters back
+
+The model's parameters are overwritten with the published view on construction (every
+worker starts from the same values) and after every step. Gradients are gathered on the
+model's device into one flat vector and cross to the host once per step; parameters come
+back the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from ps.config import JobConfig
+from ps.errors import Stale
+from ps.store import KeySpec, Layout
+from worker.client import ParameterClient, StepResult
+
+__all__ = ["HpsOptimizer"]
+
+log = logging.getLogger("hps.worker")
+
+
+def _named(params) -> list[tuple[str, torch.nn.Parameter]]:
+    if isinstance(params, torch.nn.Module):
+        return list(params.named_parameters())
+    return list(params)
+
+
+class HpsOptimizer:
+    def __init__(self, params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
+                 address: str, job: JobConfig | str, worker_id: str | None = None,
+                 timeout_s: float = 30.0, round_timeout_s: float = 600.0) -> None:
+        self.params = [(n, p) for n, p in _named(params) if p.requires_grad]
+        if not self.params:
+            raise ValueError("HpsOptimizer needs at least one parameter that requires grad")
+        name = job.name if isinstance(job, JobConfig) else job
+        self.client = ParameterClient(address, name, worker_id, timeout_s, round_timeout_s)
+        self.layout = Layout([KeySpec(n, tuple(p.shape)) for n, p in self.params])
+        self.clock = 0
+        self.last_step_s = 0.0
+        if isinstance(job, JobConfig):
+            created = self.client.create_job(job, self.layout, self._flat(lambda p: p.detach()))
+            log.info("%s: job %s %s", self.client.worker_id, name, "created" if created else "exists")
+        self.client.register()
+        if self.client.layout != self.layout:
+            raise ValueError(f"the model's parameters do not match job {name!r}: the job holds "
+                             f"{[(s.key, s.shape) for s in self.client.layout]}")
+        self.client.pull(min_version=self.client.start_version)
+        self._load_view()
+
+    @property
+    def version(self) -> int:
+        return self.client.view.version
+
+    def _flat(self, get) -> np.ndarray:
+        with torch.no_grad():
+            flat = torch.cat([get(p).reshape(-1).to(torch.float32) for _, p in self.params])
+        return flat.cpu().numpy()  # one device-to-host copy per step
+
+    def _load_view(self) -> None:
+        values = torch.from_numpy(self.client.view.values)
+        device = self.params[0][1].device
+        if device.type != "cpu":
+            values = values.to(device, non_blocking=True)
+        off = 0
+        with torch.no_grad():
+            for _, p in self.params:
+                n = p.numel()
+                p.copy_(values[off:off + n].view_as(p))
+                off += n
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def step(self) -> StepResult:
+        """Push this step's gradients and bring back the next version's parameters."""
+        t0 = time.perf_counter()
+        grad = self._flat(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        down0 = self.client.bytes_down
+        applied, up = True, 0
+        try:
+            version, up = self.client.push(grad, clock=self.clock)
+        except Stale as exc:
+            # The round was aborted (a tier or the root restarted): this gradient is not
+            # applied. Catch up and let the loop go on; counted in lost_steps.
+            log.warning("%s: step %d not applied: %s", self.client.worker_id, self.clock, exc)
+            self.client.lost_steps += 1
+            applied, version = False, self.client.view.version + 1
+        self.client.pull(min_version=version)
+        self._load_view()
+        self.clock += 1
+        self.last_step_s = time.perf_counter() - t0
+        return StepResult(self.client.view.version, applied, up, self.client.bytes_down - down0)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "HpsOptimizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
