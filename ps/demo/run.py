@@ -1,0 +1,148 @@
+"""``hps demo``: a local cluster, 4 workers training a byte-level transformer, live progress,
+a summary table and a loss plot; every process stopped by PID, also on Ctrl-C.
+
+    hps demo --steps 150
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ps.demo.report import human_bytes, plot_loss, summary_table
+from ps.launch import Cluster, load_topology
+from ps.status import fetch_status
+
+__all__ = ["main"]
+
+
+def _reader(proc: subprocess.Popen, q: queue.Queue) -> None:
+    for line in proc.stdout:
+        try:
+            q.put(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    q.put({"event": "exit", "pid": proc.pid})
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=5)
+
+
+def main(args) -> int:
+    out = Path(args.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"hps demo: starting the local topology (logs in {logs})", flush=True)
+    cluster = Cluster.start(load_topology(args.topology), logs)
+    workers: list[subprocess.Popen] = []
+    try:
+        zones = [t for t in cluster.tiers.values() if t.role == "zone"] or list(cluster.tiers.values())[:1]
+        root = next(t for t in cluster.tiers.values() if t.role == "global")
+        for t in cluster.tiers.values():
+            print(f"  {t.role:9s} {t.name:6s} {t.address}", flush=True)
+        q: queue.Queue = queue.Queue()
+        placement = {}
+        for i in range(args.workers):
+            zone = zones[i % len(zones)]
+            wid = f"w{i}"
+            placement[wid] = zone.name
+            err = open(logs / f"{wid}.log", "wb")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ps.demo.train", "--address", zone.address, "--worker-id", wid,
+                 "--seed", str(i), "--steps", str(args.steps), "--batch", str(args.batch)],
+                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+            workers.append(proc)
+            threading.Thread(target=_reader, args=(proc, q), daemon=True).start()
+        print(f"hps demo: {args.workers} workers training for {args.steps} steps "
+              f"({', '.join(f'{w}@{z}' for w, z in placement.items())})", flush=True)
+        return _follow(args, out, cluster, root, workers, placement, q)
+    except KeyboardInterrupt:
+        print("\nhps demo: interrupted; stopping every process", flush=True)
+        return 130
+    finally:
+        _stop(workers)
+        cluster.stop()
+
+
+def _follow(args, out, cluster, root, workers, placement, q) -> int:
+    series: dict[str, list[tuple[int, float]]] = {w: [] for w in placement}
+    last: dict[str, dict] = {}
+    done: dict[str, dict] = {}
+    exited = 0
+    t0 = time.monotonic()
+    shown = -1
+    while exited < len(workers):
+        ev = q.get(timeout=900)
+        kind = ev.get("event")
+        if kind == "exit":
+            exited += 1
+        elif kind == "step":
+            series[ev["worker"]].append((ev["step"], ev["loss"]))
+            last[ev["worker"]] = ev
+            step = min(e["step"] for e in last.values()) if len(last) == len(placement) else -1
+            if step >= 0 and (step // 10 > shown // 10 or step == args.steps - 1) and step != shown:
+                shown = step
+                loss = sum(series[w][-1][1] for w in series) / len(series)
+                up = sum(e["bytes_up"] for e in last.values())
+                down = sum(e["bytes_down"] for e in last.values())
+                print(f"step {step + 1:4d}/{args.steps}  loss {loss:6.3f}  version {ev['version']:5d}  "
+                      f"bytes/step up {human_bytes(up)} down {human_bytes(down)}  "
+                      f"{(time.monotonic() - t0) / (step + 1):.2f} s/step", flush=True)
+        elif kind == "done":
+            done[ev["worker"]] = ev
+    wall = time.monotonic() - t0
+    # Ask every tier directly: once workers leave, relays leave their parents too.
+    depth = {"global": 0, "regional": 1, "zone": 2}
+    tiers = [(depth[t.role], t.address, fetch_status(t.address)) for t in cluster.tiers.values()]
+    return _report(args, out, series, done, placement, tiers, wall)
+
+
+def _report(args, out, series, done, placement, tiers, wall) -> int:
+    rows = []
+    for w, zone in placement.items():
+        pts = series[w]
+        tail = [l for _, l in pts[-10:]]
+        d = done.get(w, {})
+        rows.append(dict(worker=w, zone=zone, steps=len(pts),
+                         train_loss=sum(tail) / len(tail) if tail else float("nan"),
+                         val_loss=d.get("val_loss") or float("nan"), version=d.get("version", 0),
+                         lost_steps=d.get("lost_steps", 0)))
+    print("\n" + summary_table(rows, ["worker", "zone", "steps", "train_loss", "val_loss", "version", "lost_steps"]))
+    trows = []
+    for depth, addr, st in tiers:
+        for j in st.jobs:
+            steps = max(1, j.version)
+            trows.append(dict(tier=("  " * depth) + st.name, version=j.version,
+                              push_in_per_step=human_bytes(j.bytes_pushed_in / steps),
+                              push_up_per_step=human_bytes(j.bytes_pushed_up / steps),
+                              pull_in_per_step=human_bytes(j.bytes_pulled_in / steps),
+                              pull_out_per_step=human_bytes(j.bytes_pulled_out / steps),
+                              checksum=f"{j.checksum:#010x}"))
+    print("\n" + summary_table(trows, ["tier", "version", "push_in_per_step", "push_up_per_step",
+                                       "pull_in_per_step", "pull_out_per_step", "checksum"]))
+    crcs = {d.get("checksum") for d in done.values()} | {j.checksum for _, _, st in tiers for j in st.jobs}
+    agree = len(crcs) == 1 and len(done) == len(placement)
+    print(f"\nreplicas agree with the root bit for bit: {'yes' if agree else 'NO'}; "
+          f"wall {wall:.1f}s for {args.steps} steps")
+    png = plot_loss(series, str(out / "loss.png"), f"hps demo: {len(placement)} workers, BSP")
+    (out / "summary.json").write_text(json.dumps(dict(workers=rows, tiers=trows, wall_s=wall,
+                                                      replicas_agree=agree), indent=2))
+    print(f"plot: {png}\nsummary: {out / 'summary.json'}")
+    return 0 if agree and len(done) == len(placement) else 1

@@ -1,0 +1,83 @@
+"""One demo worker process: trains TinyLM through hps and reports JSON lines on stdout.
+
+    python -m ps.demo.train --address 127.0.0.1:7001 --worker-id w0 --seed 0 --steps 100
+
+Every worker builds the same initial model (seed 0); the first to arrive creates the job with
+it, the others start from the published snapshot. Each worker samples its own batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+import time
+
+import torch
+
+from ps.config import JobConfig, OptimizerConfig
+from ps.demo.corpus import BatchSampler, load_corpus
+from ps.demo.model import ModelConfig, build_model
+from worker import HpsOptimizer
+
+__all__ = ["demo_job", "main"]
+
+
+def demo_job(name: str = "demo") -> JobConfig:
+    return JobConfig(name=name, mode="bsp",
+                     optimizer=OptimizerConfig(kind="adam", lr=3e-3, warmup_steps=20))
+
+
+def _emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+@torch.no_grad()
+def _val_loss(model, data, context: int, batches: int = 8) -> float:
+    sampler = BatchSampler(data, context=context, batch_size=16, seed=1234, split="val")
+    losses = [model(*sampler.next_batch())[1].item() for _ in range(batches)]
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--address", required=True)
+    p.add_argument("--job", default="demo")
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=16)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # several workers share a small machine
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+
+    cfg = ModelConfig()
+    data = load_corpus()
+    model = build_model(cfg, seed=0)
+    sampler = BatchSampler(data, context=cfg.context, batch_size=args.batch, seed=1000 + args.seed)
+    with HpsOptimizer(model, args.address, demo_job(args.job), worker_id=args.worker_id) as opt:
+        _emit(event="start", worker=args.worker_id, version=opt.version,
+              params=sum(p.numel() for p in model.parameters()))
+        for step in range(args.steps):
+            if stop:
+                break
+            t0 = time.perf_counter()
+            x, y = sampler.next_batch()
+            opt.zero_grad()
+            loss = model(x, y)[1]
+            loss.backward()
+            r = opt.step()
+            _emit(event="step", worker=args.worker_id, step=step, loss=loss.item(), version=r.version,
+                  applied=r.applied, bytes_up=r.bytes_up, bytes_down=r.bytes_down,
+                  step_s=time.perf_counter() - t0)
+        val = _val_loss(model, data, cfg.context)
+        _emit(event="done", worker=args.worker_id, version=opt.version, checksum=opt.client.view.checksum,
+              val_loss=val if math.isfinite(val) else None, lost_steps=opt.client.lost_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Start a whole local cluster from a topology, and stop it by PID.
+
+    with Cluster.start(load_topology("deploy/topology.yaml"), logdir="/tmp/hps") as cluster:
+        cluster.address("eu-a")        # "127.0.0.1:41234"
+
+Each tier is one ``hps serve`` process. Tiers bind port 0 unless the topology names a port;
+launch reads each tier's ready line (``hps: serving ... on HOST:PORT``) from its log to learn
+the port, then starts its children pointed at it. Every process started is stopped by its
+PID: SIGTERM (graceful: final checkpoint, leave parent), then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from ps.errors import BadInput
+
+__all__ = ["Cluster", "Tier", "load_topology", "default_topology"]
+
+_READY = re.compile(r"hps: serving (\S+) (\S+) on (\S+)(?: metrics (\d+))?")
+
+
+def default_topology() -> dict:
+    """The embedded default: one root, regions eu and us with two zones each."""
+    text = (Path(__file__).resolve().parent.parent / "deploy" / "topology.yaml")
+    if text.exists():
+        return yaml.safe_load(text.read_text())
+    return yaml.safe_load(resources.files("ps").joinpath("topology.yaml").read_text())
+
+
+def load_topology(path: str | None) -> dict:
+    if not path:
+        return default_topology()
+    try:
+        topo = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise BadInput(f"cannot read topology {path}: {exc}") from None
+    if not isinstance(topo, dict) or "root" not in topo:
+        raise BadInput(f"topology {path} needs a 'root' entry")
+    return topo
+
+
+@dataclass
+class Tier:
+    name: str
+    role: str
+    proc: subprocess.Popen
+    log: Path
+    cmd: list[str] = field(default_factory=list)
+    address: str = ""
+    metrics_port: int | None = None
+    parent: str = ""
+
+
+@dataclass
+class Cluster:
+    logdir: Path
+    tiers: dict[str, Tier] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, topo: dict, logdir: str | Path, extra_root_args: list[str] = (),
+              timeout_s: float = 60.0) -> "Cluster":
+        c = cls(Path(logdir))
+        c.logdir.mkdir(parents=True, exist_ok=True)
+        host = topo.get("host", "127.0.0.1")
+        common = []
+        for k, v in (topo.get("settings") or {}).items():
+            common += [f"--{k.replace('_', '-')}", str(v)]
+        try:
+            r = topo["root"]
+            root = c._spawn(r.get("name", "root"), "global", host, r, "", common + list(extra_root_args))
+            for reg in topo.get("regions") or []:
+                rt = c._spawn(reg["name"], "regional", host, reg, root.address, common)
+                for z in reg.get("zones") or []:
+                    c._spawn(z["name"], "zone", host, z, rt.address, common)
+            c.wait_ready(timeout_s)
+        except BaseException:
+            c.stop()
+            raise
+        return c
+
+    def _spawn(self, name: str, role: str, host: str, spec: dict, parent: str, args: list[str]) -> Tier:
+        if name in self.tiers:
+            raise BadInput(f"topology names tier {name!r} twice")
+        self.logdir.joinpath(f"{name}.log").unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "ps.cli", "serve", "--role", role, "--name", name,
+               "--listen", f"{host}:{spec.get('port', 0)}", "--metrics-port", str(spec.get("metrics_port", -1))]
+        if parent:
+            cmd += ["--parent", parent]
+        if spec.get("checkpoint_dir"):
+            cmd += ["--checkpoint-dir", str(spec["checkpoint_dir"])]
+        tier = self._popen(name, role, cmd + list(args), self.logdir / f"{name}.log", parent)
+        self.tiers[name] = tier
+        self._wait_line(tier, 60.0)  # children need the parent's port
+        return tier
+
+    @staticmethod
+    def _popen(name: str, role: str, cmd: list[str], log: Path, parent: str) -> Tier:
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return Tier(name, role, proc, log, cmd=cmd, parent=parent)
+
+    def _wait_line(self, tier: Tier, timeout_s: float, offset: int = 0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with open(tier.log, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+            m = _READY.search(text)
+            if m:
+                tier.address = m.group(3)
+                tier.metrics_port = int(m.group(4)) if m.group(4) else None
+                return
+            if tier.proc.poll() is not None:
+                raise RuntimeError(f"tier {tier.name} exited with {tier.proc.returncode}:\n{text[-2000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"tier {tier.name} did not report ready within {timeout_s:.0f}s (log: {tier.log})")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        for t in self.tiers.values():
+            if not t.address:
+                self._wait_line(t, timeout_s)
+
+    def address(self, name: str) -> str:
+        return self.tiers[name].address
+
+    def restart(self, name: str, signum: int = signal.SIGKILL) -> Tier:
+        """Stop one tier (SIGKILL by default) and start it again on the same port."""
+        old = self.tiers.pop(name)
+        self._kill(old, signum, 5.0)
+        cmd = list(old.cmd)
+        cmd[cmd.index("--listen") + 1] = old.address  # same port: children reconnect to it
+        offset = old.log.stat().st_size
+        self.tiers[name] = tier = self._popen(name, old.role, cmd, old.log, old.parent)
+        self._wait_line(tier, 60.0, offset)
+        return tier
+
+    @staticmethod
+    def _kill(t: Tier, sig: int, grace_s: float) -> None:
+        if t.proc.poll() is not None:
+            return
+        try:
+            os.kill(t.proc.pid, sig)
+            t.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.kill(t.proc.pid, signal.SIGKILL)
+            t.proc.wait(timeout=5)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        # Leaves first, so relays can still say goodbye to their parents.
+        for t in reversed(list(self.tiers.values())):
+            self._kill(t, signal.SIGTERM, grace_s)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

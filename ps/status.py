@@ -1,0 +1,66 @@
+"""``hps status ADDR``: the tree below a tier, with versions, lag, members and bytes.
+
+    print_tree("127.0.0.1:7000", sys.stdout)
+
+Relays register with the address they serve on, so starting at the root walks the whole tree.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from ps.demo.report import human_bytes
+from ps.errors import from_rpc_error, HpsError
+from ps.wire import GRPC_OPTIONS, ROLE_NAME, pb, stubs
+
+__all__ = ["fetch_status", "print_tree", "walk"]
+
+
+def fetch_status(address: str, timeout_s: float = 5.0) -> pb.StatusReply:
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+        try:
+            return stubs(ch)["Status"](pb.StatusRequest(), timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+
+def walk(address: str, depth: int = 0, seen: set | None = None):
+    """Yield (depth, address, StatusReply or error) for a tier and every relay below it."""
+    seen = seen if seen is not None else set()
+    if address in seen or depth > 8:
+        return
+    seen.add(address)
+    try:
+        st = fetch_status(address)
+    except HpsError as exc:
+        yield depth, address, exc
+        return
+    yield depth, address, st
+    children = sorted({m.address for j in st.jobs for m in j.members if m.address})
+    for child in children:
+        yield from walk(child, depth + 1, seen)
+
+
+def print_tree(address: str, out) -> int:
+    rc = 0
+    for depth, addr, st in walk(address):
+        pad = "  " * depth
+        if isinstance(st, Exception):
+            print(f"{pad}{addr}: unreachable ({st})", file=out)
+            rc = 1
+            continue
+        parent = "" if not st.parent else f" parent {st.parent} ({'up' if st.parent_reachable else 'UNREACHABLE'})"
+        print(f"{pad}{ROLE_NAME.get(st.role, '?')} {st.name} @ {addr} epoch {st.server_epoch:#x} "
+              f"up {st.uptime_s:.0f}s{parent}", file=out)
+        for j in st.jobs:
+            lag = max(0, j.parent_version - j.version)
+            workers = [m for m in j.members if m.role == pb.ROLE_WORKER]
+            print(f"{pad}  job {j.name}: version {j.version} (crc {j.checksum:#010x}) lag {lag} versions "
+                  f"/ {j.lag_s:.1f}s, round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
+                  f"members {len(j.members)} ({len(workers)} workers)", file=out)
+            print(f"{pad}    bytes: push in {human_bytes(j.bytes_pushed_in)}, up {human_bytes(j.bytes_pushed_up)}; "
+                  f"pull in {human_bytes(j.bytes_pulled_in)}, out {human_bytes(j.bytes_pulled_out)}; "
+                  f"snapshots {j.snapshots_served}, deltas {j.deltas_served}", file=out)
+            for m in workers:
+                print(f"{pad}    worker {m.member}: {m.pushes} pushes, seen {m.last_seen_s:.1f}s ago", file=out)
+    return rc
