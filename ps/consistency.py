@@ -148,8 +148,10 @@ class BspRound:
 class SeqBook:
     """Exactly-once bookkeeping for one sender (invariant 4).
 
-    ``classify(seq)`` says whether a push is new, a duplicate of an acknowledged one (answer
-    with the recorded ack, apply nothing), or refused (from the future / aborted earlier).
+    ``classify(seq)`` says whether a push is a duplicate of an acknowledged one (answer with
+    the recorded ack, apply nothing), "seen" (accepted before but never acknowledged: pending,
+    or refused and never applied, so it may be processed again), or new. A sender reuses a
+    number until it is acknowledged, so sequences never skip: a gap is a bug or an attack.
     """
 
     highest: int = 0
@@ -165,7 +167,7 @@ class SeqBook:
             raise BadInput(f"push sequence {seq} is from the future: the last one seen from this "
                            f"sender is {self.highest}; sequences must increase by one")
         if seq <= self.highest:
-            return "retry"  # seen but not acknowledged: pending, or failed and never applied
+            return "seen"
         return "new"
 
     def accept(self, seq: int) -> None:

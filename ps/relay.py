@@ -44,7 +44,7 @@ class Relay(Tier):
                            timeout_s=config.upstream_timeout_s)
         self.attached: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
-        self._up_seq: dict[str, int] = {}
+        self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
         self._force_snapshot: set[str] = set()
 
     def set_address(self, address: str) -> None:
@@ -69,7 +69,7 @@ class Relay(Tier):
             js = self.jobs.get(job)
             if js is not None and job in self.attached:
                 return js
-            reg = await self.up.register(job, last_seq=self._up_seq.get(job, 0))
+            reg = await self.up.register(job, last_seq=self._up_acked.get(job, 0))
             if js is None or js.layout != reg.layout:
                 js = JobState(reg.config, reg.layout)
                 self.jobs[job] = js
@@ -123,7 +123,7 @@ class Relay(Tier):
 
     async def _forward(self, js: JobState, agg: Aggregate, fut: asyncio.Future) -> None:
         job = js.config.name
-        seq = self._up_seq[job] = self._up_seq.get(job, 0) + 1
+        seq = self._up_acked.get(job, 0) + 1  # reused until acknowledged, like a worker's
         chunks = split(js.layout, agg.grad, get_codec(js.config.push_codec)) if agg.contributors else []
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
                                       agg.contributors, agg.clock_min, agg.clock_max), chunks)
@@ -151,6 +151,7 @@ class Relay(Tier):
                 if not fut.done():
                     fut.set_exception(Stale(f"the parent refused this round: {exc}"))
                 return
+        self._up_acked[job] = seq
         js.stats.bytes_pushed_up += payload_bytes(chunks)
         if not fut.done():
             fut.set_result(ack)

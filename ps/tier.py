@@ -177,7 +177,7 @@ class Tier:
         m = js.members.join(member, self.clock(), js.round.round, role, address)
         book = js.books.setdefault(member, SeqBook())
         if not any(k[0] == member for k in js.pending):
-            # A (re)starting member continues from its last acknowledged push.
+            # A (re)starting member continues after the last sequence number it used.
             book.highest = last_seq
             for s in [s for s in book.acks if s > last_seq]:
                 del book.acks[s]
@@ -207,12 +207,12 @@ class Tier:
         kind = book.classify(meta.seq)
         if kind == "duplicate":
             return replace(book.acks[meta.seq], duplicate=True)
-        if kind == "retry":
+        if kind == "seen":
             fut = js.pending.get((meta.sender, meta.seq))
-            if fut is None:
-                raise Stale(f"push {meta.seq} from {meta.sender!r} was not applied (its round was "
-                            "aborted or refused); pull the latest version and push a new gradient")
-            return replace(await asyncio.shield(fut), duplicate=True)
+            if fut is not None:  # the same push is still in the round: share its outcome
+                return replace(await asyncio.shield(fut), duplicate=True)
+            # Otherwise it was refused and never applied; the checks below decide afresh
+            # (a push from a round that has closed is refused as stale).
         if meta.view_epoch and js.view.ready and meta.view_epoch != js.view.epoch:
             raise Stale(f"gradient computed on a view of root epoch {meta.view_epoch:#x}; this tier "
                         f"holds epoch {js.view.epoch:#x} (the root restarted): pull a snapshot")
@@ -265,7 +265,15 @@ class Tier:
                    ) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
         js = self.job(job)
         deadline = self.clock() + max(0.0, wait_s)
-        while (not js.view.ready or js.view.version < min_version) and self.clock() < deadline:
+
+        def must_wait() -> bool:
+            if not js.view.ready:
+                return True
+            # A caller from another lineage needs a snapshot now: its version numbers do not
+            # compare with ours.
+            return view_epoch == js.view.epoch and js.view.version < min_version
+
+        while must_wait() and self.clock() < deadline:
             await js.wait_change(deadline - self.clock())
         if not js.view.ready:
             raise NotReady(f"this {self.role} tier has no view of job {job!r} yet (still syncing "

@@ -40,13 +40,14 @@ GRPC_OPTIONS = [
 _MODE = {"bsp": pb.MODE_BSP, "ssp": pb.MODE_SSP, "async": pb.MODE_ASYNC}
 _CODEC = {"fp32": pb.CODEC_FP32, "fp32+zstd": pb.CODEC_FP32_ZSTD}
 _OPT = {"sgd": pb.OPTIMIZER_SGD, "adam": pb.OPTIMIZER_ADAM}
-_DTYPE = {"float32": pb.DTYPE_FLOAT32}
+_DTYPE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
+          "float64": pb.DTYPE_FLOAT64}
 ROLE = {"global": pb.ROLE_GLOBAL, "regional": pb.ROLE_REGIONAL, "zone": pb.ROLE_ZONE,
         "worker": pb.ROLE_WORKER}
 ROLE_NAME = {v: k for k, v in ROLE.items()}
 MODE = _MODE
 for _table, _enum, _names in ((_MODE, pb.Mode, MODES), (_CODEC, pb.Codec, CODEC_NAMES),
-                              (_OPT, pb.OptimizerKind, OPTIMIZERS), (_DTYPE, pb.DType, ("float32",)),
+                              (_OPT, pb.OptimizerKind, OPTIMIZERS), (_DTYPE, pb.DType, ("float32", "float16", "bfloat16", "float64")),
                               (ROLE, pb.Role, tuple(ROLE))):
     assert set(_table.values()) == set(_enum.values()) - {0}, f"{_enum} has unmapped values"
     assert set(_table) == set(_names), f"{_names} and the proto disagree"

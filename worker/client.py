@@ -57,7 +57,7 @@ class ParameterClient:
         self.view: View | None = None
         self.start_version = 0
         self.server_epoch = 0
-        self.seq = 0                # last sequence number used
+        self.seq = 0                # sequence number of the push in flight (or last one)
         self.acked_seq = 0          # last sequence number acknowledged
         self.bytes_up = 0
         self.bytes_down = 0
@@ -142,6 +142,7 @@ class ParameterClient:
         """Bring the local view to at least ``min_version``; returns payload bytes received."""
         deadline = time.monotonic() + (self.round_timeout_s if wait_s is None else wait_s)
         received = 0
+        start_epoch = self.view.epoch
         while True:
             view = self.view
             req = pb.PullRequest(job=self.job, member=self.worker_id, view_epoch=view.epoch,
@@ -162,7 +163,8 @@ class ParameterClient:
                 log.warning("%s: %s", self.worker_id, exc)
                 view.epoch = 0  # ask for a snapshot next time
                 continue
-            if view.ready and view.version >= min_version:
+            moved = start_epoch and view.epoch != start_epoch  # new lineage: versions restart
+            if view.ready and (view.version >= min_version or moved):
                 self.bytes_down += received
                 return received
             if time.monotonic() > deadline:
@@ -191,6 +193,8 @@ class ParameterClient:
         if not np.isfinite(grad).all():
             from ps.errors import BadInput
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
+        # Numbers advance only on acknowledgement: a retry (lost ack) or a refused push
+        # reuses the number, and the tier answers an applied one with its recorded ack.
         self.seq = self.acked_seq + 1
         chunks = split(self.layout, grad, get_codec(self.config.push_codec))
         frames = encode_push(PushMeta(self.job, self.worker_id, self.seq, self.view.version,

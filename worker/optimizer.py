@@ -100,7 +100,7 @@ class HpsOptimizer:
             # applied. Catch up and let the loop go on; counted in lost_steps.
             log.warning("%s: step %d not applied: %s", self.client.worker_id, self.clock, exc)
             self.client.lost_steps += 1
-            applied, version = False, self.client.view.version + 1
+            applied, version = False, 0  # take whatever is newest: nobody may be ahead
         self.client.pull(min_version=version)
         self._load_view()
         self.clock += 1

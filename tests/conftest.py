@@ -1,0 +1,104 @@
+"""Shared fixtures: real tiers on 127.0.0.1:0, in-process (one event loop in a thread) or as
+subprocesses; every process a test starts is stopped by its PID."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+from ps.config import ServerConfig
+from ps.server import create_server, shutdown
+
+FAST = dict(heartbeat_s=0.1, member_timeout_s=1.0)
+
+
+class LoopThread:
+    """An asyncio loop in a background thread; ``run`` executes a coroutine on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn, timeout: float = 30):
+        """Run ``fn()`` on the loop thread (safe access to a tier's state)."""
+        async def _c():
+            return fn()
+        return self.run(_c(), timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+class Tree:
+    """An in-process tree: root, optional region, zones below it."""
+
+    def __init__(self, lt: LoopThread) -> None:
+        self.lt = lt
+        self.servers: dict[str, tuple] = {}
+
+    def add(self, name: str, role: str, parent: str = "", **kw) -> str:
+        cfg = ServerConfig(role=role, name=name, parent=self.addr(parent) if parent else "",
+                           **{**FAST, **kw})
+        self.servers[name] = self.lt.run(create_server(cfg))
+        return self.addr(name)
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.servers[name][1]}"
+
+    def tier(self, name: str):
+        return self.servers[name][2]
+
+    def view(self, name: str, job: str):
+        """(epoch, version, checksum, values copy) of a tier's view, read on the loop."""
+        def get():
+            v = self.tier(name).jobs[job].view
+            return v.epoch, v.version, v.checksum, v.values.copy()
+        return self.lt.call(get)
+
+    def stop(self, name: str) -> None:
+        server, _, tier = self.servers.pop(name)
+        self.lt.run(shutdown(server, tier, grace=0.5))
+
+    def close(self) -> None:
+        for name in reversed(list(self.servers)):
+            self.stop(name)
+
+
+@pytest.fixture
+def tree():
+    lt = LoopThread()
+    t = Tree(lt)
+    try:
+        yield t
+    finally:
+        t.close()
+        lt.close()
+
+
+@pytest.fixture
+def reap():
+    """Register Popen objects; every one is stopped by PID after the test."""
+    procs: list[subprocess.Popen] = []
+    yield procs.append
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=10)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()

@@ -1,0 +1,118 @@
+"""Bad input gets a gRPC error with a sentence and changes nothing."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from ps.codecs import get_codec
+from ps.config import JobConfig, OptimizerConfig
+from ps.store import KeySpec, Layout
+from ps.tensors import Chunk, split
+from ps.wire import PushMeta, encode_create_job, encode_push, pb, stubs
+from worker import ParameterClient
+
+LAYOUT = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
+
+
+@pytest.fixture
+def setup(tree):
+    root = tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    w = ParameterClient(zone, "j", "w0")
+    w.create_job(JobConfig(name="j", optimizer=OptimizerConfig(lr=0.1)), LAYOUT,
+                 np.arange(LAYOUT.numel, dtype=np.float32))
+    w.register()
+    w.pull()
+    yield tree, zone, w, stubs(grpc.insecure_channel(zone))
+    w.close()
+
+
+def _state(tree):
+    out = []
+    for name in ("root", "z"):
+        epoch, version, crc, values = tree.view(name, "j")
+        out.append((version, crc, values.tobytes()))
+    out.append(tree.lt.call(lambda: tree.tier("root").jobs["j"].params.tobytes()))
+    return out
+
+
+def _chunks(grad=None, **override):
+    grad = np.ones(LAYOUT.numel, np.float32) if grad is None else grad
+    chunks = split(LAYOUT, grad, get_codec("fp32"))
+    return [Chunk(**{**c.__dict__, **override}) if c.key == "w" else c for c in chunks]
+
+
+def _push(rpc, frames):
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["Push"](iter(frames), timeout=5)
+    return err.value.code(), err.value.details()
+
+
+def _meta(w, seq=1, job="j"):
+    return PushMeta(job, "w0", seq, w.view.version, w.view.epoch, 1, 0, 0)
+
+
+def test_each_bad_push_is_refused_with_a_sentence_and_changes_nothing(setup):
+    tree, zone, w, rpc = setup
+    before = _state(tree)
+    nan = np.ones(LAYOUT.numel, np.float32)
+    nan[5] = np.nan
+    inf = np.ones(LAYOUT.numel, np.float32)
+    inf[-1] = np.inf
+    cases = {
+        "unknown job": (encode_push(_meta(w, job="nope"), _chunks()), grpc.StatusCode.NOT_FOUND, "nope"),
+        "wrong shape": (encode_push(_meta(w), _chunks(shape=(3, 4))), grpc.StatusCode.INVALID_ARGUMENT,
+                        "shape (3, 4)"),
+        "wrong dtype": (encode_push(_meta(w), _chunks(dtype="float16")), grpc.StatusCode.INVALID_ARGUMENT,
+                        "float16"),
+        "unknown key": (encode_push(_meta(w), _chunks(key="nope")), grpc.StatusCode.INVALID_ARGUMENT, "nope"),
+        "NaN": (encode_push(_meta(w), _chunks(nan)), grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+        "Inf": (encode_push(_meta(w), _chunks(inf)), grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+        "truncated payload": (encode_push(_meta(w), _chunks(payload=b"\0" * 7)),
+                              grpc.StatusCode.INVALID_ARGUMENT, "payload"),
+        "garbage frame": ([b"\x0a\x50garbage"], grpc.StatusCode.INVALID_ARGUMENT, "malformed frame"),
+        "no push header": (encode_push(_meta(w), _chunks())[1:], grpc.StatusCode.INVALID_ARGUMENT,
+                           "push header"),
+        "sequence from the future": (encode_push(_meta(w, seq=7), _chunks()), grpc.StatusCode.INVALID_ARGUMENT,
+                                     "from the future"),
+        "sequence zero": (encode_push(_meta(w, seq=0), _chunks()), grpc.StatusCode.INVALID_ARGUMENT, "start at 1"),
+        "base from the past": (encode_push(PushMeta("j", "w0", 1, 0, 12345, 1, 0, 0), _chunks()),
+                               grpc.StatusCode.ABORTED, "epoch"),
+        "not a member": (encode_push(PushMeta("j", "ghost", 1, 0, w.view.epoch, 1, 0, 0), _chunks()),
+                         grpc.StatusCode.FAILED_PRECONDITION, "register"),
+    }
+    for name, (frames, code, words) in cases.items():
+        got_code, details = _push(rpc, frames)
+        assert got_code == code, f"{name}: {got_code} {details}"
+        assert words in details and details.endswith(("", ".")) and len(details) > 20, f"{name}: {details}"
+        assert _state(tree) == before, f"{name} changed state"
+    # The refused pushes left no trace: a good push with sequence 1 is applied as usual.
+    version, _ = w.push(np.ones(LAYOUT.numel, np.float32))
+    assert version == 1
+
+
+def test_bad_pulls_and_registrations_get_sentences(setup):
+    tree, zone, w, rpc = setup
+    with pytest.raises(grpc.RpcError) as err:
+        list(rpc["Pull"](pb.PullRequest(job="nope"), timeout=5))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "create it first" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["Register"](pb.RegisterRequest(job="j", member="x"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in err.value.details()
+
+
+def test_recreating_a_job_with_other_keys_is_refused(setup):
+    tree, zone, w, rpc = setup
+    other = Layout([KeySpec("w", (5,))])
+    frames_bad = encode_create_job(JobConfig(name="j"), other,
+                                   split(other, np.zeros(5, np.float32), get_codec("fp32")))
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["CreateJob"](iter(frames_bad), timeout=5)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "other parameters" in err.value.details()
+    # Missing initial values are refused too, and create nothing.
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["CreateJob"](iter(encode_create_job(JobConfig(name="k"), LAYOUT, [])), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "elements" in err.value.details()
+    assert "k" not in tree.lt.call(lambda: list(tree.tier("root").jobs))

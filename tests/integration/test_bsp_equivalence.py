@@ -1,0 +1,90 @@
+"""Invariant 2: 4 workers in BSP through root -> region -> zones reach the parameters of one
+process training on the concatenated batch with the same optimizer (lossless codec)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ps.config import JobConfig, OptimizerConfig
+from worker import HpsOptimizer
+
+STEPS, WORKERS, PER_WORKER = 20, 4, 8
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS, WORKERS * PER_WORKER, 12, generator=g)
+    y = torch.randint(0, 3, (STEPS, WORKERS * PER_WORKER), generator=g)
+    return x, y
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)  # a mean, as DDP users write it
+
+
+def _reference(opt_cfg: OptimizerConfig) -> list[torch.Tensor]:
+    model, (x, y) = _model(), _data()
+    if opt_cfg.kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=opt_cfg.lr, momentum=opt_cfg.momentum,
+                              nesterov=opt_cfg.nesterov, weight_decay=opt_cfg.weight_decay)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2),
+                               eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay)
+    for s in range(STEPS):
+        for group in opt.param_groups:  # the same warm-up schedule as the root's
+            w = opt_cfg.warmup_steps
+            group["lr"] = opt_cfg.lr * (s + 1) / w if w and s < w else opt_cfg.lr
+        opt.zero_grad()
+        _loss(model, x[s], y[s]).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("opt_cfg", [
+    OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4, warmup_steps=5),
+    OptimizerConfig(kind="adam", lr=0.01, warmup_steps=5),
+], ids=["sgd-nesterov", "adam"])
+def test_four_workers_through_the_tree_match_one_process(tree, opt_cfg):
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    zones = [tree.add("eu-a", "zone", parent="eu"), tree.add("eu-b", "zone", parent="eu")]
+    job = JobConfig(name="eq", optimizer=opt_cfg)
+    x, y = _data()
+    results, errors = {}, []
+    models = [_model() for _ in range(WORKERS)]  # torch's seed is global: not in the threads
+
+    def worker(i: int) -> None:
+        try:
+            model = models[i]
+            with HpsOptimizer(model, zones[i % 2], job, worker_id=f"w{i}") as opt:
+                for s in range(STEPS):
+                    sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+                    opt.zero_grad()
+                    _loss(model, x[s, sl], y[s, sl]).backward()
+                    assert opt.step().applied
+                results[i] = [p.detach().clone() for p in model.parameters()]
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(WORKERS)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not errors, errors
+    ref = _reference(opt_cfg)
+    start = [p.detach() for p in _model().parameters()]
+    for i in range(WORKERS):
+        for got, want, p0 in zip(results[i], ref, start):
+            assert not torch.equal(want, p0)  # training moved the parameters
+            rel = (got - want).norm() / want.norm()
+            assert rel <= 1e-5, f"worker {i}: relative difference {rel:.2e}"
+    # Every worker holds the same (published) parameters.
+    for i in range(1, WORKERS):
+        assert all(torch.equal(a, b) for a, b in zip(results[0], results[i]))

@@ -1,0 +1,75 @@
+"""Invariant 4: a push retried after a dropped acknowledgement is applied once."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from ps.codecs import get_codec
+from ps.config import JobConfig, OptimizerConfig
+from ps.errors import TimedOut
+from ps.store import KeySpec, Layout
+from ps.tensors import split
+from ps.wire import PushMeta, encode_push, pb, stubs
+from worker import ParameterClient
+
+LAYOUT = Layout([KeySpec("w", (10,))])
+LR = 0.5
+
+
+def _setup(tree, through_zone: bool):
+    root = tree.add("root", "global")
+    addr = tree.add("z", "zone", parent="root") if through_zone else root
+    a, b = ParameterClient(addr, "j", "a"), ParameterClient(addr, "j", "b")
+    a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(10, np.float32))
+    for c in (a, b):
+        c.register()
+        c.pull()
+    return addr, a, b
+
+
+def _frames(sender: str, seq: int, grad: np.ndarray, base: int = 0, epoch: int = 0):
+    return encode_push(PushMeta("j", sender, seq, base, epoch, 1, 0, 0),
+                       split(LAYOUT, grad, get_codec("fp32")))
+
+
+@pytest.mark.parametrize("through_zone", [False, True], ids=["at-root", "through-zone"])
+def test_retry_after_a_dropped_ack_is_applied_once(tree, through_zone):
+    addr, a, b = _setup(tree, through_zone)
+    ga, gb = np.full(10, 1.0, np.float32), np.full(10, 3.0, np.float32)
+    rpc = stubs(grpc.insecure_channel(addr))
+    # a's push reaches the tier, but its acknowledgement is lost: the call gives up first
+    # (the round cannot close until b pushes).
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["Push"](iter(_frames("a", 1, ga, epoch=a.view.epoch)), timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    version, _ = b.push(gb)                                # completes the round
+    assert version == 1
+    # a retries the same (job, worker, sequence): the recorded ack, nothing re-applied.
+    ack = rpc["Push"](iter(_frames("a", 1, ga, epoch=a.view.epoch)), timeout=5)
+    assert ack.duplicate and ack.applied_version == 1
+    b.pull(min_version=1)
+    expected = -LR * (ga + gb) / 2                        # one SGD step on the mean, once
+    np.testing.assert_array_equal(b.view.values, expected.astype(np.float32))
+    _, root_version, _, root_values = tree.view("root", "j")
+    assert root_version == 1
+    np.testing.assert_array_equal(root_values, expected.astype(np.float32))
+    for c in (a, b):
+        c.close()
+
+
+def test_duplicate_while_the_round_is_still_open_waits_for_the_same_ack(tree):
+    addr, a, b = _setup(tree, through_zone=False)
+    rpc = stubs(grpc.insecure_channel(addr))
+    g = np.ones(10, np.float32)
+    first = rpc["Push"].future(iter(_frames("a", 1, g, epoch=a.view.epoch)), timeout=10)
+    second = rpc["Push"].future(iter(_frames("a", 1, g, epoch=a.view.epoch)), timeout=10)
+    b.push(g)
+    acks = sorted([first.result(), second.result()], key=lambda r: r.duplicate)
+    assert [r.applied_version for r in acks] == [1, 1]
+    assert [r.duplicate for r in acks] == [False, True]
+    assert tree.view("root", "j")[1] == 1
+    for c in (a, b):
+        c.close()

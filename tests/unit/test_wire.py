@@ -1,0 +1,298 @@
+"""Unit tests for ps.wire: hand-written raw frames, push/pull streams and job conversion.
+
+    cd /work/main && .venv/bin/python -m pytest -q tests/unit/test_wire.py
+
+The frame bytes are the protobuf encoding of ``hps.v1.Frame``, so they are also checked
+against the generated message class in both directions (interop with generated stubs).
+Every malformed input must surface as ``BadInput`` (INVALID_ARGUMENT), never as a crash.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ps.codecs import get_codec
+from ps.config import JobConfig, OptimizerConfig
+from ps.errors import BadInput
+from ps.store import KeySpec, Layout
+from ps.tensors import assemble, split
+from ps.wire import (
+    PullMeta, PushMeta, VersionMeta, decode_create_job, decode_frame, decode_pull_reply,
+    decode_push, encode_create_job, encode_frame, encode_pull_reply, encode_push, job_from_pb,
+    job_to_pb, layout_from_pb, layout_to_pb, pb,
+)
+
+__all__: list[str] = []
+
+LAYOUT = Layout([KeySpec("enc.w", (20, 7)), KeySpec("enc.b", (7,)), KeySpec("head", (3, 3))])
+META = PushMeta(job="lm", sender="zone-a", seq=42, base_version=1 << 40, view_epoch=0xABCDEF12345,
+                contributors=5, clock_min=3, clock_max=9)
+
+
+def _grad(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(LAYOUT.numel).astype(np.float32)
+
+
+def _chunks(codec: str = "fp32", chunk_elems: int = 64, seed: int = 0):
+    return split(LAYOUT, _grad(seed), get_codec(codec), chunk_elems=chunk_elems)
+
+
+def _chunk_header() -> pb.FrameHeader:
+    return pb.FrameHeader(chunk=pb.TensorChunk(key="head", dtype=pb.DTYPE_FLOAT32, shape=[3, 3],
+                                               offset=0, numel=9, codec=pb.CODEC_FP32))
+
+
+# ============================================================================ frames
+
+
+def test_frame_round_trip_and_zero_copy_payload():
+    payload = bytes(range(256)) * 3
+    data = encode_frame(_chunk_header(), payload)
+    header, got = decode_frame(data)
+    assert header == _chunk_header()
+    assert isinstance(got, memoryview) and bytes(got) == payload
+    assert got.obj is data  # a slice of the received buffer, not a copy
+
+
+def test_frame_without_payload_has_an_empty_one():
+    header, got = decode_frame(encode_frame(pb.FrameHeader(push=pb.PushHeader(job="lm", seq=1))))
+    assert header.push.job == "lm" and len(got) == 0
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16_384, 1 << 20])
+def test_hand_written_frames_parse_with_the_generated_frame_message(size):
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    data = encode_frame(_chunk_header(), payload)
+    frame = pb.Frame.FromString(data)
+    assert frame.header == _chunk_header() and frame.payload == payload
+
+
+@pytest.mark.parametrize("size", [0, 1, 200, 70_000])
+def test_generated_frame_bytes_decode_by_hand(size):
+    payload = b"\x5a" * size
+    data = pb.Frame(header=_chunk_header(), payload=payload).SerializeToString()
+    header, got = decode_frame(data)
+    assert header == _chunk_header() and bytes(got) == payload
+
+
+@pytest.mark.parametrize("data,match", [
+    (b"", "0 bytes"),
+    (b"\x0a", "1 bytes"),
+    (b"hello world, not a frame", "header field"),
+    (b"\x12\x00", "header field"),                       # payload field first
+    (b"\x0a\x7f" + b"\x00" * 10, "overruns"),             # header length past the end
+    (b"\x0a\xff\xff\xff\xff\x0f", "overruns"),            # a 4 GiB header in 6 bytes
+    (b"\x0a" + b"\xff" * 11, "length prefix"),            # a varint that never ends
+    (b"\x0a\x03\xff\xff\xff", "does not parse"),          # garbage header bytes
+    (b"\x0a\x00", "no kind"),                             # an empty header
+    (b"\x0a\x00\x12\x03abc", "no kind"),
+    (b"\x0a\x02\x0a\x00\x1a\x00", "after the header"),    # a third field
+    (b"\x0a\x02\x0a\x00\x12\x05abc", "payload says 5"),   # payload cut short
+    (b"\x0a\x02\x0a\x00\x12\x01abc", "payload says 1"),   # trailing bytes
+    (b"\x0a\x02\x0a\x00\x12", "length prefix"),           # payload length missing
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_decode_frame_rejects_malformed_frames(data, match):
+    with pytest.raises(BadInput, match=match):
+        decode_frame(data)
+
+
+def test_a_frame_with_no_kind_is_refused():
+    with pytest.raises(BadInput, match="no kind"):
+        decode_frame(encode_frame(pb.FrameHeader(), b"\x00" * 8))
+
+
+def test_every_truncation_of_a_frame_is_refused_or_loses_only_the_payload():
+    payload = _grad().tobytes()[:400]
+    data = encode_frame(_chunk_header(), payload)
+    header_len = len(_chunk_header().SerializeToString())
+    assert header_len < 128  # one-byte length prefix
+    header_end = 2 + header_len
+    assert data[header_end] == 0x12
+    for cut in range(len(data)):
+        short = data[:cut]
+        if cut == header_end:
+            # Indistinguishable from a payload-less frame; the chunk's numel catches it later.
+            assert len(decode_frame(short)[1]) == 0
+            continue
+        with pytest.raises(BadInput):
+            decode_frame(short)
+
+
+def test_random_bytes_only_ever_raise_bad_input():
+    rng = np.random.default_rng(7)
+    good = encode_frame(_chunk_header(), b"\x00" * 36)
+    for i in range(3000):
+        if i % 2:
+            data = bytes(rng.integers(0, 256, int(rng.integers(0, 40)), dtype=np.uint8))
+            data = b"\x0a" + data if i % 4 == 1 else data
+        else:  # a valid frame with a few random bytes changed
+            buf = bytearray(good)
+            for _ in range(int(rng.integers(1, 4))):
+                buf[int(rng.integers(0, len(buf)))] = int(rng.integers(0, 256))
+            data = bytes(buf)
+        try:
+            decode_frame(data)
+        except BadInput:
+            pass
+
+
+# ============================================================================ push streams
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp32+zstd"])
+def test_push_round_trip(codec):
+    chunks = _chunks(codec, chunk_elems=50)
+    frames = encode_push(META, chunks)
+    assert len(frames) == 1 + len(chunks) and all(isinstance(f, bytes) for f in frames)
+    meta, got = decode_push(frames)
+    assert meta == META
+    assert len(got) == len(chunks)
+    for frame, a, b in zip(frames[1:], chunks, got):
+        assert (b.key, b.shape, b.dtype, b.offset, b.numel, b.codec) == \
+               (a.key, a.shape, a.dtype, a.offset, a.numel, a.codec)
+        assert isinstance(b.payload, memoryview) and b.payload == a.payload
+        assert b.payload.obj is frame  # zero-copy: a slice of the received frame
+    grad = assemble(LAYOUT, got, what="push", require_all=True)
+    assert grad.tobytes() == _grad().tobytes()
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp32+zstd"])
+def test_a_relay_re_encodes_decoded_chunks_verbatim(codec):
+    """Relays forward what they received: decode then encode gives the same bytes."""
+    frames = encode_push(META, _chunks(codec, chunk_elems=40, seed=3))
+    meta, chunks = decode_push(frames)
+    assert encode_push(meta, chunks) == frames
+    pull = PullMeta(9, 1, 2, False, 9)
+    reply = list(encode_pull_reply(pull, [(VersionMeta(2, 5), chunks)]))
+    got_meta, versions = decode_pull_reply(reply)
+    assert list(encode_pull_reply(got_meta, versions)) == reply
+
+
+def test_push_with_no_chunks():
+    meta, chunks = decode_push(encode_push(META, []))
+    assert meta == META and chunks == []
+
+
+def test_decode_push_rejects_a_stream_not_opened_by_a_push_header():
+    frames = encode_push(META, _chunks())
+    with pytest.raises(BadInput, match="first frame is 'chunk'"):
+        decode_push(frames[1:])
+    pull = encode_frame(pb.FrameHeader(pull=pb.PullHeader(to_version=3)))
+    with pytest.raises(BadInput, match="push header"):
+        decode_push([pull] + frames[1:])
+
+
+def test_decode_push_rejects_an_empty_stream():
+    with pytest.raises(BadInput, match="no frames"):
+        decode_push([])
+    with pytest.raises(BadInput, match="no frames"):
+        decode_push(iter(()))
+
+
+def test_decode_push_rejects_a_second_header_and_bad_frames():
+    frames = encode_push(META, _chunks())
+    with pytest.raises(BadInput, match="frame 2 is 'push'"):
+        decode_push(frames[:2] + [frames[0]] + frames[2:])
+    with pytest.raises(BadInput):
+        decode_push(frames[:2] + [frames[2][:-1]])  # one truncated chunk frame
+
+
+def test_unknown_enum_values_in_a_chunk_are_bad_input():
+    h = _chunk_header()
+    h.chunk.codec = 7  # a codec from a newer peer
+    with pytest.raises(BadInput, match="codec enum value 7"):
+        decode_push(encode_push(META, []) + [encode_frame(h, b"\x00" * 36)])
+    h = _chunk_header()
+    h.chunk.dtype = pb.DTYPE_UNSPECIFIED
+    with pytest.raises(BadInput, match="dtype"):
+        decode_push(encode_push(META, []) + [encode_frame(h, b"\x00" * 36)])
+
+
+def test_a_chunk_truncated_at_its_header_is_caught_by_assemble():
+    frames = encode_push(META, _chunks(chunk_elems=64))
+    h = pb.Frame.FromString(frames[1]).header
+    frames[1] = encode_frame(h)  # payload lost entirely
+    _, chunks = decode_push(frames)
+    with pytest.raises(BadInput, match="bytes"):
+        assemble(LAYOUT, chunks, what="push")
+
+
+def test_mutated_push_streams_only_ever_raise_bad_input():
+    rng = np.random.default_rng(11)
+    frames = encode_push(META, _chunks(chunk_elems=32))
+    for _ in range(1500):
+        mutated = list(frames)
+        i = int(rng.integers(0, len(mutated)))
+        buf = bytearray(mutated[i])
+        j = int(rng.integers(0, min(len(buf), 48)))  # mostly headers: payloads are opaque
+        buf[j] = int(rng.integers(0, 256))
+        mutated[i] = bytes(buf)
+        try:
+            _, chunks = decode_push(mutated)
+            assemble(LAYOUT, chunks, what="push")
+        except BadInput:
+            pass
+
+
+# ============================================================================ pull replies
+
+
+def test_pull_reply_round_trip():
+    meta = PullMeta(view_epoch=5, from_version=3, to_version=5, snapshot=False, server_epoch=5)
+    versions = [(VersionMeta(4, 0xFFFFFFFF, clock_min=2, contributors=3), _chunks(seed=1)),
+                (VersionMeta(5, 17), [])]
+    got_meta, got = decode_pull_reply(list(encode_pull_reply(meta, versions)))
+    assert got_meta == meta
+    assert [vm for vm, _ in got] == [vm for vm, _ in versions]
+    assert [bytes(c.payload) for c in got[0][1]] == [bytes(c.payload) for c in versions[0][1]]
+    assert got[1][1] == []
+
+
+def test_pull_reply_refuses_a_chunk_before_any_version():
+    meta = PullMeta(1, 0, 1, True, 1)
+    frames = list(encode_pull_reply(meta, [(VersionMeta(1, 0), _chunks())]))
+    with pytest.raises(BadInput, match="position 1"):
+        decode_pull_reply([frames[0]] + frames[2:])
+    with pytest.raises(BadInput, match="first frame"):
+        decode_pull_reply(frames[1:])
+    with pytest.raises(BadInput, match="empty"):
+        decode_pull_reply([])
+
+
+# ============================================================================ jobs and layouts
+
+
+def test_job_config_round_trips_through_protobuf():
+    cfg = JobConfig(
+        name="lm-2.b_x", mode="ssp", staleness=3,
+        optimizer=OptimizerConfig(kind="adam", lr=3e-4, momentum=0.5, weight_decay=0.01, beta1=0.85,
+                                  beta2=0.995, eps=1e-7, warmup_steps=250),
+        push_codec="fp32+zstd", delta_codec="fp32+zstd", delta_log_length=17)
+    assert cfg != JobConfig(name="lm-2.b_x")
+    m = job_to_pb(cfg)
+    assert job_from_pb(pb.JobConfig.FromString(m.SerializeToString())) == cfg
+    sgd = JobConfig(name="s", optimizer=OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9, nesterov=True))
+    assert job_from_pb(job_to_pb(sgd)) == sgd
+
+
+def test_job_from_pb_refuses_unspecified_values():
+    m = job_to_pb(JobConfig(name="lm"))
+    m.mode = pb.MODE_UNSPECIFIED
+    with pytest.raises(BadInput, match="mode"):
+        job_from_pb(m)
+    m = job_to_pb(JobConfig(name="lm"))
+    m.delta_log_length = 0  # an old peer that never set it: the config validation names it
+    with pytest.raises(BadInput, match="delta_log_length"):
+        job_from_pb(m)
+
+
+def test_layout_and_create_job_round_trip():
+    assert layout_from_pb(layout_to_pb(LAYOUT)) == LAYOUT
+    cfg = JobConfig(name="lm", push_codec="fp32+zstd")
+    got_cfg, got_layout, chunks = decode_create_job(encode_create_job(cfg, LAYOUT, _chunks(seed=2)))
+    assert got_cfg == cfg and got_layout == LAYOUT
+    init = assemble(got_layout, chunks, what="initial values", require_all=True)
+    assert init.tobytes() == _grad(2).tobytes()
+    with pytest.raises(BadInput):
+        decode_create_job(encode_push(META, []))
