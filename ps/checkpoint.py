@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,6 @@ def load_latest(directory: str | Path) -> tuple[dict[str, np.ndarray], dict] | N
                 arrays = {k: z[k] for k in z.files if k != "__meta__"}
                 meta = json.loads(bytes(z["__meta__"]).decode())
             return arrays, meta
-        except (OSError, ValueError, KeyError):
-            continue  # a damaged file: fall back to the one before
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            continue  # a damaged file (truncated, bit-flipped, empty): fall back to the one before
     return None

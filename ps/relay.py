@@ -95,14 +95,13 @@ class Relay(Tier):
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            if not self.attached:
-                continue
             known = self.up.server_epoch
             try:
                 epoch, unknown = await self.up.heartbeat(sorted(self.attached))
             except HpsError as exc:
                 log.warning("%s: parent %s unreachable: %s", self.role, self.config.parent, exc)
                 continue
+            self.up.server_epoch = epoch
             if known and epoch != known:
                 log.warning("%s: parent %s restarted (epoch %#x -> %#x); registering again",
                             self.role, self.config.parent, known, epoch)

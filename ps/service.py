@@ -53,7 +53,8 @@ class _Servicer:
 
     @_unary
     async def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
-        unknown = self.tier.heartbeat(req.member, list(req.jobs))
+        unknown = self.tier.heartbeat(req.member, list(req.jobs), ROLE_NAME.get(req.role, "worker"),
+                                      req.address)
         return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)
 
     @_unary
@@ -94,17 +95,18 @@ class _Servicer:
     async def Status(self, req: pb.StatusRequest, context) -> pb.StatusReply:
         s = self.tier.status()
         reachable = self.tier.up.reachable if isinstance(self.tier, Relay) else True
+        def members(ms):
+            return [pb.MemberStatus(member=m["member"], role=ROLE[m["role"]], address=m["address"],
+                                    last_seen_s=m["last_seen_s"], pushes=m["pushes"]) for m in ms]
+
         jobs = []
         for j in s["jobs"]:
-            members = [pb.MemberStatus(member=m["member"], role=ROLE[m["role"]], address=m["address"],
-                                       last_seen_s=m["last_seen_s"], pushes=m["pushes"])
-                       for m in j["members"]]
             fields = {k: v for k, v in j.items() if k in pb.JobStatus.DESCRIPTOR.fields_by_name
                       and k not in ("members", "mode")}
-            jobs.append(pb.JobStatus(members=members, mode=MODE[j["mode"]], **fields))
+            jobs.append(pb.JobStatus(members=members(j["members"]), mode=MODE[j["mode"]], **fields))
         return pb.StatusReply(role=ROLE[s["role"]], name=s["name"], server_epoch=s["server_epoch"],
                               parent=s["parent"], parent_reachable=reachable, jobs=jobs,
-                              uptime_s=s["uptime_s"])
+                              uptime_s=s["uptime_s"], children=members(s["children"]))
 
 
 def handler(tier: Tier) -> grpc.GenericRpcHandler:

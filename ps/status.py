@@ -36,7 +36,8 @@ def walk(address: str, depth: int = 0, seen: set | None = None):
         yield depth, address, exc
         return
     yield depth, address, st
-    children = sorted({m.address for j in st.jobs for m in j.members if m.address})
+    children = sorted({m.address for m in st.children} |
+                      {m.address for j in st.jobs for m in j.members if m.address})
     for child in children:
         yield from walk(child, depth + 1, seen)
 

@@ -130,6 +130,9 @@ class View:
                 f"delta for version {version} of epoch {epoch:#x} does not apply to the held view "
                 f"(epoch {self.epoch:#x}, version {self.version}); resync from a snapshot"
             )
+        if delta.shape != self.values.shape or delta.dtype != np.float32:
+            raise BadInput(f"delta for version {version} is {delta.dtype}{delta.shape}; the view is "
+                           f"float32{self.values.shape}")
         new = self.values + delta
         got = checksum(new)
         if got != crc:

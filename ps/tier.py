@@ -136,6 +136,7 @@ class Tier:
         self.epoch = new_epoch()
         self.started = clock()
         self.jobs: dict[str, JobState] = {}
+        self.children: dict[str, tuple[str, str, float]] = {}  # relay id -> (role, address, seen)
         self._tasks: list[asyncio.Task] = []
 
     # -- lookups ---------------------------------------------------------------------------
@@ -160,6 +161,8 @@ class Tier:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             now = self.clock()
+            for k in [k for k, c in self.children.items() if now - c[2] > self.config.member_timeout_s]:
+                del self.children[k]
             for js in list(self.jobs.values()):
                 gone = js.members.expire(now, self.config.member_timeout_s)
                 if gone:
@@ -187,8 +190,10 @@ class Tier:
     async def _job_for_register(self, job: str) -> JobState:
         return self.job(job)
 
-    def heartbeat(self, member: str, jobs: list[str]) -> list[str]:
+    def heartbeat(self, member: str, jobs: list[str], role: str = "worker", address: str = "") -> list[str]:
         now = self.clock()
+        if address:  # a relay child: remembered for `hps status` even while it has no job
+            self.children[member] = (role, address, now)
         return [j for j in jobs if j not in self.jobs or not self.jobs[j].members.touch(member, now)]
 
     async def leave(self, job: str, member: str) -> None:
@@ -306,5 +311,8 @@ class Tier:
                 members=[dict(member=m.id, role=m.role, address=m.address,
                               last_seen_s=now - m.last_seen, pushes=m.pushes) for m in js.members],
                 **js.stats.__dict__))
+        children = [dict(member=k, role=r, address=a, last_seen_s=now - t, pushes=0)
+                    for k, (r, a, t) in self.children.items()]
         return dict(role=self.role, name=self.config.display_name, server_epoch=self.epoch,
-                    parent=self.config.parent, uptime_s=now - self.started, jobs=jobs)
+                    parent=self.config.parent, uptime_s=now - self.started, jobs=jobs,
+                    children=children)

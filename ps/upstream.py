@@ -57,8 +57,9 @@ class Upstream:
         return Registration(job_from_pb(r.config), layout_from_pb(r.keys), r.start_version, r.server_epoch)
 
     async def heartbeat(self, jobs: list[str]) -> tuple[int, list[str]]:
-        r = await self._call("Heartbeat", pb.HeartbeatRequest(member=self.member, jobs=jobs,
-                                                              server_epoch=self.server_epoch))
+        r = await self._call("Heartbeat", pb.HeartbeatRequest(
+            member=self.member, jobs=jobs, server_epoch=self.server_epoch, role=ROLE[self.role],
+            address=self.own_address))
         return r.server_epoch, list(r.unknown_jobs)
 
     async def leave(self, job: str) -> None:

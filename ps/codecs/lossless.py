@@ -46,6 +46,12 @@ class Fp32Zstd:
 
     def decode(self, payload: memoryview | bytes, numel: int) -> np.ndarray:
         try:
+            # The frame header declares its size; check it before decompressing, so a hostile
+            # header cannot make the receiver allocate what it claims (max_output_size is
+            # ignored when the header states a size).
+            declared = zstandard.frame_content_size(payload)
+            if declared not in (-1, 4 * numel):
+                raise BadInput(f"fp32+zstd payload declares {declared} bytes, expected {4 * numel}")
             raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=4 * numel)
         except zstandard.ZstdError as exc:
             raise BadInput(f"fp32+zstd payload does not decompress: {exc}") from None

@@ -202,17 +202,17 @@ def test_check_refuses_a_second_push_by_the_same_member():
 # ============================================================================ SeqBook
 
 
-def test_seqbook_classifies_new_retry_and_duplicate():
+def test_seqbook_classifies_new_seen_and_duplicate():
     book = SeqBook()
     assert book.classify(1) == "new"
     book.accept(1)
-    assert book.classify(1) == "retry"      # seen, not acknowledged yet
+    assert book.classify(1) == "seen"       # accepted, not acknowledged yet
     assert book.classify(2) == "new"
     book.record(1, "ack-1")
     assert book.classify(1) == "duplicate"  # answered from the record, applied once
     assert book.acks[1] == "ack-1"
     book.accept(2)
-    assert book.classify(2) == "retry" and book.classify(3) == "new"
+    assert book.classify(2) == "seen" and book.classify(3) == "new"
 
 
 def test_seqbook_refuses_seq_zero_with_a_sentence():
@@ -240,5 +240,7 @@ def test_seqbook_keeps_only_the_last_acks():
         book.record(s, f"ack-{s}")
     assert list(book.acks) == [3, 4, 5]
     assert [book.classify(s) for s in (3, 4, 5)] == ["duplicate"] * 3
-    assert book.classify(1) == "retry"  # forgotten: no longer answered from the record
+    # Forgotten: no longer answered from the record. The tier then re-runs its checks, and the
+    # round check refuses it as stale (an ack is only given once its round has closed).
+    assert book.classify(1) == "seen"
     assert book.classify(6) == "new"
