@@ -83,6 +83,7 @@ def main(args) -> int:
 
 def _follow(args, out, cluster, root, workers, placement, q) -> int:
     series: dict[str, list[tuple[int, float]]] = {w: [] for w in placement}
+    step_s: dict[str, list[float]] = {w: [] for w in placement}
     last: dict[str, dict] = {}
     done: dict[str, dict] = {}
     exited = 0
@@ -95,6 +96,7 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
             exited += 1
         elif kind == "step":
             series[ev["worker"]].append((ev["step"], ev["loss"]))
+            step_s[ev["worker"]].append(ev["step_s"])
             last[ev["worker"]] = ev
             step = min(e["step"] for e in last.values()) if len(last) == len(placement) else -1
             if step >= 0 and (step // 10 > shown // 10 or step == args.steps - 1) and step != shown:
@@ -111,10 +113,15 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
     # Ask every tier directly: once workers leave, relays leave their parents too.
     depth = {"global": 0, "regional": 1, "zone": 2}
     tiers = [(depth[t.role], t.address, fetch_status(t.address)) for t in cluster.tiers.values()]
-    return _report(args, out, series, done, placement, tiers, wall)
+    return _report(args, out, series, step_s, done, placement, tiers, wall)
 
 
-def _report(args, out, series, done, placement, tiers, wall) -> int:
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def _report(args, out, series, step_s, done, placement, tiers, wall) -> int:
     rows = []
     for w, zone in placement.items():
         pts = series[w]
@@ -123,13 +130,19 @@ def _report(args, out, series, done, placement, tiers, wall) -> int:
         rows.append(dict(worker=w, zone=zone, steps=len(pts),
                          train_loss=sum(tail) / len(tail) if tail else float("nan"),
                          val_loss=d.get("val_loss") or float("nan"), version=d.get("version", 0),
-                         lost_steps=d.get("lost_steps", 0)))
-    print("\n" + summary_table(rows, ["worker", "zone", "steps", "train_loss", "val_loss", "version", "lost_steps"]))
+                         lost_steps=d.get("lost_steps", 0),
+                         # the first steps include start-up (imports, job creation, snapshot)
+                         median_step_s=_median(step_s[w][3:] or step_s[w])))
+    print("\n" + summary_table(rows, ["worker", "zone", "steps", "train_loss", "val_loss", "version",
+                                      "lost_steps", "median_step_s"]))
     trows = []
     for depth, addr, st in tiers:
         for j in st.jobs:
             steps = max(1, j.version)
-            trows.append(dict(tier=("  " * depth) + st.name, version=j.version,
+            trows.append(dict(tier=("  " * depth) + st.name, role=("global", "regional", "zone")[depth],
+                              version=j.version, push_in_bytes=j.bytes_pushed_in,
+                              push_up_bytes=j.bytes_pushed_up, pull_in_bytes=j.bytes_pulled_in,
+                              pull_out_bytes=j.bytes_pulled_out,
                               push_in_per_step=human_bytes(j.bytes_pushed_in / steps),
                               push_up_per_step=human_bytes(j.bytes_pushed_up / steps),
                               pull_in_per_step=human_bytes(j.bytes_pulled_in / steps),
