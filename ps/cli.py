@@ -50,11 +50,10 @@ def _serve(args) -> int:
     except (BadInput, ValueError) as exc:
         print(f"hps serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        import uvloop  # measured: faster loop for the many small control RPCs
+    if args.loop == "uvloop":
+        import uvloop
+
         uvloop.install()
-    except ImportError:
-        pass
     asyncio.run(serve(cfg))
     return 0
 
@@ -105,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-dir", action=_EnvDefault, help="root: checkpoint directory")
     s.add_argument("--checkpoint-every", action=_EnvDefault, default="50", help="root: versions between checkpoints")
     s.add_argument("--round-timeout-s", action=_EnvDefault, default="600", help="longest BSP barrier wait")
+    s.add_argument("--loop", action=_EnvDefault, default="asyncio", choices=["asyncio", "uvloop"],
+                   help="event loop (benchmarks/bsp_step.py --loops compares them)")
     s.set_defaults(fn=_serve)
 
     s = sub.add_parser("launch", help="start a local cluster from a topology")

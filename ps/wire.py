@@ -119,15 +119,43 @@ def decode_frame(data: bytes) -> tuple[pb.FrameHeader, memoryview]:
     return header, payload
 
 
-def _chunk_frame(c: Chunk) -> bytes:
-    h = pb.FrameHeader(chunk=pb.TensorChunk(key=c.key, dtype=_DTYPE[c.dtype], shape=c.shape,
-                                            offset=c.offset, numel=c.numel, codec=_CODEC[c.codec]))
-    return encode_frame(h, c.payload)
+MAX_FRAME_PAYLOAD = 4 * 1024 * 1024
 
 
-def _chunk_from(h: pb.TensorChunk, payload: memoryview) -> Chunk:
-    return Chunk(h.key, tuple(h.shape), _name(_DTYPE, h.dtype, "dtype"), h.offset, h.numel,
-                 _name(_CODEC, h.codec, "codec"), payload)
+def _chunk_frames(chunks: Iterable[Chunk]) -> Iterator[bytes]:
+    """Pack chunks into frames of at most MAX_FRAME_PAYLOAD payload bytes each."""
+    batch: list[Chunk] = []
+    size = 0
+    for c in chunks:
+        if batch and size + len(c.payload) > MAX_FRAME_PAYLOAD:
+            yield _batch_frame(batch)
+            batch, size = [], 0
+        batch.append(c)
+        size += len(c.payload)
+    if batch:
+        yield _batch_frame(batch)
+
+
+def _batch_frame(batch: list[Chunk]) -> bytes:
+    h = pb.FrameHeader(chunks=pb.ChunkBatch(chunks=[
+        pb.TensorChunk(key=c.key, dtype=_DTYPE[c.dtype], shape=c.shape, offset=c.offset, numel=c.numel,
+                       codec=_CODEC[c.codec], nbytes=len(c.payload)) for c in batch]))
+    payload = batch[0].payload if len(batch) == 1 else b"".join(c.payload for c in batch)
+    return encode_frame(h, payload)
+
+
+def _chunks_from(h: pb.ChunkBatch, payload: memoryview) -> list[Chunk]:
+    out, pos = [], 0
+    for c in h.chunks:
+        if pos + c.nbytes > len(payload):
+            raise BadInput(f"malformed frame: chunk of key {c.key!r} claims {c.nbytes} bytes past "
+                           f"the {len(payload)}-byte payload")
+        out.append(Chunk(c.key, tuple(c.shape), _name(_DTYPE, c.dtype, "dtype"), c.offset, c.numel,
+                         _name(_CODEC, c.codec, "codec"), payload[pos:pos + c.nbytes]))
+        pos += c.nbytes
+    if pos != len(payload):
+        raise BadInput(f"malformed frame: chunks account for {pos} of {len(payload)} payload bytes")
+    return out
 
 
 # ---- domain headers -----------------------------------------------------------------------
@@ -163,7 +191,7 @@ class VersionMeta:
 
 def encode_push(meta: PushMeta, chunks: Iterable[Chunk]) -> list[bytes]:
     h = pb.FrameHeader(push=pb.PushHeader(**meta.__dict__))
-    return [encode_frame(h)] + [_chunk_frame(c) for c in chunks]
+    return [encode_frame(h), *_chunk_frames(chunks)]
 
 
 def decode_push(frames: Iterable[bytes]) -> tuple[PushMeta, list[Chunk]]:
@@ -177,10 +205,10 @@ def decode_push(frames: Iterable[bytes]) -> tuple[PushMeta, list[Chunk]]:
             p = h.push
             meta = PushMeta(p.job, p.sender, p.seq, p.base_version, p.view_epoch, p.contributors,
                             p.clock_min, p.clock_max)
-        elif kind == "chunk":
-            chunks.append(_chunk_from(h.chunk, payload))
+        elif kind == "chunks":
+            chunks.extend(_chunks_from(h.chunks, payload))
         else:
-            raise BadInput(f"malformed push: frame {i} is {kind!r}, expected a tensor chunk")
+            raise BadInput(f"malformed push: frame {i} is {kind!r}, expected tensor chunks")
     if meta is None:
         raise BadInput("malformed push: the stream carried no frames")
     return meta, chunks
@@ -191,8 +219,7 @@ def encode_pull_reply(meta: PullMeta, versions: Iterable[tuple[VersionMeta, Iter
     yield encode_frame(pb.FrameHeader(pull=pb.PullHeader(**meta.__dict__)))
     for vm, chunks in versions:
         yield encode_frame(pb.FrameHeader(version=pb.VersionHeader(**vm.__dict__)))
-        for c in chunks:
-            yield _chunk_frame(c)
+        yield from _chunk_frames(chunks)
 
 
 def decode_pull_reply(frames: Iterable[bytes]) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
@@ -208,8 +235,8 @@ def decode_pull_reply(frames: Iterable[bytes]) -> tuple[PullMeta, list[tuple[Ver
         elif kind == "version":
             v = h.version
             versions.append((VersionMeta(v.version, v.checksum, v.clock_min, v.contributors), []))
-        elif kind == "chunk" and versions:
-            versions[-1][1].append(_chunk_from(h.chunk, payload))
+        elif kind == "chunks" and versions:
+            versions[-1][1].extend(_chunks_from(h.chunks, payload))
         else:
             raise BadInput(f"malformed pull reply: unexpected {kind!r} frame at position {i}")
     if meta is None:
@@ -252,7 +279,7 @@ def layout_from_pb(keys: Iterable[pb.KeySpec]) -> Layout:
 
 def encode_create_job(cfg: JobConfig, layout: Layout, chunks: Iterable[Chunk]) -> list[bytes]:
     h = pb.FrameHeader(job=pb.JobHeader(config=job_to_pb(cfg), keys=layout_to_pb(layout)))
-    return [encode_frame(h)] + [_chunk_frame(c) for c in chunks]
+    return [encode_frame(h), *_chunk_frames(chunks)]
 
 
 def decode_create_job(frames: Iterable[bytes]) -> tuple[JobConfig, Layout, list[Chunk]]:
@@ -265,8 +292,8 @@ def decode_create_job(frames: Iterable[bytes]) -> tuple[JobConfig, Layout, list[
             if kind != "job":
                 raise BadInput(f"malformed create-job stream: first frame is {kind!r}")
             cfg, layout = job_from_pb(h.job.config), layout_from_pb(h.job.keys)
-        elif kind == "chunk":
-            chunks.append(_chunk_from(h.chunk, payload))
+        elif kind == "chunks":
+            chunks.extend(_chunks_from(h.chunks, payload))
         else:
             raise BadInput(f"malformed create-job stream: frame {i} is {kind!r}")
     if cfg is None:

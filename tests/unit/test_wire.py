@@ -39,8 +39,9 @@ def _chunks(codec: str = "fp32", chunk_elems: int = 64, seed: int = 0):
 
 
 def _chunk_header() -> pb.FrameHeader:
-    return pb.FrameHeader(chunk=pb.TensorChunk(key="head", dtype=pb.DTYPE_FLOAT32, shape=[3, 3],
-                                               offset=0, numel=9, codec=pb.CODEC_FP32))
+    return pb.FrameHeader(chunks=pb.ChunkBatch(chunks=[pb.TensorChunk(
+        key="head", dtype=pb.DTYPE_FLOAT32, shape=[3, 3], offset=0, numel=9, codec=pb.CODEC_FP32,
+        nbytes=36)]))
 
 
 # ============================================================================ frames
@@ -144,15 +145,16 @@ def test_random_bytes_only_ever_raise_bad_input():
 def test_push_round_trip(codec):
     chunks = _chunks(codec, chunk_elems=50)
     frames = encode_push(META, chunks)
-    assert len(frames) == 1 + len(chunks) and all(isinstance(f, bytes) for f in frames)
+    # Small chunks are packed: one header frame plus one frame for all of them.
+    assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
     meta, got = decode_push(frames)
     assert meta == META
     assert len(got) == len(chunks)
-    for frame, a, b in zip(frames[1:], chunks, got):
+    for a, b in zip(chunks, got):
         assert (b.key, b.shape, b.dtype, b.offset, b.numel, b.codec) == \
                (a.key, a.shape, a.dtype, a.offset, a.numel, a.codec)
         assert isinstance(b.payload, memoryview) and b.payload == a.payload
-        assert b.payload.obj is frame  # zero-copy: a slice of the received frame
+        assert b.payload.obj is frames[1]  # zero-copy: a slice of the received frame
     grad = assemble(LAYOUT, got, what="push", require_all=True)
     assert grad.tobytes() == _grad().tobytes()
 
@@ -176,7 +178,7 @@ def test_push_with_no_chunks():
 
 def test_decode_push_rejects_a_stream_not_opened_by_a_push_header():
     frames = encode_push(META, _chunks())
-    with pytest.raises(BadInput, match="first frame is 'chunk'"):
+    with pytest.raises(BadInput, match="first frame is 'chunks'"):
         decode_push(frames[1:])
     pull = encode_frame(pb.FrameHeader(pull=pb.PullHeader(to_version=3)))
     with pytest.raises(BadInput, match="push header"):
@@ -195,27 +197,38 @@ def test_decode_push_rejects_a_second_header_and_bad_frames():
     with pytest.raises(BadInput, match="frame 2 is 'push'"):
         decode_push(frames[:2] + [frames[0]] + frames[2:])
     with pytest.raises(BadInput):
-        decode_push(frames[:2] + [frames[2][:-1]])  # one truncated chunk frame
+        decode_push([frames[0], frames[1][:-1]])  # one truncated chunk frame
 
 
 def test_unknown_enum_values_in_a_chunk_are_bad_input():
     h = _chunk_header()
-    h.chunk.codec = 7  # a codec from a newer peer
+    h.chunks.chunks[0].codec = 7  # a codec from a newer peer
     with pytest.raises(BadInput, match="codec enum value 7"):
         decode_push(encode_push(META, []) + [encode_frame(h, b"\x00" * 36)])
     h = _chunk_header()
-    h.chunk.dtype = pb.DTYPE_UNSPECIFIED
+    h.chunks.chunks[0].dtype = pb.DTYPE_UNSPECIFIED
     with pytest.raises(BadInput, match="dtype"):
         decode_push(encode_push(META, []) + [encode_frame(h, b"\x00" * 36)])
 
 
-def test_a_chunk_truncated_at_its_header_is_caught_by_assemble():
+def test_a_chunk_frame_truncated_at_its_header_is_refused():
     frames = encode_push(META, _chunks(chunk_elems=64))
     h = pb.Frame.FromString(frames[1]).header
-    frames[1] = encode_frame(h)  # payload lost entirely
+    frames[1] = encode_frame(h)  # payload lost entirely: the batch's byte counts do not add up
+    with pytest.raises(BadInput, match="bytes past"):
+        decode_push(frames)
+
+
+def test_large_chunks_are_spread_over_frames_of_at_most_4_mib():
+    from ps.wire import MAX_FRAME_PAYLOAD
+
+    big = Layout([KeySpec("a", (3 << 20,)), KeySpec("b", (5,))])
+    flat = np.arange(big.numel, dtype=np.float32)
+    frames = encode_push(META, split(big, flat, get_codec("fp32")))
+    assert len(frames) == 5  # header, three full 4 MiB frames of a, then b (it would overflow)
+    assert all(len(pb.Frame.FromString(f).payload) <= MAX_FRAME_PAYLOAD for f in frames)
     _, chunks = decode_push(frames)
-    with pytest.raises(BadInput, match="bytes"):
-        assemble(LAYOUT, chunks, what="push")
+    assert assemble(big, chunks, what="push", require_all=True).tobytes() == flat.tobytes()
 
 
 def test_mutated_push_streams_only_ever_raise_bad_input():
