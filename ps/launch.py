@@ -135,8 +135,12 @@ class Cluster:
     def address(self, name: str) -> str:
         return self.tiers[name].address
 
+    def stop_tier(self, name: str, signum: int = signal.SIGTERM) -> None:
+        """Stop one tier by PID, keeping its record so ``restart`` can bring it back."""
+        self._kill(self.tiers[name], signum, 5.0)
+
     def restart(self, name: str, signum: int = signal.SIGKILL) -> Tier:
-        """Stop one tier (SIGKILL by default) and start it again on the same port."""
+        """Stop one tier (SIGKILL by default, if still running) and start it again on the same port."""
         old = self.tiers.pop(name)
         self._kill(old, signum, 5.0)
         cmd = list(old.cmd)

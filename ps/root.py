@@ -26,6 +26,7 @@ from ps.optim import ServerOptimizer
 from ps.store import KeySpec, Layout, checksum
 from ps.tensors import Chunk, assemble, split
 from ps.tier import Ack, JobState, Tier
+from ps.wal import WalRecord, WriteAheadLog
 
 __all__ = ["Root"]
 
@@ -63,27 +64,44 @@ class Root(Tier):
         js.optimizer = ServerOptimizer(cfg.optimizer, js.params)
         view = js.params.copy() if view_values is None else np.array(view_values, np.float32)
         js.view.load_snapshot(self.epoch, version, view, checksum(view))
+        js.wal = WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None
         js.reset_round(version, "job installed")
         self.jobs[cfg.name] = js
         return js
 
+    def _job_dir(self, job: str) -> str:
+        return f"{self.config.checkpoint_dir}/{job}"
+
     # -- rounds ----------------------------------------------------------------------------
     def _finish_round(self, js: JobState, agg: Aggregate, fut: asyncio.Future) -> None:
+        # Average over contributors: the same gradient as one process on the concatenated
+        # batch when each worker's loss is a mean (invariant 2).
+        grad = agg.grad / np.float32(agg.contributors) if agg.contributors > 0 else None
+        rec = WalRecord(js.view.version + 1, agg.contributors, agg.clock_min, grad)
+        task = asyncio.ensure_future(self._apply_durably(js, rec, fut))
+        self._ckpt_tasks.add(task)
+        task.add_done_callback(self._ckpt_tasks.discard)
+
+    async def _apply_durably(self, js: JobState, rec: WalRecord, fut: asyncio.Future) -> None:
         try:
-            if agg.contributors > 0:
-                # Average over contributors: the same gradient as one process on the
-                # concatenated batch when each worker's loss is a mean (invariant 2).
-                js.optimizer.step(agg.grad / np.float32(agg.contributors))
-            self._publish(js, agg)
+            if js.wal is not None:  # durable before applied and acknowledged
+                await asyncio.to_thread(js.wal.append, rec)
+            self._apply(js, rec)
         except Exception as exc:  # never leave pushers hanging on a failed apply
-            log.exception("applying round %d of job %s failed", agg.round, js.config.name)
-            fut.set_exception(exc)
+            log.exception("applying version %d of job %s failed", rec.version, js.config.name)
+            if not fut.done():
+                fut.set_exception(exc)
             return
         fut.set_result(Ack(js.view.version, js.view.epoch))
         if js.view.version % self.config.checkpoint_every == 0:
             self._checkpoint(js)
 
-    def _publish(self, js: JobState, agg: Aggregate) -> None:
+    def _apply(self, js: JobState, rec: WalRecord) -> None:
+        if rec.grad is not None:
+            js.optimizer.step(rec.grad)
+        self._publish(js, rec.clock_min, rec.contributors)
+
+    def _publish(self, js: JobState, clock_min: int, contributors: int) -> None:
         codec = get_codec(js.config.delta_codec)
         chunks = split(js.layout, js.params - js.view.values, codec)
         decoded = assemble(js.layout, chunks, what="published delta", check_finite=False)
@@ -91,7 +109,7 @@ class Root(Tier):
         crc = checksum(new)
         version = js.view.version + 1
         js.view.values, js.view.version, js.view.checksum = new, version, crc
-        js.log.append(DeltaEntry(version, crc, tuple(chunks), agg.clock_min, agg.contributors))
+        js.log.append(DeltaEntry(version, crc, tuple(chunks), clock_min, contributors))
         js.notify()
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -105,17 +123,23 @@ class Root(Tier):
         meta = dict(version=js.view.version, checksum=js.view.checksum, steps=js.optimizer.steps,
                     config=dataclasses.asdict(js.config),
                     keys=[[s.key, list(s.shape), s.dtype] for s in js.layout])
-        directory = f"{self.config.checkpoint_dir}/{js.config.name}"
-        keep = self.config.checkpoint_keep
-        task = asyncio.ensure_future(asyncio.to_thread(
-            checkpoint.save, directory, js.view.version, arrays, meta, keep))
+        version, wal = js.view.version, js.wal
+        # Records after this checkpoint go to a new segment; the old ones are deleted once
+        # the checkpoint is durable (if it fails, replay still has everything).
+        wal.rotate(version + 1)
+
+        def write() -> None:
+            checkpoint.save(self._job_dir(js.config.name), version, arrays, meta, self.config.checkpoint_keep)
+            wal.drop_upto(version)
+
+        task = asyncio.ensure_future(asyncio.to_thread(write))
         self._ckpt_tasks.add(task)
         task.add_done_callback(self._ckpt_done)
 
     def _ckpt_done(self, task: asyncio.Task) -> None:
         self._ckpt_tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("checkpoint failed: %s", task.exception())
+            log.error("checkpoint failed (the write-ahead log still covers it): %s", task.exception())
 
     def _restore_all(self) -> None:
         from pathlib import Path
@@ -131,11 +155,26 @@ class Root(Tier):
             js = self._install(cfg, layout, arrays["params"], meta["version"], arrays["view"])
             state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
             js.optimizer.load_state_dict({"steps": meta["steps"], **state})
-            log.info("restored job %s at version %d from %s", cfg.name, meta["version"], d)
+            replayed = 0
+            for rec in js.wal.records(after=js.view.version):
+                if rec.version != js.view.version + 1:
+                    log.error("write-ahead log of %s skips from %d to %d; stopping replay there",
+                              cfg.name, js.view.version, rec.version)
+                    break
+                self._apply(js, rec)
+                replayed += 1
+            js.reset_round(js.view.version, "restored")
+            js.wal.rotate(js.view.version + 1)
+            log.info("restored job %s: checkpoint version %d + %d replayed from the write-ahead log "
+                     "= version %d, checksum %#010x", cfg.name, meta["version"], replayed,
+                     js.view.version, js.view.checksum)
 
     async def stop(self) -> None:
         for js in self.jobs.values():
             self._checkpoint(js)
-        if self._ckpt_tasks:
+        while self._ckpt_tasks:  # in-flight applies and checkpoints finish first
             await asyncio.gather(*list(self._ckpt_tasks), return_exceptions=True)
+        for js in self.jobs.values():
+            if js.wal is not None:
+                js.wal.close()
         await super().stop()

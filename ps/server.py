@@ -20,7 +20,6 @@ import grpc
 
 from ps.config import ServerConfig
 from ps.relay import Relay
-from ps.root import Root
 from ps.service import handler
 from ps.tier import Tier
 from ps.wire import GRPC_OPTIONS
@@ -31,7 +30,12 @@ log = logging.getLogger("hps.server")
 
 
 async def create_server(config: ServerConfig) -> tuple[grpc.aio.Server, int, Tier]:
-    tier: Tier = Root(config) if config.role == "global" else Relay(config)
+    if config.role == "global":
+        from ps.root import Root  # imports torch (the optimizer); relays never need it
+
+        tier: Tier = Root(config)
+    else:
+        tier = Relay(config)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers([handler(tier)])
     port = server.add_insecure_port(config.listen)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,9 +67,10 @@ def test_killing_a_worker_mid_run_does_not_hang_the_others(tmp_path, reap):
 
 
 def test_root_restart_children_resync_from_a_snapshot_not_a_wrong_base(tmp_path, reap):
-    """Invariant 5: the root restarts from an older checkpoint under a new epoch; the region,
-    the zone and the worker must notice and take a snapshot rather than apply the new root's
-    deltas to their old views (same version numbers, different values)."""
+    """Invariant 5: the root restarts from an older checkpoint under a new epoch (its
+    write-ahead log lost, as when restoring a backup); the region, the zone and the worker must
+    notice and take a snapshot rather than apply the new root's deltas to their old views
+    (same version numbers, different values)."""
     ckpt = tmp_path / "ckpt"
     topo = _topology(str(ckpt))
     with Cluster.start(topo, tmp_path / "logs", extra_root_args=["--checkpoint-every", "4"]) as cluster:
@@ -77,8 +79,12 @@ def test_root_restart_children_resync_from_a_snapshot_not_a_wrong_base(tmp_path,
         before = _lines(w, 6, 60)
         assert len(before) == 6
         old_epoch = before[-1]["epoch"]
-        # Version 6 is acknowledged; the newest checkpoint holds version 4.
-        cluster.restart("root", signal.SIGKILL)
+        # Version 6 is acknowledged; the newest checkpoint holds version 4; without the
+        # write-ahead log the root comes back at version 4.
+        cluster.stop_tier("root", signal.SIGKILL)
+        for wal in ckpt.glob("*/wal-*.log"):
+            wal.unlink()
+        cluster.restart("root")
         after = _lines(w, 24, 120)
         assert len(after) == 24, f"worker stalled after the restart (log: {tmp_path}/w0.log)"
         new_epoch = after[-1]["epoch"]
@@ -97,3 +103,26 @@ def test_root_restart_children_resync_from_a_snapshot_not_a_wrong_base(tmp_path,
         assert after[0]["version"] <= 6 or not after[0]["applied"]
         logs = (tmp_path / "logs" / "eu.log").read_text() + (tmp_path / "logs" / "eu-a.log").read_text()
         assert "resynced from a snapshot" in logs
+
+
+def test_kill_9_of_the_root_loses_no_acknowledged_version(tmp_path, reap):
+    """The root acknowledges a version only once its write-ahead log record is on disk: after
+    kill -9 it replays the log on top of the newest checkpoint, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    with Cluster.start(_topology(str(ckpt)), tmp_path / "logs", extra_root_args=["--checkpoint-every", "4"]) as cluster:
+        w = _worker(reap, cluster.address("eu-a"), "w0", 12, 0.05, tmp_path / "w0.log")
+        seen = _lines(w, 7, 60)
+        assert len(seen) == 7
+        acked = {e["version"]: e["crc"] for e in seen}
+        cluster.restart("root", signal.SIGKILL)
+        log = (tmp_path / "logs" / "root.log").read_text()
+        m = re.findall(r"checkpoint version (\d+) \+ (\d+) replayed from the write-ahead log = version "
+                       r"(\d+), checksum (0x[0-9a-f]+)", log)
+        assert m, log[-2000:]
+        ckpt_version, replayed, version, crc = int(m[-1][0]), int(m[-1][1]), int(m[-1][2]), int(m[-1][3], 16)
+        assert version >= max(acked), f"acknowledged {max(acked)}, restored {version}"
+        assert replayed > 0 and ckpt_version < version
+        if version in acked:  # the replayed view is the one the worker was given
+            assert crc == acked[version]
+        rest = _lines(w, 5, 90)
+        assert len(rest) == 5 and w.wait(timeout=30) == 0
