@@ -65,12 +65,16 @@ class JobConfig:
     push_codec: str = "fp32"
     delta_codec: str = "fp32"
     delta_log_length: int = 64
+    damping: bool = False  # async/ssp: lr / (1 + staleness) at the root
 
     def __post_init__(self) -> None:
         _require(bool(_NAME.match(self.name)),
                  f"job name {self.name!r} must be 1-63 letters, digits, '.', '_' or '-'")
         _require(self.mode in MODES, f"mode {self.mode!r} is not one of {MODES}")
         _require(self.staleness >= 0, f"staleness must be >= 0, got {self.staleness}")
+        _require(self.mode == "ssp" or self.staleness == 0,
+                 f"staleness {self.staleness} only applies to mode ssp, not {self.mode!r}")
+        _require(self.mode != "bsp" or not self.damping, "damping applies to ssp and async, not bsp")
         _require(self.push_codec in CODEC_NAMES, f"push codec {self.push_codec!r} is not one of {CODEC_NAMES}")
         _require(self.delta_codec in CODEC_NAMES, f"delta codec {self.delta_codec!r} is not one of {CODEC_NAMES}")
         _require(1 <= self.delta_log_length <= 100_000,
@@ -93,6 +97,10 @@ class ServerConfig:
     checkpoint_keep: int = 3
     upstream_timeout_s: float = 10.0
     round_timeout_s: float = 600.0
+    # ssp/async aggregation window: flush after this long or this many payload bytes, whichever
+    # first (a zone may flush every few ms, a regional master towards the root far less often).
+    flush_ms: float = 5.0
+    flush_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"role {self.role!r} is not one of {ROLES}")
@@ -109,6 +117,8 @@ class ServerConfig:
         _require(self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         _require(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
         _require(self.upstream_timeout_s > 0, f"upstream timeout must be positive, got {self.upstream_timeout_s}")
+        _require(0 <= self.flush_ms <= 60_000, f"flush window must be in [0, 60000] ms, got {self.flush_ms}")
+        _require(self.flush_bytes > 0, f"flush byte budget must be positive, got {self.flush_bytes}")
 
     @property
     def display_name(self) -> str:

@@ -1,4 +1,4 @@
-"""Membership, BSP round accounting and exactly-once bookkeeping (pure, time injected).
+"""Membership, BSP rounds, SSP/async windows and exactly-once bookkeeping (pure, time injected).
 
     members = Membership()
     members.join("w0", now=0.0, first_round=0)
@@ -9,6 +9,11 @@
 A round r aggregates gradients computed on version r. It is complete when every live member
 expected in it (joined at or before r) has pushed: a member that stops heart-beating is
 dropped and no longer holds the round (DESIGN: "a worker that dies leaves the barrier").
+
+SSP and async jobs aggregate in a ``Window`` instead: pushes on any base version, closed after
+a time window or a byte budget. Each member carries a clock floor (how many of its workers'
+pushes are included once its pushes are applied); a tier's floor is the minimum over its live
+members, and the root stamps it on every version for SSP's wait.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy as np
 
 from ps.errors import BadInput, NotReady, Stale
 
-__all__ = ["Member", "Membership", "BspRound", "Aggregate", "SeqBook"]
+__all__ = ["Member", "Membership", "BspRound", "Window", "Aggregate", "SeqBook"]
 
 
 @dataclass
@@ -31,6 +36,7 @@ class Member:
     first_round: int
     last_seen: float
     pushes: int = 0
+    floor: int = 0  # SSP clock floor this member reported with its latest accepted push
 
 
 class Membership:
@@ -55,12 +61,12 @@ class Membership:
             raise NotReady(f"{member!r} is not a registered member of this job here; register first") from None
 
     def join(self, member: str, now: float, first_round: int, role: str = "worker",
-             address: str = "") -> Member:
+             address: str = "", floor: int = 0) -> Member:
         old = self._m.get(member)
         if old is not None:  # re-registration keeps the place it had in the rounds
             old.last_seen, old.role, old.address = now, role, address
             return old
-        m = Member(member, role, address, first_round, now)
+        m = Member(member, role, address, first_round, now, floor=floor)
         self._m[member] = m
         return m
 
@@ -83,17 +89,22 @@ class Membership:
     def expected_in(self, round_: int) -> set[str]:
         return {k for k, m in self._m.items() if m.first_round <= round_}
 
+    def floor(self, default: int) -> int:
+        """The clock floor below this tier: the slowest live member's (``default`` if none)."""
+        return min((m.floor for m in self._m.values()), default=default)
+
 
 @dataclass(frozen=True)
 class Aggregate:
     """A closed round: the summed gradient and who is in it."""
 
-    round: int
+    round: int          # BSP: the round; windows: the smallest base version included
     grad: np.ndarray
     contributors: int
     clock_min: int
     clock_max: int
     members: tuple[str, ...]
+    nbytes: int = 0     # payload bytes received for it
 
 
 @dataclass
@@ -142,6 +153,53 @@ class BspRound:
         grad = self._sum if self._sum is not None else np.zeros(self.numel, dtype=np.float32)
         return Aggregate(self.round, grad, total, self._clock_min or 0, self._clock_max or 0,
                          tuple(self.pushed))
+
+
+@dataclass
+class Window:
+    """An SSP/async aggregation window: any base versions, one push per member, closed on time
+    or bytes. ``base_min`` (the oldest base included) measures staleness at the root."""
+
+    numel: int
+    opened: float | None = None
+    nbytes: int = 0
+    pushed: dict[str, int] = field(default_factory=dict)
+    base_min: int | None = None
+    _sum: np.ndarray | None = None
+    _clock_min: int | None = None
+    _clock_max: int | None = None
+
+    def check(self, member: str) -> None:
+        if member in self.pushed:
+            raise BadInput(f"{member!r} pushed twice into one aggregation window; a sender keeps one "
+                           "push in flight and sums gradients meanwhile")
+
+    def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
+            clocks: tuple[int, int], nbytes: int, now: float) -> None:
+        self.check(member)
+        if self.opened is None:
+            self.opened = now
+        if grad is not None and contributors > 0:
+            if self._sum is None:
+                self._sum = np.array(grad, dtype=np.float32, copy=True)
+            else:
+                self._sum += grad
+            self.base_min = base_version if self.base_min is None else min(self.base_min, base_version)
+            lo, hi = clocks
+            self._clock_min = lo if self._clock_min is None else min(self._clock_min, lo)
+            self._clock_max = hi if self._clock_max is None else max(self._clock_max, hi)
+        self.pushed[member] = contributors
+        self.nbytes += nbytes
+
+    def due(self, now: float, flush_s: float, flush_bytes: int) -> bool:
+        return bool(self.pushed) and (now - self.opened >= flush_s or self.nbytes >= flush_bytes)
+
+    def close(self, default_base: int) -> Aggregate:
+        total = sum(self.pushed.values())
+        grad = self._sum if self._sum is not None else np.zeros(self.numel, dtype=np.float32)
+        base = self.base_min if self.base_min is not None else default_base
+        return Aggregate(base, grad, total, self._clock_min or 0, self._clock_max or 0,
+                         tuple(self.pushed), self.nbytes)
 
 
 @dataclass

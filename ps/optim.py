@@ -43,13 +43,13 @@ class ServerOptimizer:
             self._opt = torch.optim.Adam([self._p], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                          eps=cfg.eps, weight_decay=cfg.weight_decay)
 
-    def step(self, grad: np.ndarray) -> None:
-        """Apply one aggregated (already averaged) gradient."""
+    def step(self, grad: np.ndarray, lr_scale: float = 1.0) -> None:
+        """Apply one aggregated (already averaged) gradient; ``lr_scale`` damps stale ones."""
         if grad.shape != self._p.shape:
             raise ValueError(f"gradient has {grad.size} elements, parameters {self._p.numel()}")
         self._p.grad.copy_(torch.from_numpy(grad))
         for group in self._opt.param_groups:
-            group["lr"] = lr_at(self.cfg, self.steps)
+            group["lr"] = lr_at(self.cfg, self.steps) * lr_scale
         self._opt.step()
         self.steps += 1
 

@@ -21,7 +21,7 @@ from ps.codecs import get_codec
 from ps.config import ServerConfig
 from ps.consistency import Aggregate
 from ps.deltas import DeltaEntry
-from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable
+from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, UnknownJob
 from ps.tensors import assemble, payload_bytes, split
 from ps.tier import JobState, Tier
 from ps.upstream import Upstream
@@ -82,7 +82,7 @@ class Relay(Tier):
             return js
 
     async def _members_changed(self, js: JobState) -> None:
-        self._maybe_close(js)
+        await super()._members_changed(js)
         job = js.config.name
         if len(js.members) == 0 and job in self.attached:
             # No children left: stop holding the parent's rounds.
@@ -115,17 +115,18 @@ class Relay(Tier):
                         log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
 
     # -- upward ----------------------------------------------------------------------------
-    def _finish_round(self, js: JobState, agg: Aggregate, fut: asyncio.Future) -> None:
-        task = asyncio.create_task(self._forward(js, agg, fut))
+    def _finish_round(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
+        task = asyncio.create_task(self._forward(js, agg, floor, fut))
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
-    async def _forward(self, js: JobState, agg: Aggregate, fut: asyncio.Future) -> None:
+    async def _forward(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
         job = js.config.name
         seq = self._up_acked.get(job, 0) + 1  # reused until acknowledged, like a worker's
         chunks = split(js.layout, agg.grad, get_codec(js.config.push_codec)) if agg.contributors else []
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
-                                      agg.contributors, agg.clock_min, agg.clock_max), chunks)
+                                      agg.contributors, agg.clock_min, agg.clock_max, floor), chunks)
+        js.reported_floor = max(js.reported_floor, floor)
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]
         while True:
@@ -143,6 +144,11 @@ class Relay(Tier):
                             agg.round, job, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
+            except UnknownJob as exc:
+                self._drop_job(job, str(exc))
+                if not fut.done():
+                    fut.set_exception(exc)
+                return
             except HpsError as exc:
                 log.warning("%s: parent refused round %d of %s: %s", self.role, agg.round, job, exc)
                 if isinstance(exc, NotReady):
@@ -173,10 +179,23 @@ class Relay(Tier):
             except Stale as exc:
                 log.warning("%s: %s", self.role, exc)
                 self._force_snapshot.add(job)
+            except UnknownJob as exc:
+                self._drop_job(job, str(exc))
+                return
             except HpsError as exc:
                 log.debug("%s: pull of %s failed: %s", self.role, job, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
+
+    def _drop_job(self, job: str, why: str) -> None:
+        """The parent no longer knows the job (it ended): refuse it here too."""
+        js = self.jobs.pop(job, None)
+        if js is None:
+            return
+        log.warning("%s: dropping job %s: %s", self.role, job, why)
+        self.ended[job] = js.view.version
+        self.attached.discard(job)
+        js.abort(why)
 
     def apply_pulled(self, js: JobState, meta: PullMeta, versions: list) -> None:
         """Bring the view to the parent's: a verified snapshot or verified deltas."""
@@ -186,7 +205,7 @@ class Relay(Tier):
             vm, chunks = versions[0]
             values = assemble(js.layout, chunks, what="snapshot", check_finite=False, require_all=True)
             previous = js.view.epoch
-            js.view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum)
+            js.view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum, vm.clock_min)
             js.log.clear()
             js.stats.bytes_pulled_in += payload_bytes(chunks)
             if previous and previous != meta.view_epoch:
@@ -196,7 +215,7 @@ class Relay(Tier):
         else:
             for vm, chunks in versions:
                 delta = assemble(js.layout, chunks, what=f"delta {vm.version}", check_finite=False)
-                js.view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum)
+                js.view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum, vm.clock_min)
                 js.log.append(DeltaEntry(vm.version, vm.checksum, tuple(chunks), vm.clock_min,
                                          vm.contributors))
                 js.stats.bytes_pulled_in += payload_bytes(chunks)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -21,7 +24,7 @@ from ps.codecs import get_codec
 from ps.config import JobConfig, OptimizerConfig, ServerConfig
 from ps.consistency import Aggregate
 from ps.deltas import DeltaEntry
-from ps.errors import Conflict
+from ps.errors import Conflict, UnknownJob
 from ps.optim import ServerOptimizer
 from ps.store import KeySpec, Layout, checksum
 from ps.tensors import Chunk, assemble, split
@@ -39,23 +42,81 @@ class Root(Tier):
     def __init__(self, config: ServerConfig, **kw) -> None:
         super().__init__(config, **kw)
         self._ckpt_tasks: set[asyncio.Task] = set()
+        self.declared: dict[str, JobConfig] = {}   # configured, waiting for parameters
+        self.ended_configs: dict[str, tuple[JobConfig, int]] = {}
         if config.checkpoint_dir:
             self._restore_all()
 
     # -- jobs ------------------------------------------------------------------------------
-    async def create_job(self, cfg: JobConfig, layout: Layout, chunks: list[Chunk]) -> tuple[bool, int, int]:
-        existing = self.jobs.get(cfg.name)
+    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, chunks: list[Chunk]
+                         ) -> tuple[bool, int, int]:
+        """Declare (no layout), initialise (a name only: adopt the declared config) or both.
+
+        Returns (created, version, epoch); an existing job with the same config and keys is not
+        an error (every worker of a job may call this; the first one's values win).
+        """
+        name = cfg if isinstance(cfg, str) else cfg.name
+        if name in self.ended:
+            raise Conflict(f"job {name!r} has ended; its name cannot be reused (choose another)")
+        existing = self.jobs.get(name)
+        known = existing.config if existing is not None else self.declared.get(name)
+        if isinstance(cfg, str):
+            if known is None:
+                raise UnknownJob(f"job {name!r} is not declared; create it with `hps job create {name}` "
+                                 "or give the worker a JobConfig")
+            cfg = known
+        elif known is not None and known != cfg:
+            raise Conflict(f"job {name!r} exists with another configuration ({_describe(known)}); "
+                           f"this caller asked for {_describe(cfg)}")
         if existing is not None:
-            if existing.layout != layout:
-                raise Conflict(f"job {cfg.name!r} already exists with other parameters; choose "
-                               "another name or end the old job")
+            if layout is not None and existing.layout != layout:
+                raise Conflict(f"job {name!r} already exists with other parameters; choose another "
+                               "name or end the old job")
             return False, existing.view.version, existing.view.epoch
-        values = assemble(layout, chunks, what=f"initial values of job {cfg.name!r}", require_all=True)
+        if layout is None:
+            created = name not in self.declared
+            self.declared[name] = cfg
+            self._persist_declared(cfg)
+            log.info("declared job %s: mode %s", name, cfg.mode)
+            return created, 0, self.epoch
+        values = assemble(layout, chunks, what=f"initial values of job {name!r}", require_all=True)
         js = self._install(cfg, layout, values, version=0)
-        log.info("created job %s: %d keys, %d parameters, mode %s", cfg.name, len(layout.specs),
+        self.declared.pop(name, None)
+        log.info("created job %s: %d keys, %d parameters, mode %s", name, len(layout.specs),
                  layout.numel, cfg.mode)
         self._checkpoint(js)
         return True, 0, self.epoch
+
+    def list_jobs(self) -> list[dict]:
+        out = [dict(config=cfg, state="declared", version=0, members=0, parameters=0)
+               for cfg in self.declared.values()]
+        out += [dict(config=js.config, state="running", version=js.view.version, members=len(js.members),
+                     parameters=js.layout.numel) for js in self.jobs.values()]
+        out += [dict(config=cfg, state="ended", version=v, members=0, parameters=0)
+                for cfg, v in self.ended_configs.values()]
+        return out
+
+    async def end_job(self, name: str) -> int:
+        if name in self.declared:
+            cfg, version = self.declared.pop(name), 0
+        else:
+            js = self.job(name)
+            cfg, version = js.config, js.view.version
+            self._checkpoint(js)
+            js.abort(f"job {name!r} was ended")
+            del self.jobs[name]
+        self.ended[name] = version
+        self.ended_configs[name] = (cfg, version)
+        if self.config.checkpoint_dir:
+            Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
+            _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version)))
+        log.info("ended job %s at version %d", name, version)
+        return version
+
+    def _persist_declared(self, cfg: JobConfig) -> None:
+        if self.config.checkpoint_dir:
+            Path(self._job_dir(cfg.name)).mkdir(parents=True, exist_ok=True)
+            _write_atomic(Path(self._job_dir(cfg.name)) / "declared.json", json.dumps(dataclasses.asdict(cfg)))
 
     def _install(self, cfg: JobConfig, layout: Layout, values: np.ndarray, version: int,
                  view_values: np.ndarray | None = None) -> JobState:
@@ -73,11 +134,17 @@ class Root(Tier):
         return f"{self.config.checkpoint_dir}/{job}"
 
     # -- rounds ----------------------------------------------------------------------------
-    def _finish_round(self, js: JobState, agg: Aggregate, fut: asyncio.Future) -> None:
+    def _finish_round(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
         # Average over contributors: the same gradient as one process on the concatenated
         # batch when each worker's loss is a mean (invariant 2).
         grad = agg.grad / np.float32(agg.contributors) if agg.contributors > 0 else None
-        rec = WalRecord(js.view.version + 1, agg.contributors, agg.clock_min, grad)
+        scale = 1.0
+        if grad is not None:
+            staleness = max(0, js.view.version - agg.round)  # versions since its oldest base
+            js.stats.staleness(staleness)
+            if js.config.damping:
+                scale = 1.0 / (1.0 + staleness)
+        rec = WalRecord(js.view.version + 1, agg.contributors, floor, grad, scale)
         task = asyncio.ensure_future(self._apply_durably(js, rec, fut))
         self._ckpt_tasks.add(task)
         task.add_done_callback(self._ckpt_tasks.discard)
@@ -98,7 +165,7 @@ class Root(Tier):
 
     def _apply(self, js: JobState, rec: WalRecord) -> None:
         if rec.grad is not None:
-            js.optimizer.step(rec.grad)
+            js.optimizer.step(rec.grad, rec.scale)
         self._publish(js, rec.clock_min, rec.contributors)
 
     def _publish(self, js: JobState, clock_min: int, contributors: int) -> None:
@@ -109,7 +176,9 @@ class Root(Tier):
         crc = checksum(new)
         version = js.view.version + 1
         js.view.values, js.view.version, js.view.checksum = new, version, crc
-        js.log.append(DeltaEntry(version, crc, tuple(chunks), clock_min, contributors))
+        js.view.clock_min = max(js.view.clock_min, clock_min)
+        js.reported_floor = js.view.clock_min
+        js.log.append(DeltaEntry(version, crc, tuple(chunks), js.view.clock_min, contributors))
         js.notify()
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -121,6 +190,7 @@ class Root(Tier):
             if isinstance(v, np.ndarray):
                 arrays[f"opt.{k}"] = v
         meta = dict(version=js.view.version, checksum=js.view.checksum, steps=js.optimizer.steps,
+                    clock_min=js.view.clock_min,
                     config=dataclasses.asdict(js.config),
                     keys=[[s.key, list(s.shape), s.dtype] for s in js.layout])
         version, wal = js.view.version, js.wal
@@ -142,19 +212,26 @@ class Root(Tier):
             log.error("checkpoint failed (the write-ahead log still covers it): %s", task.exception())
 
     def _restore_all(self) -> None:
-        from pathlib import Path
-
         for d in sorted(Path(self.config.checkpoint_dir).glob("*/")):
+            if (d / "ENDED").exists():
+                version = json.loads((d / "ENDED").read_text())["version"]
+                self.ended[d.name] = version
+                if (d / "declared.json").exists():
+                    self.ended_configs[d.name] = (_config(json.loads((d / "declared.json").read_text())), version)
+                continue
             loaded = checkpoint.load_latest(d)
             if loaded is None:
+                if (d / "declared.json").exists():
+                    cfg = _config(json.loads((d / "declared.json").read_text()))
+                    self.declared[cfg.name] = cfg
                 continue
             arrays, meta = loaded
-            c = dict(meta["config"])
-            cfg = JobConfig(**{**c, "optimizer": OptimizerConfig(**c["optimizer"])})
+            cfg = _config(meta["config"])
             layout = Layout([KeySpec(k, tuple(s), dt) for k, s, dt in meta["keys"]])
             js = self._install(cfg, layout, arrays["params"], meta["version"], arrays["view"])
             state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
             js.optimizer.load_state_dict({"steps": meta["steps"], **state})
+            js.view.clock_min = js.reported_floor = meta.get("clock_min", 0)
             replayed = 0
             for rec in js.wal.records(after=js.view.version):
                 if rec.version != js.view.version + 1:
@@ -178,3 +255,22 @@ class Root(Tier):
             if js.wal is not None:
                 js.wal.close()
         await super().stop()
+
+
+def _config(c: dict) -> JobConfig:
+    return JobConfig(**{**c, "optimizer": OptimizerConfig(**c["optimizer"])})
+
+
+def _describe(cfg: JobConfig) -> str:
+    o = cfg.optimizer
+    return (f"mode {cfg.mode}" + (f"({cfg.staleness})" if cfg.mode == "ssp" else "") +
+            f", {o.kind} lr {o.lr:g}, push codec {cfg.push_codec}")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

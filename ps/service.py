@@ -48,7 +48,8 @@ class _Servicer:
         reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role], req.address, req.last_seq)
         return pb.RegisterReply(
             config=job_to_pb(reg.config), keys=layout_to_pb(reg.layout), server_epoch=reg.server_epoch,
-            start_version=reg.start_version, heartbeat_ms=int(self.tier.config.heartbeat_s * 1000),
+            start_version=reg.start_version, start_clock=reg.start_clock,
+            heartbeat_ms=int(self.tier.config.heartbeat_s * 1000),
             member_timeout_ms=int(self.tier.config.member_timeout_s * 1000))
 
     @_unary
@@ -73,7 +74,7 @@ class _Servicer:
     async def Pull(self, req: pb.PullRequest, context):
         try:
             meta, versions = await self.tier.pull(req.job, req.view_epoch, req.since_version,
-                                                  req.min_version, req.wait_ms / 1000.0)
+                                                  req.min_version, req.wait_ms / 1000.0, req.min_clock)
         except HpsError as exc:
             await context.abort(code_of(exc), str(exc))
         for frame in encode_pull_reply(meta, versions):
@@ -90,6 +91,20 @@ class _Servicer:
             cfg, layout, chunks = decode_create_job(frames)
             created, version, epoch = await self.tier.create_job(cfg, layout, chunks)
         return pb.CreateJobReply(created=created, version=version, view_epoch=epoch)
+
+    @_unary
+    async def ListJobs(self, req: pb.ListJobsRequest, context) -> pb.ListJobsReply:
+        if isinstance(self.tier, Relay):
+            return await self.tier.up.forward("ListJobs", req)
+        return pb.ListJobsReply(jobs=[
+            pb.JobInfo(config=job_to_pb(j["config"]), state=j["state"], version=j["version"],
+                       members=j["members"], parameters=j["parameters"]) for j in self.tier.list_jobs()])
+
+    @_unary
+    async def EndJob(self, req: pb.EndJobRequest, context) -> pb.EndJobReply:
+        if isinstance(self.tier, Relay):
+            return await self.tier.up.forward("EndJob", req)
+        return pb.EndJobReply(version=await self.tier.end_job(req.job))
 
     @_unary
     async def Status(self, req: pb.StatusRequest, context) -> pb.StatusReply:

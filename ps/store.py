@@ -108,22 +108,25 @@ class View:
         self.values = np.zeros(layout.numel, dtype=np.float32)
         self.epoch = 0
         self.version = 0
+        self.clock_min = 0  # SSP: every live worker has at least this many pushes included
         self.checksum = checksum(self.values)
 
     @property
     def ready(self) -> bool:
         return self.epoch != 0
 
-    def load_snapshot(self, epoch: int, version: int, values: np.ndarray, crc: int) -> None:
+    def load_snapshot(self, epoch: int, version: int, values: np.ndarray, crc: int,
+                      clock_min: int = 0) -> None:
         if values.shape != (self.layout.numel,):
             raise BadInput(f"snapshot has {values.size} elements, the job has {self.layout.numel}")
         got = checksum(values)
         if got != crc:
             raise Stale(f"snapshot of version {version} fails its checksum ({got:#010x} != {crc:#010x})")
         self.values = np.array(values, dtype=np.float32, copy=True)
-        self.epoch, self.version, self.checksum = epoch, version, crc
+        self.epoch, self.version, self.checksum, self.clock_min = epoch, version, crc, clock_min
 
-    def apply_delta(self, epoch: int, version: int, delta: np.ndarray, crc: int) -> None:
+    def apply_delta(self, epoch: int, version: int, delta: np.ndarray, crc: int,
+                    clock_min: int = 0) -> None:
         """view_v = view_{v-1} + d_v, only onto the exact base (invariant 5)."""
         if epoch != self.epoch or version != self.version + 1:
             raise Stale(
@@ -139,3 +142,4 @@ class View:
             raise Stale(f"version {version} fails its checksum ({got:#010x} != {crc:#010x}); "
                         "resync from a snapshot")
         self.values, self.version, self.checksum = new, version, crc
+        self.clock_min = max(self.clock_min, clock_min)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, replace
 
 from ps.codecs import get_codec
 from ps.config import JobConfig, ServerConfig
-from ps.consistency import Aggregate, BspRound, Membership, SeqBook
+from ps.consistency import Aggregate, BspRound, Membership, SeqBook, Window
 from ps.deltas import DeltaLog
-from ps.errors import NotBuilt, NotReady, Stale, TimedOut, UnknownJob
+from ps.errors import NotReady, Stale, TimedOut, UnknownJob
 from ps.store import Layout, View
 from ps.tensors import Chunk, assemble, payload_bytes, split
 from ps.wire import PullMeta, PushMeta, VersionMeta
@@ -44,6 +44,7 @@ class Registration:
     layout: Layout
     start_version: int
     server_epoch: int
+    start_clock: int = 0
 
 
 @dataclass
@@ -57,6 +58,15 @@ class JobStats:
     deltas_served: int = 0
     rounds: int = 0
     aborted_rounds: int = 0
+    staleness_count: int = 0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    round_wait_ms_sum: int = 0
+
+    def staleness(self, s: int) -> None:
+        self.staleness_count += 1
+        self.staleness_sum += s
+        self.staleness_max = max(self.staleness_max, s)
 
 
 @dataclass
@@ -69,8 +79,13 @@ class JobState:
     log: DeltaLog = None
     members: Membership = field(default_factory=Membership)
     books: dict[str, SeqBook] = field(default_factory=dict)
-    round: BspRound = None
-    round_futs: dict[int, asyncio.Future] = field(default_factory=dict)
+    round: BspRound = None               # bsp: the open round
+    window: Window = None                # ssp/async: the open aggregation window
+    futs: dict[int, asyncio.Future] = field(default_factory=dict)  # open/in-flight batches
+    serial: int = 0                      # the open batch's key in futs
+    inflight: bool = False               # ssp/async: a closed window is being applied / sent up
+    timer: asyncio.TimerHandle | None = None
+    reported_floor: int = 0              # the clock floor last sent up (relay) or stamped (root)
     pending: dict[tuple[str, int], asyncio.Future] = field(default_factory=dict)
     stats: JobStats = field(default_factory=JobStats)
     parent_version: int = 0
@@ -82,6 +97,11 @@ class JobState:
         self.view = self.view or View(self.layout)
         self.log = self.log or DeltaLog(self.config.delta_log_length)
         self.round = self.round or BspRound(round=0, numel=self.layout.numel)
+        self.window = self.window or Window(numel=self.layout.numel)
+
+    @property
+    def bsp(self) -> bool:
+        return self.config.mode == "bsp"
 
     def notify(self) -> None:
         """Wake everything waiting for a newer version."""
@@ -94,22 +114,44 @@ class JobState:
         except asyncio.TimeoutError:
             pass
 
-    def round_future(self) -> asyncio.Future:
-        r = self.round.round
-        if r not in self.round_futs:
-            self.round_futs[r] = asyncio.get_running_loop().create_future()
-        return self.round_futs[r]
+    def open_future(self) -> asyncio.Future:
+        """The outcome of the open batch (round or window), shared by every push in it."""
+        fut = self.futs.get(self.serial)
+        if fut is None:
+            fut = self.futs[self.serial] = asyncio.get_running_loop().create_future()
+            key = self.serial
+            fut.add_done_callback(lambda _: self.futs.pop(key, None))
+        return fut
+
+    def close_batch(self) -> asyncio.Future:
+        fut = self.open_future()
+        self.serial += 1
+        return fut
 
     def reset_round(self, round_: int, why: str) -> None:
         """Abort every pending push (they were not applied) and open ``round_``."""
-        for r, fut in self.round_futs.items():
+        for fut in list(self.futs.values()):
             if not fut.done():
-                fut.set_exception(Stale(f"round {r} was aborted ({why}); pull the latest version"))
+                fut.set_exception(Stale(f"the batch was aborted ({why}); pull the latest version"))
                 self.stats.aborted_rounds += 1
-        self.round_futs.clear()
+        self.futs.clear()
         self.round = BspRound(round=round_, numel=self.layout.numel)
+        self.window = Window(numel=self.layout.numel)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         for m in self.members:
             m.first_round = min(m.first_round, round_)
+
+    def abort(self, why: str) -> None:
+        """The job is gone (ended): fail every waiting push with UnknownJob."""
+        for fut in list(self.futs.values()):
+            if not fut.done():
+                fut.set_exception(UnknownJob(why))
+        self.futs.clear()
+        if self.timer is not None:
+            self.timer.cancel()
+        self.notify()
 
     def snapshot_chunks(self) -> list[Chunk]:
         """The held view, losslessly encoded; cached per (epoch, version)."""
@@ -137,6 +179,7 @@ class Tier:
         self.started = clock()
         self.jobs: dict[str, JobState] = {}
         self.children: dict[str, tuple[str, str, float]] = {}  # relay id -> (role, address, seen)
+        self.ended: dict[str, int] = {}  # job -> its last version
         self._tasks: list[asyncio.Task] = []
 
     # -- lookups ---------------------------------------------------------------------------
@@ -144,6 +187,8 @@ class Tier:
         try:
             return self.jobs[name]
         except KeyError:
+            if name in self.ended:
+                raise UnknownJob(f"job {name!r} has ended (at version {self.ended[name]})") from None
             raise UnknownJob(f"job {name!r} is not known at this {self.role} tier; create it first "
                              "(the first worker with a JobConfig does) or check the name") from None
 
@@ -171,13 +216,15 @@ class Tier:
                     await self._members_changed(js)
 
     async def _members_changed(self, js: JobState) -> None:
-        """Membership shrank: the open round may now be complete."""
-        self._maybe_close(js)
+        """Membership shrank: the open round may now be complete, the clock floor higher."""
+        self._progress(js)
+        self._flush_floor(js)
 
     # -- membership ------------------------------------------------------------------------
     async def register(self, job: str, member: str, role: str, address: str, last_seq: int) -> Registration:
         js = await self._job_for_register(job)
-        m = js.members.join(member, self.clock(), js.round.round, role, address)
+        start_clock = js.view.clock_min  # a late joiner must not hold the others back (SSP)
+        m = js.members.join(member, self.clock(), js.round.round, role, address, floor=start_clock)
         book = js.books.setdefault(member, SeqBook())
         if not any(k[0] == member for k in js.pending):
             # A (re)starting member continues after the last sequence number it used.
@@ -185,7 +232,8 @@ class Tier:
             for s in [s for s in book.acks if s > last_seq]:
                 del book.acks[s]
         log.info("%s: %s %r joined job %s at round %d", self.role, role, member, job, m.first_round)
-        return Registration(js.config, js.layout, max(m.first_round, js.round.round), self.epoch)
+        return Registration(js.config, js.layout, max(m.first_round, js.round.round), self.epoch,
+                            start_clock)
 
     async def _job_for_register(self, job: str) -> JobState:
         return self.job(job)
@@ -205,8 +253,6 @@ class Tier:
     # -- push ------------------------------------------------------------------------------
     async def push(self, meta: PushMeta, chunks: list[Chunk]) -> Ack:
         js = self.job(meta.job)
-        if js.config.mode != "bsp":
-            raise NotBuilt(f"job {meta.job!r} uses mode {js.config.mode!r}; only bsp is built so far")
         member = js.members.get(meta.sender)
         book = js.books.setdefault(meta.sender, SeqBook())
         kind = book.classify(meta.seq)
@@ -221,7 +267,13 @@ class Tier:
         if meta.view_epoch and js.view.ready and meta.view_epoch != js.view.epoch:
             raise Stale(f"gradient computed on a view of root epoch {meta.view_epoch:#x}; this tier "
                         f"holds epoch {js.view.epoch:#x} (the root restarted): pull a snapshot")
-        js.round.check(meta.sender, meta.base_version)
+        if js.bsp:
+            js.round.check(meta.sender, meta.base_version)
+        else:
+            js.window.check(meta.sender)
+            if js.view.ready and meta.base_version > js.view.version:
+                raise NotReady(f"gradient computed on version {meta.base_version}, ahead of this tier's "
+                               f"{js.view.version}; the tier is still catching up, retry shortly")
         if meta.contributors == 0:
             if chunks:
                 raise NotReady("a push with 0 contributors must carry no tensors")
@@ -230,21 +282,29 @@ class Tier:
             grad = assemble(js.layout, chunks, what=f"push {meta.seq} from {meta.sender!r}")
         # Everything is validated: from here the push is committed to the round.
         book.accept(meta.seq)
-        js.round.add(meta.sender, meta.base_version, grad, meta.contributors,
-                     (meta.clock_min, meta.clock_max))
+        nbytes = payload_bytes(chunks)
+        clocks = (meta.clock_min, meta.clock_max)
+        if js.bsp:
+            js.round.add(meta.sender, meta.base_version, grad, meta.contributors, clocks)
+        else:
+            js.window.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, nbytes, self.clock())
         member.pushes += 1
+        member.floor = max(member.floor, meta.clock_floor)
         js.stats.pushes += 1
-        js.stats.bytes_pushed_in += payload_bytes(chunks)
-        fut = js.round_future()
+        js.stats.bytes_pushed_in += nbytes
+        fut = js.open_future()
         key = (meta.sender, meta.seq)
         js.pending[key] = fut
         fut.add_done_callback(lambda f: self._settle(js, book, key, f))
-        self._maybe_close(js)
+        t0 = self.clock()
+        self._progress(js)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.config.round_timeout_s)
         except asyncio.TimeoutError:
-            raise TimedOut(f"round {meta.base_version} did not complete within "
+            raise TimedOut(f"the push's {'round' if js.bsp else 'window'} did not complete within "
                            f"{self.config.round_timeout_s:.0f}s; the push stays in it") from None
+        finally:
+            js.stats.round_wait_ms_sum += int((self.clock() - t0) * 1000)
 
     @staticmethod
     def _settle(js: JobState, book: SeqBook, key: tuple[str, int], fut: asyncio.Future) -> None:
@@ -253,21 +313,66 @@ class Tier:
         if not fut.cancelled() and fut.exception() is None:
             book.record(key[1], fut.result())
 
+    def _progress(self, js: JobState) -> None:
+        """Close the open batch if it is ready: a complete round, or a due window."""
+        if js.bsp:
+            self._maybe_close(js)
+        else:
+            self._maybe_flush(js)
+
     def _maybe_close(self, js: JobState) -> None:
         if not js.round.complete(js.members):
             return
         agg = js.round.close()
-        fut = js.round_future()
+        fut = js.close_batch()
         js.round = BspRound(round=agg.round + 1, numel=js.layout.numel)
         js.stats.rounds += 1
-        self._finish_round(js, agg, fut)
+        self._finish_round(js, agg, js.members.floor(js.view.clock_min), fut)
 
-    def _finish_round(self, js: JobState, agg: Aggregate, fut: asyncio.Future) -> None:
+    def _maybe_flush(self, js: JobState, force: bool = False) -> None:
+        """Close the window when due (time or bytes), one batch in flight at a time."""
+        if js.inflight or not js.window.pushed:
+            return
+        now, flush_s = self.clock(), self.config.flush_ms / 1000.0
+        if not (force or js.window.due(now, flush_s, self.config.flush_bytes)):
+            if js.timer is None:
+                def fire() -> None:
+                    js.timer = None
+                    self._maybe_flush(js)
+                delay = max(0.0, js.window.opened + flush_s - now)
+                js.timer = asyncio.get_running_loop().call_later(delay, fire)
+            return
+        if js.timer is not None:
+            js.timer.cancel()
+            js.timer = None
+        agg = js.window.close(default_base=js.view.version)
+        fut = js.close_batch()
+        js.window = Window(numel=js.layout.numel)
+        js.inflight = True
+        js.stats.rounds += 1
+        fut.add_done_callback(lambda _: self._window_done(js))
+        self._finish_round(js, agg, js.members.floor(js.view.clock_min), fut)
+
+    def _window_done(self, js: JobState) -> None:
+        js.inflight = False
+        self._maybe_flush(js)
+
+    def _flush_floor(self, js: JobState) -> None:
+        """SSP: membership shrank and the clock floor rose; send the news up even with nothing
+        to aggregate, so a dead worker stops holding the others back."""
+        if js.bsp or js.members.floor(js.view.clock_min) <= js.reported_floor or not len(js.members):
+            return
+        if not js.window.pushed and not js.inflight:
+            js.window.add(f"{self.role}:floor", js.view.version, None, 0, (0, 0), 0, self.clock())
+            self._maybe_flush(js, force=True)
+
+    def _finish_round(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
+        """Apply (root) or forward (relay) a closed batch; resolve ``fut`` with the Ack."""
         raise NotImplementedError
 
     # -- pull ------------------------------------------------------------------------------
-    async def pull(self, job: str, view_epoch: int, since: int, min_version: int, wait_s: float
-                   ) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
+    async def pull(self, job: str, view_epoch: int, since: int, min_version: int, wait_s: float,
+                   min_clock: int = 0) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
         js = self.job(job)
         deadline = self.clock() + max(0.0, wait_s)
 
@@ -276,10 +381,12 @@ class Tier:
                 return True
             # A caller from another lineage needs a snapshot now: its version numbers do not
             # compare with ours.
-            return view_epoch == js.view.epoch and js.view.version < min_version
+            return view_epoch == js.view.epoch and (js.view.version < min_version or
+                                                    js.view.clock_min < min_clock)
 
         while must_wait() and self.clock() < deadline:
             await js.wait_change(deadline - self.clock())
+            js = self.job(job)  # ended while we waited: UnknownJob
         if not js.view.ready:
             raise NotReady(f"this {self.role} tier has no view of job {job!r} yet (still syncing "
                            "with its parent); retry shortly")
@@ -296,7 +403,7 @@ class Tier:
         js.stats.snapshots_served += 1
         js.stats.bytes_pulled_out += payload_bytes(chunks)
         return (PullMeta(js.view.epoch, since, v, True, self.epoch),
-                [(VersionMeta(v, js.view.checksum), chunks)])
+                [(VersionMeta(v, js.view.checksum, js.view.clock_min), chunks)])
 
     # -- status ----------------------------------------------------------------------------
     def status(self) -> dict:
@@ -307,7 +414,9 @@ class Tier:
                 name=name, mode=js.config.mode, version=js.view.version, view_epoch=js.view.epoch,
                 parent_version=js.parent_version or js.view.version,
                 lag_s=(now - js.synced_at) if js.synced_at and js.parent_version > js.view.version else 0.0,
-                round=js.round.round, round_pushed=len(js.round.pushed), checksum=js.view.checksum,
+                round=js.round.round if js.bsp else js.stats.rounds,
+                round_pushed=len(js.round.pushed if js.bsp else js.window.pushed),
+                checksum=js.view.checksum, clock_min=js.view.clock_min,
                 members=[dict(member=m.id, role=m.role, address=m.address,
                               last_seen_s=now - m.last_seen, pushes=m.pushes) for m in js.members],
                 **js.stats.__dict__))

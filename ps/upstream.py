@@ -69,6 +69,10 @@ class Upstream:
         r = await self._call("Push", iter(frames), timeout=timeout)
         return Ack(r.applied_version, r.view_epoch, r.duplicate)
 
+    async def forward(self, name: str, request):
+        """Pass a control call (ListJobs, EndJob) to the parent unchanged."""
+        return await self._call(name, request)
+
     async def create_job(self, frames: list[bytes]) -> tuple[bool, int, int]:
         r = await self._call("CreateJob", iter(frames))
         return r.created, r.version, r.view_epoch

@@ -10,7 +10,8 @@ acknowledged version: on restart it loads the newest checkpoint and replays the 
 it. Replay is exact because the optimizer and the publication of deltas are deterministic.
 A record cut short by the crash (torn write) fails its CRC and ends the replay there.
 
-Record: b"HPSW" | u64 version | u32 contributors | u64 clock_min | u64 nbytes | u32 crc32 | payload
+Record: b"HPSW" | u64 version | u32 contributors | u64 clock_min | f64 lr scale | u64 nbytes |
+u32 crc32 | payload
 (payload: the averaged gradient as little-endian float32). Files: wal-<first version>.log.
 """
 
@@ -28,7 +29,7 @@ import numpy as np
 
 __all__ = ["WalRecord", "WriteAheadLog"]
 
-_HEAD = struct.Struct("<4sQIQQI")
+_HEAD = struct.Struct("<4sQIQdQI")
 _MAGIC = b"HPSW"
 
 
@@ -36,8 +37,9 @@ _MAGIC = b"HPSW"
 class WalRecord:
     version: int
     contributors: int
-    clock_min: int
-    grad: np.ndarray | None  # None: a round with no contributors (nothing applied)
+    clock_min: int           # the version's SSP clock floor
+    grad: np.ndarray | None  # None: a batch with no contributors (nothing applied)
+    scale: float = 1.0       # learning-rate scale (async/ssp damping by staleness)
 
 
 class WriteAheadLog:
@@ -66,7 +68,7 @@ class WriteAheadLog:
         if self._file is None:
             self.rotate(rec.version)
         payload = b"" if rec.grad is None else np.ascontiguousarray(rec.grad, "<f4").tobytes()
-        head = _HEAD.pack(_MAGIC, rec.version, rec.contributors, rec.clock_min, len(payload),
+        head = _HEAD.pack(_MAGIC, rec.version, rec.contributors, rec.clock_min, rec.scale, len(payload),
                           zlib.crc32(payload) & 0xFFFFFFFF)
         with self._lock:
             self._file.write(head + payload)
@@ -82,7 +84,7 @@ class WriteAheadLog:
                     head = f.read(_HEAD.size)
                     if len(head) < _HEAD.size:
                         break
-                    magic, version, contributors, clock_min, n, crc = _HEAD.unpack(head)
+                    magic, version, contributors, clock_min, scale, n, crc = _HEAD.unpack(head)
                     if magic != _MAGIC or n > size - f.tell():
                         return  # a damaged length must not make us read (allocate) past the file
                     payload = f.read(n)
@@ -90,7 +92,7 @@ class WriteAheadLog:
                         return  # torn by the crash: nothing after it was acknowledged
                     if version > after:
                         grad = np.frombuffer(payload, "<f4").copy() if n else None
-                        yield WalRecord(version, contributors, clock_min, grad)
+                        yield WalRecord(version, contributors, clock_min, grad, scale)
 
     def drop_upto(self, version: int) -> None:
         """Delete segments holding only versions <= ``version`` (a checkpoint covers them)."""

@@ -170,6 +170,7 @@ class PushMeta:
     contributors: int = 1
     clock_min: int = 0
     clock_max: int = 0
+    clock_floor: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ def decode_push(frames: Iterable[bytes]) -> tuple[PushMeta, list[Chunk]]:
                 raise BadInput(f"malformed push: first frame is {kind!r}, expected a push header")
             p = h.push
             meta = PushMeta(p.job, p.sender, p.seq, p.base_version, p.view_epoch, p.contributors,
-                            p.clock_min, p.clock_max)
+                            p.clock_min, p.clock_max, p.clock_floor)
         elif kind == "chunks":
             chunks.extend(_chunks_from(h.chunks, payload))
         else:
@@ -255,10 +256,15 @@ def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
                                      beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                      warmup_steps=o.warmup_steps),
         push_codec=_CODEC[cfg.push_codec], delta_codec=_CODEC[cfg.delta_codec],
-        delta_log_length=cfg.delta_log_length)
+        delta_log_length=cfg.delta_log_length, damping=cfg.damping)
 
 
-def job_from_pb(m: pb.JobConfig) -> JobConfig:
+def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
+    """The job's configuration; None when the message only names the job (adopt the declared one)."""
+    if m.mode == pb.MODE_UNSPECIFIED:
+        if not m.name:
+            raise BadInput("a job configuration needs at least the job's name")
+        return None
     o = m.optimizer
     return JobConfig(
         name=m.name, mode=_name(_MODE, m.mode, "mode"), staleness=m.staleness,
@@ -266,7 +272,7 @@ def job_from_pb(m: pb.JobConfig) -> JobConfig:
                                   nesterov=o.nesterov, weight_decay=o.weight_decay, beta1=o.beta1,
                                   beta2=o.beta2, eps=o.eps, warmup_steps=o.warmup_steps),
         push_codec=_name(_CODEC, m.push_codec, "codec"), delta_codec=_name(_CODEC, m.delta_codec, "codec"),
-        delta_log_length=m.delta_log_length)
+        delta_log_length=m.delta_log_length, damping=m.damping)
 
 
 def layout_to_pb(layout: Layout) -> list[pb.KeySpec]:
@@ -277,13 +283,19 @@ def layout_from_pb(keys: Iterable[pb.KeySpec]) -> Layout:
     return Layout([KeySpec(k.key, tuple(k.shape), _name(_DTYPE, k.dtype, "dtype")) for k in keys])
 
 
-def encode_create_job(cfg: JobConfig, layout: Layout, chunks: Iterable[Chunk]) -> list[bytes]:
-    h = pb.FrameHeader(job=pb.JobHeader(config=job_to_pb(cfg), keys=layout_to_pb(layout)))
+def encode_create_job(cfg: JobConfig | str, layout: Layout | None, chunks: Iterable[Chunk]) -> list[bytes]:
+    """A job's creation: config (or just its name, to adopt a declared one), keys, initial values.
+
+    No layout: declare the configuration only (`hps job create`).
+    """
+    config = job_to_pb(cfg) if isinstance(cfg, JobConfig) else pb.JobConfig(name=cfg)
+    h = pb.FrameHeader(job=pb.JobHeader(config=config, keys=layout_to_pb(layout) if layout else []))
     return [encode_frame(h), *_chunk_frames(chunks)]
 
 
-def decode_create_job(frames: Iterable[bytes]) -> tuple[JobConfig, Layout, list[Chunk]]:
+def decode_create_job(frames: Iterable[bytes]) -> tuple[JobConfig | str, Layout | None, list[Chunk]]:
     cfg = layout = None
+    started = False
     chunks = []
     for i, data in enumerate(frames):
         h, payload = decode_frame(data)
@@ -291,13 +303,17 @@ def decode_create_job(frames: Iterable[bytes]) -> tuple[JobConfig, Layout, list[
         if i == 0:
             if kind != "job":
                 raise BadInput(f"malformed create-job stream: first frame is {kind!r}")
-            cfg, layout = job_from_pb(h.job.config), layout_from_pb(h.job.keys)
+            started = True
+            cfg = job_from_pb(h.job.config) or h.job.config.name
+            layout = layout_from_pb(h.job.keys) if h.job.keys else None
         elif kind == "chunks":
             chunks.extend(_chunks_from(h.chunks, payload))
         else:
             raise BadInput(f"malformed create-job stream: frame {i} is {kind!r}")
-    if cfg is None:
+    if not started:
         raise BadInput("malformed create-job stream: no frames")
+    if layout is None and isinstance(cfg, str):
+        raise BadInput(f"creating job {cfg!r} needs a configuration, its parameters, or both")
     return cfg, layout, chunks
 
 
@@ -314,6 +330,8 @@ METHODS = {
     "Pull": ("unary_stream", pb.PullRequest, _ident),
     "CreateJob": ("stream_unary", _ident, pb.CreateJobReply),
     "Status": ("unary_unary", pb.StatusRequest, pb.StatusReply),
+    "ListJobs": ("unary_unary", pb.ListJobsRequest, pb.ListJobsReply),
+    "EndJob": ("unary_unary", pb.EndJobRequest, pb.EndJobReply),
 }
 
 

@@ -106,11 +106,19 @@ def test_bad_pulls_and_registrations_get_sentences(setup):
 def test_recreating_a_job_with_other_keys_is_refused(setup):
     tree, zone, w, rpc = setup
     other = Layout([KeySpec("w", (5,))])
-    frames_bad = encode_create_job(JobConfig(name="j"), other,
+    same_config = JobConfig(name="j", optimizer=OptimizerConfig(lr=0.1))
+    frames_bad = encode_create_job(same_config, other,
                                    split(other, np.zeros(5, np.float32), get_codec("fp32")))
     with pytest.raises(grpc.RpcError) as err:
         rpc["CreateJob"](iter(frames_bad), timeout=5)
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "other parameters" in err.value.details()
+    # Another configuration under the same name is refused too, naming both.
+    other_config = encode_create_job(JobConfig(name="j", mode="async"), LAYOUT,
+                                     split(LAYOUT, np.zeros(LAYOUT.numel, np.float32), get_codec("fp32")))
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["CreateJob"](iter(other_config), timeout=5)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "mode bsp" in err.value.details() and "mode async" in err.value.details()
     # Missing initial values are refused too, and create nothing.
     with pytest.raises(grpc.RpcError) as err:
         rpc["CreateJob"](iter(encode_create_job(JobConfig(name="k"), LAYOUT, [])), timeout=5)

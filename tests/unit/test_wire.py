@@ -290,10 +290,10 @@ def test_job_config_round_trips_through_protobuf():
 
 
 def test_job_from_pb_refuses_unspecified_values():
-    m = job_to_pb(JobConfig(name="lm"))
-    m.mode = pb.MODE_UNSPECIFIED
-    with pytest.raises(BadInput, match="mode"):
-        job_from_pb(m)
+    # No mode: the message only names the job, to adopt its declared configuration.
+    assert job_from_pb(pb.JobConfig(name="lm")) is None
+    with pytest.raises(BadInput, match="name"):
+        job_from_pb(pb.JobConfig())
     m = job_to_pb(JobConfig(name="lm"))
     m.delta_log_length = 0  # an old peer that never set it: the config validation names it
     with pytest.raises(BadInput, match="delta_log_length"):
