@@ -73,7 +73,7 @@ class _Servicer:
 
     async def Pull(self, req: pb.PullRequest, context):
         try:
-            meta, versions = await self.tier.pull(req.job, req.view_epoch, req.since_version,
+            meta, versions = await self.tier.pull(req.job, req.member, req.view_epoch, req.since_version,
                                                   req.min_version, req.wait_ms / 1000.0, req.min_clock)
         except HpsError as exc:
             await context.abort(code_of(exc), str(exc))

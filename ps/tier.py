@@ -371,9 +371,14 @@ class Tier:
         raise NotImplementedError
 
     # -- pull ------------------------------------------------------------------------------
-    async def pull(self, job: str, view_epoch: int, since: int, min_version: int, wait_s: float,
-                   min_clock: int = 0) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
+    async def pull(self, job: str, member: str, view_epoch: int, since: int, min_version: int,
+                   wait_s: float, min_clock: int = 0) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
         js = self.job(job)
+        if member not in js.members and member not in self.children:
+            # A guard against mistakes (a worker of one job reading another's keys), not
+            # authentication: the member id is the caller's own word.
+            raise NotReady(f"{member or 'an anonymous caller'!r} is not a member of job {job!r} here; "
+                           "register for the job before pulling its parameters")
         deadline = self.clock() + max(0.0, wait_s)
 
         def must_wait() -> bool:

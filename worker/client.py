@@ -56,6 +56,7 @@ class ParameterClient:
         self.layout: Layout | None = None
         self.view: View | None = None
         self.start_version = 0
+        self.start_clock = 0
         self.server_epoch = 0
         self.seq = 0                # sequence number of the push in flight (or last one)
         self.acked_seq = 0          # last sequence number acknowledged
@@ -110,7 +111,7 @@ class ParameterClient:
     def register(self) -> None:
         r = self._retrying("register", lambda: self._call("Register", pb.RegisterRequest(
             job=self.job, member=self.worker_id, role=ROLE["worker"], last_seq=self.acked_seq)))
-        self.config, self.start_version = job_from_pb(r.config), r.start_version
+        self.config, self.start_version, self.start_clock = job_from_pb(r.config), r.start_version, r.start_clock
         layout = layout_from_pb(r.keys)
         if self.layout is None or self.layout != layout:
             self.layout, self.view = layout, View(layout)
@@ -138,8 +139,9 @@ class ParameterClient:
                     log.warning("%s: re-register failed: %s", self.worker_id, exc)
 
     # -- data plane ------------------------------------------------------------------------
-    def pull(self, min_version: int = 0, wait_s: float | None = None) -> int:
-        """Bring the local view to at least ``min_version``; returns payload bytes received."""
+    def pull(self, min_version: int = 0, wait_s: float | None = None, min_clock: int = 0) -> int:
+        """Bring the local view to at least ``min_version`` (and, for SSP, a clock floor of at
+        least ``min_clock``); returns payload bytes received."""
         deadline = time.monotonic() + (self.round_timeout_s if wait_s is None else wait_s)
         received = 0
         start_epoch = self.view.epoch
@@ -147,7 +149,8 @@ class ParameterClient:
             view = self.view
             req = pb.PullRequest(job=self.job, member=self.worker_id, view_epoch=view.epoch,
                                  since_version=view.version, min_version=min_version,
-                                 wait_ms=int(min(5.0, max(0.0, deadline - time.monotonic())) * 1000))
+                                 wait_ms=int(min(5.0, max(0.0, deadline - time.monotonic())) * 1000),
+                                 min_clock=min_clock)
             try:
                 frames = list(self._rpc["Pull"](req, timeout=self.timeout_s + 5.0))
             except grpc.RpcError as err:
@@ -164,10 +167,14 @@ class ParameterClient:
                 view.epoch = 0  # ask for a snapshot next time
                 continue
             moved = start_epoch and view.epoch != start_epoch  # new lineage: versions restart
-            if view.ready and (view.version >= min_version or moved):
+            if view.ready and ((view.version >= min_version and view.clock_min >= min_clock) or moved):
                 self.bytes_down += received
                 return received
             if time.monotonic() > deadline:
+                if view.clock_min < min_clock:
+                    raise TimedOut(f"staleness bound: waited for every live worker to reach clock "
+                                   f"{min_clock}, the slowest is at {view.clock_min}; a worker is "
+                                   "stuck or far slower (raise the staleness or the deadline)")
                 raise TimedOut(f"version {min_version} did not arrive within the deadline; the tier "
                                f"holds {meta.to_version}")
 
@@ -176,20 +183,25 @@ class ParameterClient:
         if meta.snapshot:
             vm, chunks = versions[0]
             values = assemble(self.layout, chunks, what="snapshot", check_finite=False, require_all=True)
-            self.view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum)
+            self.view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum, vm.clock_min)
             n += payload_bytes(chunks)
         else:
             for vm, chunks in versions:
                 delta = assemble(self.layout, chunks, what=f"delta {vm.version}", check_finite=False)
-                self.view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum)
+                self.view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum, vm.clock_min)
                 n += payload_bytes(chunks)
         return n
 
-    def push(self, grad: np.ndarray, clock: int = 0) -> tuple[int, int]:
-        """Push a flat gradient computed on the held view; (applied version, payload bytes).
+    def push(self, grad: np.ndarray, clock: int = 0, *, clock_max: int | None = None,
+             base_version: int | None = None, view_epoch: int | None = None,
+             contributors: int = 1) -> tuple[int, int]:
+        """Push a flat gradient (a sum of ``contributors`` gradients computed at clocks
+        ``clock..clock_max`` on ``base_version``, default: the held view); returns the version
+        that applied it and the payload bytes sent.
 
         Raises Stale when the round it belonged to was aborted (nothing applied).
         """
+        clock_max = clock if clock_max is None else clock_max
         if not np.isfinite(grad).all():
             from ps.errors import BadInput
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
@@ -197,8 +209,10 @@ class ParameterClient:
         # reuses the number, and the tier answers an applied one with its recorded ack.
         self.seq = self.acked_seq + 1
         chunks = split(self.layout, grad, get_codec(self.config.push_codec))
-        frames = encode_push(PushMeta(self.job, self.worker_id, self.seq, self.view.version,
-                                      self.view.epoch, 1, clock, clock), chunks)
+        frames = encode_push(PushMeta(
+            self.job, self.worker_id, self.seq, self.view.version if base_version is None else base_version,
+            self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
+            clock_max + 1), chunks)
         nbytes = payload_bytes(chunks)
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
         reply = self._retrying("push", lambda: self._call("Push", iter(frames),

@@ -25,6 +25,7 @@ from ps.config import JobConfig
 from ps.errors import Stale
 from ps.store import KeySpec, Layout
 from worker.client import ParameterClient, StepResult
+from worker.sender import Sender
 
 __all__ = ["HpsOptimizer"]
 
@@ -40,7 +41,7 @@ def _named(params) -> list[tuple[str, torch.nn.Parameter]]:
 class HpsOptimizer:
     def __init__(self, params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
                  address: str, job: JobConfig | str, worker_id: str | None = None,
-                 timeout_s: float = 30.0, round_timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, record: bool = False) -> None:
         self.params = [(n, p) for n, p in _named(params) if p.requires_grad]
         if not self.params:
             raise ValueError("HpsOptimizer needs at least one parameter that requires grad")
@@ -49,15 +50,21 @@ class HpsOptimizer:
         self.layout = Layout([KeySpec(n, tuple(p.shape)) for n, p in self.params])
         self.clock = 0
         self.last_step_s = 0.0
-        if isinstance(job, JobConfig):
-            created = self.client.create_job(job, self.layout, self._flat(lambda p: p.detach()))
-            log.info("%s: job %s %s", self.client.worker_id, name, "created" if created else "exists")
+        # A JobConfig creates the job if needed; a name adopts a job declared with `hps job create`.
+        created = self.client.create_job(job, self.layout, self._flat(lambda p: p.detach()))
+        log.info("%s: job %s %s", self.client.worker_id, name, "created" if created else "exists")
         self.client.register()
         if self.client.layout != self.layout:
             raise ValueError(f"the model's parameters do not match job {name!r}: the job holds "
                              f"{[(s.key, s.shape) for s in self.client.layout]}")
         self.client.pull(min_version=self.client.start_version)
         self._load_view()
+        self.mode = self.client.config.mode
+        self.staleness = self.client.config.staleness
+        self.clock = self.client.start_clock
+        self.trace: list[tuple[int, int]] = []  # (clock, version computed on), if record
+        self._record = record
+        self.sender = Sender(self.client, record) if self.mode != "bsp" else None
 
     @property
     def version(self) -> int:
@@ -88,9 +95,18 @@ class HpsOptimizer:
                 p.grad.zero_()
 
     def step(self) -> StepResult:
-        """Push this step's gradients and bring back the next version's parameters."""
+        """Push this step's gradients and bring back the parameters to compute the next on.
+
+        bsp: waits for the round and returns version v+1. ssp(s): hands the gradient to the
+        background sender, then waits until every live worker's updates from clocks < c - s
+        are in the held version. async: takes whatever version the tier holds now.
+        """
         t0 = time.perf_counter()
         grad = self._flat(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        if self._record:
+            self.trace.append((self.clock, self.client.view.version))
+        if self.sender is not None:
+            return self._step_nonblocking(grad, t0)
         down0 = self.client.bytes_down
         applied, up = True, 0
         try:
@@ -107,7 +123,23 @@ class HpsOptimizer:
         self.last_step_s = time.perf_counter() - t0
         return StepResult(self.client.view.version, applied, up, self.client.bytes_down - down0)
 
+    def _step_nonblocking(self, grad: np.ndarray, t0: float) -> StepResult:
+        down0, up0 = self.client.bytes_down, self.sender.bytes_up
+        view = self.client.view
+        self.sender.submit(grad, self.clock, view.version, view.epoch)
+        self.clock += 1
+        if self.mode == "ssp":
+            self.client.pull(min_clock=max(0, self.clock - self.staleness))
+        else:
+            self.client.pull(wait_s=0.0)
+        self._load_view()
+        self.last_step_s = time.perf_counter() - t0
+        return StepResult(self.client.view.version, True, self.sender.bytes_up - up0,
+                          self.client.bytes_down - down0)
+
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close(self.client.timeout_s)
         self.client.close()
 
     def __enter__(self) -> "HpsOptimizer":

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ps.config import JobConfig, OptimizerConfig
-from ps.store import KeySpec, Layout, View
+from ps.store import KeySpec, Layout
 from tests.conftest import same_bits
 from worker import ParameterClient
 
@@ -71,14 +71,14 @@ def test_zone_and_worker_hold_the_roots_view_bit_for_bit(tree, delta_codec):
 def test_a_child_behind_the_delta_log_gets_a_snapshot_and_one_within_it_gets_deltas(tree):
     root = tree.add("root", "global")
     zone = tree.add("z", "zone", parent="root")
-    cfg = JobConfig(name="j", delta_log_length=3, optimizer=OptimizerConfig(lr=0.1))
+    # async: the reader below is a member that only pulls, and must not hold up w's updates.
+    cfg = JobConfig(name="j", mode="async", delta_log_length=3, optimizer=OptimizerConfig(lr=0.1))
     w = ParameterClient(zone, "j", "w0")
     w.create_job(cfg, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
     w.register()
     w.pull()
-    # A second reader of the zone's view, not a member: it only pulls.
     reader = ParameterClient(zone, "j", "reader")
-    reader.layout, reader.view = LAYOUT, View(LAYOUT)
+    reader.register()
     reader.pull(min_version=0)
     assert reader.view.version == 0
 

@@ -1,0 +1,208 @@
+"""Consistency per job (invariant 3): SSP's bound, async's freedom, several jobs on one cluster."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from ps.codecs import get_codec
+from ps.config import JobConfig, OptimizerConfig
+from ps.tensors import split
+from ps.wire import PushMeta, encode_push, pb, stubs
+from worker import HpsOptimizer
+
+
+def _problem(seed: int, n_in: int = 6):
+    """A tiny linear regression each job trains to convergence."""
+    g = torch.Generator().manual_seed(seed)
+    w_true = torch.randn(n_in, 1, generator=g)
+    x = torch.randn(64, n_in, generator=g)
+    return x, x @ w_true
+
+
+def _model(seed: int, n_in: int = 6) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(n_in, 1)
+
+
+def _run(opts, steps, sleeps, problem, losses=None, done=None, errors=None):
+    """One thread per worker; returns when all finished."""
+    x, y = problem
+    errors = [] if errors is None else errors
+
+    def work(i, opt, model):
+        try:
+            for s in range(steps):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x[i::len(opts)]), y[i::len(opts)])
+                loss.backward()
+                opt.step()
+                if losses is not None:
+                    losses.setdefault(i, []).append(loss.item())
+                if done is not None:
+                    done[i] = s + 1
+                time.sleep(sleeps[i])
+            opt.sender and opt.sender.drain(30)
+        except Exception as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work, args=(i, o, m)) for i, (o, m) in enumerate(opts)]
+    [t.start() for t in ts]
+    return ts, errors
+
+
+def _workers(addr_of, job, n, record=True, seed=0):
+    models = [_model(seed) for _ in range(n)]  # torch's seed is global: build them here
+    return [(HpsOptimizer(m, addr_of(i), job, worker_id=f"{job.name}-w{i}", record=record), m)
+            for i, m in enumerate(models)]
+
+
+def test_ssp_never_computes_past_the_bound_and_is_not_secretly_bsp(tree):
+    s = 2
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    zones = [tree.add("eu-a", "zone", parent="eu"), tree.add("eu-b", "zone", parent="eu")]
+    job = JobConfig(name="ssp", mode="ssp", staleness=s, optimizer=OptimizerConfig(lr=0.05))
+    opts = _workers(lambda i: zones[i % 2], job, 3)
+    ts, errors = _run(opts, 24, [0.004, 0.004, 0.02], _problem(1))  # w2 is 5x slower
+    [t.join(120) for t in ts]
+    assert not errors, errors
+    applied = {i: o.sender.applied for i, (o, _) in enumerate(opts)}
+    ahead_max = 0
+    for i, (o, _) in enumerate(opts):
+        for clock, version in o.trace:
+            for j, acks in applied.items():
+                if j == i:
+                    continue
+                # every update of j from clocks < clock - s is in the version i computed on
+                for lo, hi, applied_in in acks:
+                    if lo < clock - s:
+                        assert applied_in <= version, (
+                            f"w{i} computed clock {clock} on version {version}, missing w{j}'s clocks "
+                            f"{lo}..{hi} (applied in {applied_in})")
+                if j == 2:
+                    included = max((hi + 1 for lo, hi, v in acks if v <= version), default=0)
+                    ahead_max = max(ahead_max, clock - included)
+    # The fast workers did run ahead of the slow one, up to the bound: not BSP in disguise.
+    assert ahead_max == s, f"fast workers got at most {ahead_max} clocks ahead (bound {s})"
+    for o, _ in opts:
+        o.close()
+
+
+def test_async_a_slow_worker_never_blocks_the_others_and_staleness_is_measured(tree):
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    job = JobConfig(name="as", mode="async", damping=True, optimizer=OptimizerConfig(lr=0.05))
+    opts = _workers(lambda i: zone, job, 3, record=False)
+    done = {0: 0, 1: 0, 2: 0}
+    ts, errors = _run(opts, 20, [0.0, 0.0, 0.25], _problem(2), done=done)
+    ts[0].join(60)
+    ts[1].join(60)
+    slow_when_fast_finished = done[2]
+    [t.join(60) for t in ts]
+    assert not errors, errors
+    assert done[0] == done[1] == 20
+    assert slow_when_fast_finished < 20, "the fast workers waited for the slow one"
+    stats = tree.lt.call(lambda: dict(tree.tier("root").jobs["as"].stats.__dict__))
+    assert stats["staleness_count"] > 0 and stats["staleness_max"] >= 1
+    for o, _ in opts:
+        o.close()
+
+
+def test_bsp_ssp_and_async_jobs_share_a_cluster_without_cross_talk(tree):
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    zones = [tree.add("eu-a", "zone", parent="eu"), tree.add("eu-b", "zone", parent="eu")]
+    jobs = [JobConfig(name="b", mode="bsp", optimizer=OptimizerConfig(lr=0.05)),
+            JobConfig(name="s", mode="ssp", staleness=1, optimizer=OptimizerConfig(lr=0.05)),
+            JobConfig(name="a", mode="async", optimizer=OptimizerConfig(kind="adam", lr=0.02))]
+    dims = {"b": 4, "s": 6, "a": 8}  # different keys' shapes per job
+    runs, all_losses = [], {}
+    for k, job in enumerate(jobs):
+        models = [_model(k, dims[job.name]) for _ in range(2)]
+        opts = [(HpsOptimizer(m, zones[i], job, worker_id=f"{job.name}-w{i}"), m) for i, m in enumerate(models)]
+        losses: dict = {}
+        all_losses[job.name] = losses
+        runs.append((job, opts, *_run(opts, 40, [0.0, 0.002], _problem(10 + k, dims[job.name]), losses)))
+    for job, opts, ts, errors in runs:
+        [t.join(120) for t in ts]
+        assert not errors, (job.name, errors)
+    root = tree.tier("root")
+    for job, opts, _, _ in runs:
+        first = np.mean([l[0] for l in all_losses[job.name].values()])
+        last = np.mean([l[-1] for l in all_losses[job.name].values()])
+        assert last < 0.3 * first, f"job {job.name} did not converge: {first:.3f} -> {last:.3f}"
+        keys = tree.lt.call(lambda: [s.shape for s in root.jobs[job.name].layout])
+        assert keys == [(1, dims[job.name]), (1,)]
+    # Quiet jobs are untouched while another trains.
+    before = {n: tree.lt.call(lambda n=n: (root.jobs[n].view.version, root.jobs[n].view.checksum))
+              for n in ("b", "s")}
+    job, opts, _, _ = runs[2]
+    ts, errors = _run(opts, 5, [0.0, 0.0], _problem(12, 8))
+    [t.join(60) for t in ts]
+    assert not errors
+    after = {n: tree.lt.call(lambda n=n: (root.jobs[n].view.version, root.jobs[n].view.checksum))
+             for n in ("b", "s")}
+    assert before == after
+    for _, opts, _, _ in runs:
+        for o, _ in opts:
+            o.close()
+
+
+def test_a_worker_of_one_job_cannot_push_to_or_pull_from_another_jobs_keys(tree):
+    root = tree.add("root", "global")
+    a_model, b_model = _model(0, 4), _model(1, 7)
+    a = HpsOptimizer(a_model, root, JobConfig(name="ja"), worker_id="wa")
+    b = HpsOptimizer(b_model, root, JobConfig(name="jb", mode="async"), worker_id="wb")
+    rpc = stubs(grpc.insecure_channel(root))
+    grad = np.ones(a.layout.numel, np.float32)
+    frames = encode_push(PushMeta("jb", "wa", 1, 0, b.client.view.epoch), split(a.layout, grad, get_codec("fp32")))
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["Push"](iter(frames), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "register" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(rpc["Pull"](pb.PullRequest(job="jb", member="wa"), timeout=5))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not a member of job 'jb'" in err.value.details()
+    # Even registered in both, a's keys do not fit b's job: refused, nothing applied.
+    rpc["Register"](pb.RegisterRequest(job="jb", member="wa", role=pb.ROLE_WORKER), timeout=5)
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["Push"](iter(frames), timeout=5)
+    # (both jobs name their keys weight/bias: the shapes give a's gradient away)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "key 'weight' arrived with shape (1, 4); the job holds (1, 7)" in err.value.details()
+    assert tree.view("root", "jb")[1] == 0
+    a.close()
+    b.close()
+
+
+def test_ssp_a_dead_workers_clock_stops_holding_the_others_back(tree):
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    zone = tree.add("eu-a", "zone", parent="eu")
+    job = JobConfig(name="sd", mode="ssp", staleness=1, optimizer=OptimizerConfig(lr=0.05))
+    (a, am), (b, bm) = _workers(lambda i: zone, job, 2)
+    x, y = _problem(3)
+
+    def step(opt, model):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    step(b, bm)
+    b.sender.drain(10)
+    b.client._hb_stop.set()  # b hangs: no more pushes, no heartbeats, no goodbye
+    done = []
+    t = threading.Thread(target=lambda: [step(a, am) for _ in range(6)] and done.append(1))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive(), "a ran more than s clocks past b without waiting"
+    t.join(30)  # b is dropped after the member timeout; a's wait ends
+    assert done and a.clock == 6
+    members = tree.lt.call(lambda: [m.id for m in tree.tier("eu-a").jobs["sd"].members])
+    assert members == [a.client.worker_id]
+    a.close()

@@ -1,0 +1,100 @@
+"""The background sender of ssp/async workers: one push in flight, gradients summed meanwhile.
+
+    sender = Sender(client)
+    sender.submit(grad, clock=7, base_version=41, view_epoch=e)   # returns at once
+    sender.drain(timeout_s=30)                                     # before leaving
+
+A push is acknowledged only once the root applied it, which across an ocean takes a while; the
+training loop must not wait for that in ssp/async. Gradients that arrive while a push is in
+flight are summed locally and go up together as one push (contributors = how many), so the
+bytes sent per step fall as the link gets slower instead of a queue growing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from ps.errors import HpsError, Stale
+
+__all__ = ["Sender"]
+
+log = logging.getLogger("hps.worker")
+
+
+class Sender:
+    def __init__(self, client, record: bool = False) -> None:
+        self.client = client
+        self.applied: list[tuple[int, int, int]] = []  # (clock_lo, clock_hi, version), if record
+        self.bytes_up = 0
+        self.pushes = 0
+        self._record = record
+        self._cv = threading.Condition()
+        self._sum: np.ndarray | None = None
+        self._n = 0
+        self._clocks = (0, 0)
+        self._base = (0, 0)  # (view epoch, oldest base version) of the summed gradients
+        self._busy = False
+        self._error: HpsError | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"hps-sender-{client.worker_id}")
+        self._thread.start()
+
+    def submit(self, grad: np.ndarray, clock: int, base_version: int, view_epoch: int) -> None:
+        """Queue a gradient; raises the error a previous push ended with (e.g. the job ended)."""
+        with self._cv:
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            if self._sum is None or view_epoch != self._base[0]:
+                if self._sum is not None:  # the root restarted: gradients on the old lineage are void
+                    self.client.lost_steps += self._n
+                self._sum, self._n = grad.copy(), 1
+                self._clocks, self._base = (clock, clock), (view_epoch, base_version)
+            else:
+                self._sum += grad
+                self._n += 1
+                self._clocks = (self._clocks[0], clock)
+                self._base = (view_epoch, min(self._base[1], base_version))
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._sum is None and not self._stop:
+                    self._cv.wait()
+                if self._sum is None:
+                    return
+                grad, n, clocks, (epoch, base) = self._sum, self._n, self._clocks, self._base
+                self._sum, self._busy = None, True
+            try:
+                version, nbytes = self.client.push(grad, clocks[0], clock_max=clocks[1], base_version=base,
+                                                   view_epoch=epoch, contributors=n)
+                self.bytes_up += nbytes
+                self.pushes += 1
+                if self._record:
+                    self.applied.append((clocks[0], clocks[1], version))
+            except Stale as exc:
+                log.warning("%s: %d gradient(s) not applied: %s", self.client.worker_id, n, exc)
+                self.client.lost_steps += n
+            except HpsError as exc:
+                with self._cv:
+                    self._error = exc
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until everything submitted is acknowledged (or failed); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._sum is None and not self._busy, timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.drain(timeout_s)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
