@@ -1,8 +1,9 @@
-"""The ``hps`` command: serve | launch | status | demo.
+"""The ``hps`` command: serve | launch | status | job | demo.
 
     hps serve --role zone --listen 0.0.0.0:7001 --parent region-eu:7000 --name eu-a
     hps launch deploy/topology.yaml
     hps status 127.0.0.1:7000
+    hps job create lm --mode ssp --staleness 2 --optimizer adam --lr 3e-3 --address 127.0.0.1:7000
     hps demo
 
 Every flag falls back to an ``HPS_*`` environment variable (``--member-timeout-s`` reads
@@ -83,6 +84,31 @@ def _status(args) -> int:
     return print_tree(args.address, sys.stdout)
 
 
+def _job(args) -> int:
+    from ps import jobctl
+    from ps.config import JobConfig, OptimizerConfig
+    from ps.errors import HpsError
+
+    try:
+        if args.action == "create":
+            cfg = JobConfig(name=args.name, mode=args.mode, staleness=int(args.staleness),
+                            damping=args.damping, push_codec=args.push_codec, delta_codec=args.delta_codec,
+                            optimizer=OptimizerConfig(kind=args.optimizer, lr=float(args.lr),
+                                                      momentum=float(args.momentum),
+                                                      warmup_steps=int(args.warmup_steps)))
+            created = jobctl.declare(args.address, cfg)
+            print(f"job {args.name} {'declared' if created else 'already exists with this configuration'}; "
+                  "its first worker brings the parameters")
+        elif args.action == "list":
+            print(jobctl.format_jobs(jobctl.list_jobs(args.address)))
+        else:
+            print(f"job {args.name} ended at version {jobctl.end(args.address, args.name)}")
+    except HpsError as exc:
+        print(f"hps job {args.action}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _demo(args) -> int:
     from ps.demo.run import main as demo_main
 
@@ -117,12 +143,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("address", help="any tier's HOST:PORT (the root shows the whole tree)")
     s.set_defaults(fn=_status)
 
+    s = sub.add_parser("job", help="create, list or end jobs (through any tier)")
+    s.add_argument("action", choices=["create", "list", "end"])
+    s.add_argument("name", nargs="?", help="job name (create, end)")
+    s.add_argument("--address", action=_EnvDefault, default="127.0.0.1:7000", help="any tier's HOST:PORT")
+    s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"])
+    s.add_argument("--staleness", default="0", help="s for --mode ssp")
+    s.add_argument("--damping", action="store_true", help="ssp/async: lr / (1 + staleness)")
+    s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    s.add_argument("--lr", default="0.01")
+    s.add_argument("--momentum", default="0.0")
+    s.add_argument("--warmup-steps", default="0")
+    s.add_argument("--push-codec", default="fp32")
+    s.add_argument("--delta-codec", default="fp32")
+    s.set_defaults(fn=_job)
+
     s = sub.add_parser("demo", help="train a small transformer LM on a local cluster")
     s.add_argument("--steps", type=int, default=int(os.environ.get("HPS_DEMO_STEPS", "150")))
     s.add_argument("--workers", type=int, default=4, help="worker processes (spread over the zones)")
     s.add_argument("--batch", type=int, default=16, help="sequences per worker per step")
     s.add_argument("--out", default="hps-demo", help="where the plot, summary and logs go")
     s.add_argument("--topology", help="topology YAML (default: the embedded one)")
+    s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"], help="consistency model")
+    s.add_argument("--staleness", type=int, default=2, help="s for --mode ssp")
+    s.add_argument("--slow", type=float, default=1.0,
+                   help="make the last worker this many times slower (e.g. 2), to see the modes differ")
     s.set_defaults(fn=_demo)
     return p
 
@@ -130,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("HPS_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "action", None) in ("create", "end") and not args.name:
+        parser.error(f"hps job {args.action} needs a job name")
     return args.fn(args)
 
 

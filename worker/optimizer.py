@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ps.config import JobConfig
-from ps.errors import Stale
+from ps.errors import Stale, TimedOut
 from ps.store import KeySpec, Layout
 from worker.client import ParameterClient, StepResult
 from worker.sender import Sender
@@ -136,6 +136,15 @@ class HpsOptimizer:
         self.last_step_s = time.perf_counter() - t0
         return StepResult(self.client.view.version, True, self.sender.bytes_up - up0,
                           self.client.bytes_down - down0)
+
+    def sync(self, timeout_s: float = 60.0) -> int:
+        """Wait until every pushed gradient is applied, then load the newest parameters
+        (the end of training in ssp/async); returns the version now held."""
+        if self.sender is not None and not self.sender.drain(timeout_s):
+            raise TimedOut(f"pushes still unacknowledged after {timeout_s:.0f}s")
+        self.client.pull(wait_s=0.0)
+        self._load_view()
+        return self.version
 
     def close(self) -> None:
         if self.sender is not None:

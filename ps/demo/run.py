@@ -65,12 +65,15 @@ def main(args) -> int:
             err = open(logs / f"{wid}.log", "wb")
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ps.demo.train", "--address", zone.address, "--worker-id", wid,
-                 "--seed", str(i), "--steps", str(args.steps), "--batch", str(args.batch)],
+                 "--seed", str(i), "--steps", str(args.steps), "--batch", str(args.batch),
+                 "--mode", args.mode, "--staleness", str(args.staleness),
+                 "--slow", str(args.slow if i == args.workers - 1 else 1.0)],
                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
             workers.append(proc)
             threading.Thread(target=_reader, args=(proc, q), daemon=True).start()
-        print(f"hps demo: {args.workers} workers training for {args.steps} steps "
+        mode = f"ssp({args.staleness})" if args.mode == "ssp" else args.mode
+        print(f"hps demo: {args.workers} workers, {mode}, training for {args.steps} steps "
               f"({', '.join(f'{w}@{z}' for w, z in placement.items())})", flush=True)
         return _follow(args, out, cluster, root, workers, placement, q)
     except KeyboardInterrupt:
@@ -110,9 +113,14 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
         elif kind == "done":
             done[ev["worker"]] = ev
     wall = time.monotonic() - t0
-    # Ask every tier directly: once workers leave, relays leave their parents too.
+    # Ask every tier directly (once workers leave, relays leave their parents too), after the
+    # relays have caught up with the root's last version.
     depth = {"global": 0, "regional": 1, "zone": 2}
-    tiers = [(depth[t.role], t.address, fetch_status(t.address)) for t in cluster.tiers.values()]
+    for _ in range(100):
+        tiers = [(depth[t.role], t.address, fetch_status(t.address)) for t in cluster.tiers.values()]
+        if len({(j.version, j.checksum) for _, _, st in tiers for j in st.jobs}) <= 1:
+            break
+        time.sleep(0.05)
     return _report(args, out, series, step_s, done, placement, tiers, wall)
 
 
@@ -150,11 +158,16 @@ def _report(args, out, series, step_s, done, placement, tiers, wall) -> int:
                               checksum=f"{j.checksum:#010x}"))
     print("\n" + summary_table(trows, ["tier", "version", "push_in_per_step", "push_up_per_step",
                                        "pull_in_per_step", "pull_out_per_step", "checksum"]))
-    crcs = {d.get("checksum") for d in done.values()} | {j.checksum for _, _, st in tiers for j in st.jobs}
-    agree = len(crcs) == 1 and len(done) == len(placement)
+    # Every tier holds the root's view; a worker that ended on the root's last version holds it
+    # too (in ssp/async workers stop at different versions: those are checked by the tests).
+    root_view = {(j.version, j.checksum) for d, _, st in tiers if d == 0 for j in st.jobs}
+    views = {(j.version, j.checksum) for _, _, st in tiers for j in st.jobs}
+    views |= {(d["version"], d["checksum"]) for d in done.values() if (d["version"],) == (next(iter(root_view))[0],)}
+    agree = len(root_view) == 1 and views == root_view and len(done) == len(placement)
     print(f"\nreplicas agree with the root bit for bit: {'yes' if agree else 'NO'}; "
           f"wall {wall:.1f}s for {args.steps} steps")
-    png = plot_loss(series, str(out / "loss.png"), f"hps demo: {len(placement)} workers, BSP")
+    mode = f"ssp({args.staleness})" if args.mode == "ssp" else args.mode
+    png = plot_loss(series, str(out / "loss.png"), f"hps demo: {len(placement)} workers, {mode}")
     (out / "summary.json").write_text(json.dumps(dict(workers=rows, tiers=trows, wall_s=wall,
                                                       replicas_agree=agree), indent=2))
     print(f"plot: {png}\nsummary: {out / 'summary.json'}")

@@ -25,8 +25,8 @@ from worker import HpsOptimizer
 __all__ = ["demo_job", "main"]
 
 
-def demo_job(name: str = "demo") -> JobConfig:
-    return JobConfig(name=name, mode="bsp",
+def demo_job(name: str = "demo", mode: str = "bsp", staleness: int = 0) -> JobConfig:
+    return JobConfig(name=name, mode=mode, staleness=staleness if mode == "ssp" else 0,
                      optimizer=OptimizerConfig(kind="adam", lr=3e-3, warmup_steps=20))
 
 
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"])
+    p.add_argument("--staleness", type=int, default=0)
+    p.add_argument("--slow", type=float, default=1.0,
+                   help="emulate a slower accelerator: each step's compute takes this many times longer")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # several workers share a small machine
     stop = []
@@ -58,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     data = load_corpus()
     model = build_model(cfg, seed=0)
     sampler = BatchSampler(data, context=cfg.context, batch_size=args.batch, seed=1000 + args.seed)
-    with HpsOptimizer(model, args.address, demo_job(args.job), worker_id=args.worker_id) as opt:
+    job = demo_job(args.job, args.mode, args.staleness)
+    with HpsOptimizer(model, args.address, job, worker_id=args.worker_id) as opt:
         _emit(event="start", worker=args.worker_id, version=opt.version,
               params=sum(p.numel() for p in model.parameters()))
         for step in range(args.steps):
@@ -69,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad()
             loss = model(x, y)[1]
             loss.backward()
+            if args.slow > 1.0:  # a slower device: the same work, stretched
+                time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
             r = opt.step()
             _emit(event="step", worker=args.worker_id, step=step, loss=loss.item(), version=r.version,
                   applied=r.applied, bytes_up=r.bytes_up, bytes_down=r.bytes_down,
                   step_s=time.perf_counter() - t0)
+        opt.sync()  # ssp/async: every gradient applied, the newest parameters loaded
         val = _val_loss(model, data, cfg.context)
         _emit(event="done", worker=args.worker_id, version=opt.version, checksum=opt.client.view.checksum,
               val_loss=val if math.isfinite(val) else None, lost_steps=opt.client.lost_steps)

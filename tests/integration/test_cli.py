@@ -55,3 +55,48 @@ def test_serve_flags_fall_back_to_environment_and_errors_are_sentences():
     env["HPS_PARENT"] = "127.0.0.1:1"
     r = subprocess.run(HPS + ["serve"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and "shorter than the member timeout (0.1s)" in r.stderr
+
+
+def test_job_create_list_end_through_a_relay(tree):
+    import pytest
+    import torch
+
+    from ps.errors import UnknownJob
+    from worker import HpsOptimizer
+
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+
+    def hps_job(*args):
+        return subprocess.run(HPS + ["job", *args, "--address", zone], capture_output=True, text=True, timeout=60)
+
+    r = hps_job("create", "lm", "--mode", "ssp", "--staleness", "2", "--optimizer", "adam", "--lr", "0.01")
+    assert r.returncode == 0 and "declared" in r.stdout, r.stderr
+    r = hps_job("list")
+    assert "lm" in r.stdout and "declared" in r.stdout and "ssp(2)" in r.stdout, r.stdout
+    r = hps_job("create", "lm", "--mode", "bsp")
+    assert r.returncode == 2 and "another configuration" in r.stderr and "mode ssp(2)" in r.stderr
+
+    model = torch.nn.Linear(3, 1)
+    opt = HpsOptimizer(model, zone, "lm", worker_id="w0")  # adopts the declared configuration
+    assert opt.mode == "ssp" and opt.staleness == 2
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    opt.sync()
+    r = hps_job("list")
+    assert "running" in r.stdout and "4" in r.stdout  # 4 parameters
+
+    r = hps_job("end", "lm")
+    assert r.returncode == 0 and "ended at version" in r.stdout, r.stderr
+    with pytest.raises(UnknownJob, match="has ended"):
+        for _ in range(50):  # the zone learns from its parent within a pull or two
+            opt.zero_grad()
+            model(torch.ones(2, 3)).sum().backward()
+            opt.step()
+            opt.sync(timeout_s=5)
+    r = hps_job("create", "lm")
+    assert r.returncode == 2 and "has ended" in r.stderr
+    assert "ended" in hps_job("list").stdout
+    with pytest.raises(UnknownJob, match="not declared"):
+        HpsOptimizer(torch.nn.Linear(2, 2), zone, "nope", worker_id="w1")
+    opt.close()
