@@ -47,7 +47,8 @@ def _serve(args) -> int:
             role=args.role, listen=args.listen, parent=args.parent or "", name=args.name or "",
             metrics_port=int(args.metrics_port), heartbeat_s=float(args.heartbeat_s),
             member_timeout_s=float(args.member_timeout_s), checkpoint_dir=args.checkpoint_dir or "",
-            checkpoint_every=int(args.checkpoint_every), round_timeout_s=float(args.round_timeout_s))
+            checkpoint_every=int(args.checkpoint_every), round_timeout_s=float(args.round_timeout_s),
+            flush_ms=float(args.flush_ms), flush_bytes=int(args.flush_bytes))
     except (BadInput, ValueError) as exc:
         print(f"hps serve: {exc}", file=sys.stderr)
         return 2
@@ -130,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-dir", action=_EnvDefault, help="root: checkpoint directory")
     s.add_argument("--checkpoint-every", action=_EnvDefault, default="50", help="root: versions between checkpoints")
     s.add_argument("--round-timeout-s", action=_EnvDefault, default="600", help="longest BSP barrier wait")
+    s.add_argument("--flush-ms", action=_EnvDefault, default="5",
+                   help="ssp/async: flush the aggregation window after this many ms")
+    s.add_argument("--flush-bytes", action=_EnvDefault, default=str(64 * 1024 * 1024),
+                   help="ssp/async: ... or once this many payload bytes are waiting")
     s.add_argument("--loop", action=_EnvDefault, default="asyncio", choices=["asyncio", "uvloop"],
                    help="event loop (benchmarks/bsp_step.py --loops compares them)")
     s.set_defaults(fn=_serve)

@@ -99,6 +99,9 @@ class Cluster:
             cmd += ["--parent", parent]
         if spec.get("checkpoint_dir"):
             cmd += ["--checkpoint-dir", str(spec["checkpoint_dir"])]
+        for key in ("flush_ms", "flush_bytes"):  # per tier: a zone flushes sooner than a region
+            if key in spec:
+                cmd += [f"--{key.replace('_', '-')}", str(spec[key])]
         tier = self._popen(name, role, cmd + list(args), self.logdir / f"{name}.log", parent)
         self.tiers[name] = tier
         self._wait_line(tier, 60.0)  # children need the parent's port
