@@ -1,26 +1,63 @@
-"""The codec interface."""
+"""The codec interface, and the base class of the torch-implemented (lossy) codecs."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 import numpy as np
+import torch
 
-__all__ = ["Codec"]
+__all__ = ["Codec", "LossyCodec", "TensorCodec"]
 
 
 class Codec(Protocol):
-    """Encodes a 1-D float32 array into bytes and decodes it back.
+    """Encodes a flat float32 tensor into bytes and decodes it back.
 
-        payload = codec.encode(np.ones(4, np.float32))
-        codec.decode(payload, 4)
+        payload = codec.encode(np.ones(4, np.float32))   # or a torch tensor, on any device
+        codec.decode(payload, 4)                          # float32 numpy array on the host
     """
 
     name: str
     lossless: bool
 
-    def encode(self, x: np.ndarray) -> bytes:
-        """Payload bytes for ``x`` (1-D, float32, C-contiguous)."""
+    def encode(self, x: np.ndarray | torch.Tensor) -> bytes:
+        """Payload bytes for ``x`` (flattened, as float32)."""
 
     def decode(self, payload: memoryview | bytes, numel: int) -> np.ndarray:
         """A float32 array of ``numel`` elements; raises BadInput on a malformed payload."""
+
+
+class LossyCodec(Codec, Protocol):
+    """A codec whose sender keeps the error (``ps.codecs.feedback.ErrorFeedback``).
+
+        y -= decode(payload)      # as codec.subtract_decoded_(y, payload), on y's device
+    """
+
+    def decode_tensor(self, payload: memoryview | bytes, numel: int,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+        """The decoded float32 tensor on ``device``; bit-identical to ``decode`` on every device."""
+
+    def subtract_decoded_(self, y: torch.Tensor, payload: memoryview | bytes) -> None:
+        """``y -= decode(payload)`` in place, on ``y``'s device."""
+
+
+class TensorCodec:
+    """Shared plumbing: one decode path (``decode_tensor``) serves the host and the device.
+
+    Decoding uses only exact operations (widening casts, products with a power of two or one
+    float32 scale, scatters), which IEEE float32 makes identical on CPU and GPU: every tier
+    that decodes the same bytes holds the same numbers (invariant 6).
+    """
+
+    lossless = False
+    options: tuple[str, ...] = ()  # keyword options ``get_codec(name, **options)`` accepts
+
+    def decode(self, payload: memoryview | bytes, numel: int) -> np.ndarray:
+        return self.decode_tensor(payload, numel, "cpu").numpy()
+
+    def subtract_decoded_(self, y: torch.Tensor, payload: memoryview | bytes) -> None:
+        y.sub_(self.decode_tensor(payload, y.numel(), y.device))
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.options)
+        return f"{type(self).__name__}({opts})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
+from ps.codecs._common import to_numpy
 from ps.errors import BadInput
 
 __all__ = ["Fp32", "Fp32Zstd"]
@@ -20,7 +21,7 @@ class Fp32:
     lossless = True
 
     def encode(self, x: np.ndarray) -> bytes:
-        return np.ascontiguousarray(x, dtype="<f4").tobytes()
+        return to_numpy(x).tobytes()
 
     def decode(self, payload: memoryview | bytes, numel: int) -> np.ndarray:
         if len(payload) != 4 * numel:
@@ -35,12 +36,13 @@ class Fp32Zstd:
 
     name = "fp32+zstd"
     lossless = True
+    options = ("level",)
 
     def __init__(self, level: int = 1) -> None:
         self._level = level
 
     def encode(self, x: np.ndarray) -> bytes:
-        raw = np.ascontiguousarray(x, dtype="<f4").tobytes()
+        raw = to_numpy(x).tobytes()
         # zstd contexts are not thread-safe; a fresh compressor per call is cheap next to the data.
         return zstandard.ZstdCompressor(level=self._level).compress(raw)
 

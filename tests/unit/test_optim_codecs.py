@@ -196,10 +196,11 @@ def test_state_dict_is_a_snapshot():
 def test_every_codec_name_resolves():
     for name in CODEC_NAMES:
         codec = get_codec(name)
-        assert codec.name == name and codec.lossless
+        assert codec.name == name
+    assert {n for n in CODEC_NAMES if get_codec(n).lossless} == {"fp32", "fp32+zstd"}
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", ["fp32", "fp32+zstd"])
 def test_codec_round_trip_is_bit_exact(name):
     codec = get_codec(name)
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
@@ -371,7 +372,7 @@ def test_optimizer_config_rejects_bad_values_naming_them(kwargs, needle):
     (dict(name="x" * 64), "x" * 64),
     (dict(staleness=-1), "-1"),
     (dict(push_codec="gzip"), "'gzip'"),
-    (dict(delta_codec="topk"), "'topk'"),
+    (dict(delta_codec="lz4"), "'lz4'"),
     (dict(delta_log_length=0), "0"),
     (dict(delta_log_length=100_001), "100001"),
 ])
