@@ -15,10 +15,15 @@ import asyncio
 import logging
 import signal
 import sys
+import weakref
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from ps.config import ServerConfig
+from ps.health import Health
+from ps.metrics import TierMetrics, process_registry, serve_metrics
 from ps.relay import Relay
 from ps.service import handler
 from ps.tier import Tier
@@ -28,8 +33,13 @@ __all__ = ["create_server", "shutdown", "serve"]
 
 log = logging.getLogger("hps.server")
 
+# What shutdown() must wind down besides the tier and the server: its health and metrics.
+_OPS: "weakref.WeakKeyDictionary[Tier, tuple[Health, TierMetrics]]" = weakref.WeakKeyDictionary()
 
-async def create_server(config: ServerConfig) -> tuple[grpc.aio.Server, int, Tier]:
+
+async def create_server(config: ServerConfig, registry: CollectorRegistry | None = None
+                        ) -> tuple[grpc.aio.Server, int, Tier]:
+    """Start a tier; its metrics go to ``registry`` (a fresh one if None, never the global)."""
     if config.role == "global":
         from ps.root import Root  # imports torch (the optimizer); relays never need it
 
@@ -37,7 +47,10 @@ async def create_server(config: ServerConfig) -> tuple[grpc.aio.Server, int, Tie
     else:
         tier = Relay(config)
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers([handler(tier)])
+    metrics = TierMetrics(tier, registry if registry is not None else CollectorRegistry())
+    health = Health(tier)
+    server.add_generic_rpc_handlers([handler(tier, metrics.rpc)])
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)  # grpc.health.v1: probes
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
@@ -46,22 +59,28 @@ async def create_server(config: ServerConfig) -> tuple[grpc.aio.Server, int, Tie
         tier.set_address(f"{host}:{port}")
     await server.start()
     await tier.start()
+    metrics.start()
+    _OPS[tier] = (health, metrics)
     return server, port, tier
 
 
 async def shutdown(server: grpc.aio.Server, tier: Tier, grace: float = 2.0) -> None:
+    health, metrics = _OPS.pop(tier, (None, None))
+    if health is not None:
+        health.drain()  # probes answer NOT_SERVING while the tier winds down
+        await metrics.stop()
     await tier.stop()
     await server.stop(grace)
 
 
 async def serve(config: ServerConfig, ready_stream=sys.stdout) -> None:
-    server, port, tier = await create_server(config)
+    registry = process_registry()
+    server, port, tier = await create_server(config, registry)
+    host = config.listen.rsplit(":", 1)[0]
     metrics_port = None
     if config.metrics_port >= 0:
-        from ps.metrics import start_metrics
-
-        metrics_port = start_metrics(tier, config.metrics_port)
-    host = config.listen.rsplit(":", 1)[0]
+        # Same interface as gRPC: 0.0.0.0 in a pod, so Prometheus can scrape it.
+        metrics_port = serve_metrics(registry, config.metrics_port, host).server_port
     extra = f" metrics {metrics_port}" if metrics_port is not None else ""
     print(f"hps: serving {config.role} {config.display_name} on {host}:{port}{extra}",
           file=ready_stream, flush=True)

@@ -15,6 +15,7 @@ import logging
 import grpc
 
 from ps.errors import BadInput, HpsError, code_of
+from ps.metrics import NO_RPC_METRICS
 from ps.relay import Relay
 from ps.tier import Tier
 from ps.wire import (METHODS, MODE, ROLE, ROLE_NAME, SERVICE, decode_create_job, decode_push,
@@ -36,8 +37,9 @@ def _unary(fn):
 
 
 class _Servicer:
-    def __init__(self, tier: Tier) -> None:
+    def __init__(self, tier: Tier, rpc=NO_RPC_METRICS) -> None:
         self.tier = tier
+        self.rpc = rpc  # latency histograms (ps.metrics.RpcMetrics)
 
     @_unary
     async def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
@@ -45,7 +47,9 @@ class _Servicer:
             raise BadInput(f"register needs a role, got enum value {req.role}")
         if not req.member:
             raise BadInput("register needs a member id")
-        reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role], req.address, req.last_seq)
+        with self.rpc.timed("register") as timing:
+            timing.job = req.job
+            reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role], req.address, req.last_seq)
         return pb.RegisterReply(
             config=job_to_pb(reg.config), keys=layout_to_pb(reg.layout), server_epoch=reg.server_epoch,
             start_version=reg.start_version, start_clock=reg.start_clock,
@@ -65,20 +69,24 @@ class _Servicer:
 
     @_unary
     async def Push(self, request_iterator, context) -> pb.PushAck:
-        frames = [f async for f in request_iterator]
-        meta, chunks = decode_push(frames)
-        ack = await self.tier.push(meta, chunks)
+        with self.rpc.timed("push") as timing:
+            frames = [f async for f in request_iterator]
+            meta, chunks = decode_push(frames)
+            timing.job = meta.job
+            ack = await self.tier.push(meta, chunks)
         return pb.PushAck(applied_version=ack.applied_version, duplicate=ack.duplicate,
                           view_epoch=ack.view_epoch)
 
     async def Pull(self, req: pb.PullRequest, context):
-        try:
-            meta, versions = await self.tier.pull(req.job, req.member, req.view_epoch, req.since_version,
-                                                  req.min_version, req.wait_ms / 1000.0, req.min_clock)
-        except HpsError as exc:
-            await context.abort(code_of(exc), str(exc))
-        for frame in encode_pull_reply(meta, versions):
-            yield frame
+        with self.rpc.timed("pull") as timing:
+            timing.job = req.job
+            try:
+                meta, versions = await self.tier.pull(req.job, req.member, req.view_epoch, req.since_version,
+                                                      req.min_version, req.wait_ms / 1000.0, req.min_clock)
+            except HpsError as exc:
+                await context.abort(code_of(exc), str(exc))
+            for frame in encode_pull_reply(meta, versions):
+                yield frame
 
     @_unary
     async def CreateJob(self, request_iterator, context) -> pb.CreateJobReply:
@@ -124,8 +132,8 @@ class _Servicer:
                               uptime_s=s["uptime_s"], children=members(s["children"]))
 
 
-def handler(tier: Tier) -> grpc.GenericRpcHandler:
-    servicer = _Servicer(tier)
+def handler(tier: Tier, rpc=NO_RPC_METRICS) -> grpc.GenericRpcHandler:
+    servicer = _Servicer(tier, rpc)
     handlers = {}
     for name, (kind, req, resp) in METHODS.items():
         make = getattr(grpc, f"{kind}_rpc_method_handler")

@@ -59,6 +59,14 @@ def print_tree(address: str, out) -> int:
             print(f"{pad}  job {j.name}: version {j.version} (crc {j.checksum:#010x}) lag {lag} versions "
                   f"/ {j.lag_s:.1f}s, round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
                   f"members {len(j.members)} ({len(workers)} workers)", file=out)
+            if j.mode != pb.MODE_BSP or j.staleness_count:
+                mean = j.staleness_sum / j.staleness_count if j.staleness_count else 0.0
+                print(f"{pad}    {pb.Mode.Name(j.mode)[5:].lower()}: clock floor {j.clock_min}, staleness "
+                      f"mean {mean:.2f} max {j.staleness_max} over {j.staleness_count} applied pushes", file=out)
+            waited = j.round_wait_ms_sum / 1000.0
+            if waited:
+                print(f"{pad}    pushes waited {waited:.1f}s in total at this tier for their acknowledgement",
+                      file=out)
             print(f"{pad}    bytes: push in {human_bytes(j.bytes_pushed_in)}, up {human_bytes(j.bytes_pushed_up)}; "
                   f"pull in {human_bytes(j.bytes_pulled_in)}, out {human_bytes(j.bytes_pulled_out)}; "
                   f"snapshots {j.snapshots_served}, deltas {j.deltas_served}", file=out)
