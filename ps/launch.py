@@ -7,6 +7,20 @@ Each tier is one ``hps serve`` process. Tiers bind port 0 unless the topology na
 launch reads each tier's ready line (``hps: serving ... on HOST:PORT``) from its log to learn
 the port, then starts its children pointed at it. Every process started is stopped by its
 PID: SIGTERM (graceful: final checkpoint, leave parent), then SIGKILL after a grace period.
+
+Emulated WAN links (``ps/wanem.py``). A region or zone entry may declare the link to its
+parent, and a top-level ``links`` list may put a link in front of any tier for clients:
+
+    regions:
+      - {name: eu, latency_ms: 100, bandwidth_mbit: 100, zones: [...]}   # eu <-> root
+    links:
+      - {name: eu-wan, to: root, latency_ms: 100, bandwidth_mbit: 100}   # workers -> root
+
+``latency_ms`` is the round trip the link adds, ``bandwidth_mbit`` each direction's rate
+(also ``jitter_ms``, ``loss_pct``). Each declared link is one ``python -m ps.wanem`` process
+(a delaying, rate-limiting TCP relay; this machine has no ``tc netem``); the child's
+``--parent`` points at it, and ``cluster.address("eu-wan")`` is where a worker connects to
+cross that link. Links live in ``cluster.links`` and are stopped after every tier.
 """
 
 from __future__ import annotations
@@ -24,10 +38,12 @@ from pathlib import Path
 import yaml
 
 from ps.errors import BadInput
+from ps.wanem import Link
 
 __all__ = ["Cluster", "Tier", "load_topology", "default_topology"]
 
 _READY = re.compile(r"hps: serving (\S+) (\S+) on (\S+)(?: metrics (\d+))?")
+_LINK_READY = re.compile(r"wanem(?: \S+)?: relaying (\S+) -> ")
 
 
 def default_topology() -> dict:
@@ -66,6 +82,7 @@ class Tier:
 class Cluster:
     logdir: Path
     tiers: dict[str, Tier] = field(default_factory=dict)
+    links: dict[str, Tier] = field(default_factory=dict)  # emulated WAN links (role "link")
 
     @classmethod
     def start(cls, topo: dict, logdir: str | Path, extra_root_args: list[str] = (),
@@ -80,14 +97,43 @@ class Cluster:
             r = topo["root"]
             root = c._spawn(r.get("name", "root"), "global", host, r, "", common + list(extra_root_args))
             for reg in topo.get("regions") or []:
-                rt = c._spawn(reg["name"], "regional", host, reg, root.address, common)
+                rt = c._spawn(reg["name"], "regional", host, reg, c._edge(reg, root), common)
                 for z in reg.get("zones") or []:
-                    c._spawn(z["name"], "zone", host, z, rt.address, common)
+                    c._spawn(z["name"], "zone", host, z, c._edge(z, rt), common)
+            for spec in topo.get("links") or []:
+                to = spec.get("to", "")
+                if to not in c.tiers:
+                    raise BadInput(f"link {spec.get('name')!r} goes to {to!r}, which is not a tier of the topology")
+                c._link(spec.get("name", ""), spec, c.tiers[to])
             c.wait_ready(timeout_s)
         except BaseException:
             c.stop()
             raise
         return c
+
+    def _edge(self, spec: dict, parent: Tier) -> str:
+        """The address a child dials for its parent: the parent's, or an emulated link's."""
+        link = self._link(f"{spec['name']}-{parent.name}", spec, parent)
+        return link.address if link else parent.address
+
+    def _link(self, name: str, spec: dict, to: Tier) -> Tier | None:
+        try:
+            link = Link.from_spec(spec)
+        except (TypeError, ValueError) as exc:
+            raise BadInput(f"topology entry {spec.get('name')!r}: {exc}") from None
+        if link is None:
+            return None
+        if not name or name in self.links or name in self.tiers:
+            raise BadInput(f"link name {name!r} is empty or used twice in the topology")
+        log = self.logdir / f"link-{name}.log"
+        log.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "ps.wanem", "--name", name, "--target", to.address,
+               "--latency-ms", str(link.latency_ms), "--bandwidth-mbit", str(link.bandwidth_mbit),
+               "--jitter-ms", str(link.jitter_ms), "--loss-pct", str(link.loss_pct)]
+        t = self._popen(name, "link", cmd, log, to.address)
+        self.links[name] = t
+        self._wait_line(t, 30.0, pattern=_LINK_READY)
+        return t
 
     def _spawn(self, name: str, role: str, host: str, spec: dict, parent: str, args: list[str]) -> Tier:
         if name in self.tiers:
@@ -114,13 +160,16 @@ class Cluster:
                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         return Tier(name, role, proc, log, cmd=cmd, parent=parent)
 
-    def _wait_line(self, tier: Tier, timeout_s: float, offset: int = 0) -> None:
+    def _wait_line(self, tier: Tier, timeout_s: float, offset: int = 0, pattern: re.Pattern = _READY) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with open(tier.log, "rb") as f:
                 f.seek(offset)
                 text = f.read().decode(errors="replace")
-            m = _READY.search(text)
+            m = pattern.search(text)
+            if m and pattern is _LINK_READY:
+                tier.address = m.group(1)
+                return
             if m:
                 tier.address = m.group(3)
                 tier.metrics_port = int(m.group(4)) if m.group(4) else None
@@ -136,7 +185,8 @@ class Cluster:
                 self._wait_line(t, timeout_s)
 
     def address(self, name: str) -> str:
-        return self.tiers[name].address
+        """A tier's address, or the address of a declared link (where clients cross it)."""
+        return (self.tiers.get(name) or self.links[name]).address
 
     def stop_tier(self, name: str, signum: int = signal.SIGTERM) -> None:
         """Stop one tier by PID, keeping its record so ``restart`` can bring it back."""
@@ -167,8 +217,11 @@ class Cluster:
             pass
 
     def stop(self, grace_s: float = 5.0) -> None:
-        # Leaves first, so relays can still say goodbye to their parents.
+        # Leaves first, so relays can still say goodbye to their parents; links last, since
+        # those goodbyes cross them.
         for t in reversed(list(self.tiers.values())):
+            self._kill(t, signal.SIGTERM, grace_s)
+        for t in self.links.values():
             self._kill(t, signal.SIGTERM, grace_s)
 
     def __enter__(self) -> "Cluster":
