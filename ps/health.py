@@ -7,7 +7,7 @@
 
 Readiness is service ``""`` (and the hps service's own name): SERVING once the tier has synced
 with its parent -- the root at once, a relay once its upstream link has succeeded (a heartbeat
-or a register answered). It stays SERVING if the parent is lost later: the relay still serves
+or a register answered) and it holds a view of every job it serves. It stays SERVING if the parent is lost later: the relay still serves
 the view it holds, and flipping readiness would empty the Kubernetes Services below it, so a
 root restart would cascade down the whole tree and every child would sit out gRPC's reconnect
 backoff. A lost parent is reported by ``hps_upstream_reachable`` and its alert instead.
@@ -34,10 +34,14 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def synced(tier) -> bool:
-    """True once the tier has synced with its parent (always for the root, which has none)."""
+    """True once the tier has synced with its parent (always for the root, which has none):
+    the parent has answered, and every job this relay holds has a view from it."""
     up = getattr(tier, "up", None)
+    if up is None:
+        return True
     # server_epoch is set by the first answered heartbeat or register, and never cleared.
-    return up is None or bool(up.reachable or up.server_epoch)
+    answered = bool(up.reachable or up.server_epoch)
+    return answered and all(js.view.ready for js in tier.jobs.values())
 
 
 class Health(health_pb2_grpc.HealthServicer):

@@ -179,7 +179,10 @@ class _TierCollector:
         """One consistent snapshot; runs on the tier's loop."""
         tier = self.tier
         snap = dict(status=tier.status(), now=tier.clock(), ready=synced(tier), link=None,
-                    synced_at={name: js.synced_at for name, js in tier.jobs.items()})
+                    synced_at={name: js.synced_at for name, js in tier.jobs.items()},
+                    numel={name: js.layout.numel for name, js in tier.jobs.items()},
+                    bound={name: js.config.staleness for name, js in tier.jobs.items()
+                           if js.config.mode == "ssp"})
         if self.link is not None:
             self.link.poll()
             snap["link"] = dict(reachable=bool(tier.up.reachable), errors=tier.up.failures,
@@ -258,6 +261,17 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
     pull_bytes = counter("hps_pull_bytes_total", "Tensor payload bytes of pulls: served to children "
                                                  "(edge=children), received from the parent "
                                                  "(edge=parent)", [*jl, "edge"])
+    # Before compression: what the same tensors decode to (float32). Only the children edge:
+    # a tier's parent edge is its parent's children edge, where the same pushes and pulls are
+    # counted. A push carries the job's whole gradient and a delta or snapshot its whole
+    # vector, so this is the count times the job's size (a relay's rare 0-contributor push,
+    # which only carries a clock floor, counts as one too).
+    push_raw = counter("hps_push_decoded_bytes_total", "Bytes the pushes received from children "
+                                                       "decode to (float32, before compression)",
+                       [*jl, "edge"])
+    pull_raw = counter("hps_pull_decoded_bytes_total", "Bytes the deltas and snapshots served to "
+                                                       "children decode to (float32, before "
+                                                       "compression)", [*jl, "edge"])
     hits = counter("hps_delta_log_hits_total", "Versions served to children as deltas from the delta log")
     fallbacks = counter("hps_snapshot_fallbacks_total", "Pulls answered with a full snapshot (the caller "
                                                         "had no view, fell behind the delta log, or "
@@ -268,14 +282,19 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
     wait = SummaryMetricFamily("hps_barrier_wait_seconds", "Time accepted pushes waited for their "
                                                            "round (BSP barrier) or window to be "
                                                            "applied", labels=jl)
-    out += [version, lag_v, lag_s, members, open_round, pushes, push_bytes, pull_bytes, hits,
-            fallbacks, rounds, aborted, wait]
-    staleness = None
+    bound = gauge("hps_job_staleness_bound", "The ssp job's staleness bound s, in worker clocks "
+                                             "(steps); ssp jobs only")
+    out += [version, lag_v, lag_s, members, open_round, pushes, push_bytes, pull_bytes, push_raw,
+            pull_raw, hits, fallbacks, rounds, aborted, wait, bound]
+    staleness = stale_max = None
     if s["role"] == "global":
+        # A summary, not a histogram: the root keeps only the count, sum and maximum.
         staleness = SummaryMetricFamily("hps_update_staleness_versions", "Versions between the view "
                                         "an update was computed on and the one it was applied to",
                                         labels=jl)
-        out.append(staleness)
+        stale_max = gauge("hps_update_staleness_max_versions", "The largest staleness observed "
+                                                               "since the root started")
+        out += [staleness, stale_max]
 
     for j in s["jobs"]:
         lv = [*base, j["name"]]
@@ -288,6 +307,11 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
         pushes.add_metric(lv, j["pushes"])
         push_bytes.add_metric([*lv, "children"], j["bytes_pushed_in"])
         pull_bytes.add_metric([*lv, "children"], j["bytes_pulled_out"])
+        size = 4 * snap["numel"].get(j["name"], 0)
+        push_raw.add_metric([*lv, "children"], j["pushes"] * size)
+        pull_raw.add_metric([*lv, "children"], (j["deltas_served"] + j["snapshots_served"]) * size)
+        if j["name"] in snap["bound"]:
+            bound.add_metric(lv, snap["bound"][j["name"]])
         if is_relay:
             push_bytes.add_metric([*lv, "parent"], j["bytes_pushed_up"])
             pull_bytes.add_metric([*lv, "parent"], j["bytes_pulled_in"])
@@ -298,6 +322,7 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
         wait.add_metric(lv, count_value=j["pushes"], sum_value=j["round_wait_ms_sum"] / 1000.0)
         if staleness is not None:
             staleness.add_metric(lv, count_value=j["staleness_count"], sum_value=j["staleness_sum"])
+            stale_max.add_metric(lv, j["staleness_max"])
 
     if is_relay:
         link = snap["link"]
@@ -337,20 +362,26 @@ class TierMetrics:
 
 
 # -- training scripts ----------------------------------------------------------------------------
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 class TrainingMetrics:
-    """What a training script reports about its job: the loss and the steps it has taken.
+    """What a training script reports about its job: loss, steps and step time.
 
         registry = CollectorRegistry()
         train = TrainingMetrics("lm", registry)
         serve_metrics(registry, 9200, host="0.0.0.0")
+        t0 = time.perf_counter()
         for step, batch in enumerate(batches):
             loss = ...; opt.step()
             if step % 10 == 9:
-                train.report(loss=running_mean, steps=10)
+                train.report(loss=running_mean, steps=10, seconds=time.perf_counter() - t0)
+                t0 = time.perf_counter()
 
     The ``HpsTrainingLossRising`` alert (deploy/prometheus/rules/hps.rules.yml) watches these:
     each evaluation of its group is one report. The worker id is the scrape target (instance),
-    never a label.
+    never a label. The protocol does not carry these to the tiers (yet): a script that wants
+    them scraped serves them itself, as above.
     """
 
     def __init__(self, job: str, registry: CollectorRegistry) -> None:
@@ -359,9 +390,19 @@ class TrainingMetrics:
                            registry=registry).labels(job=job)
         self._steps = Counter("hps_training_steps_total", "Training steps (optimizer steps) taken",
                               ["job"], registry=registry).labels(job=job)
+        self._step_s = Histogram("hps_training_step_duration_seconds", "Wall time of one training "
+                                 "step (compute, push and pull), averaged over each report",
+                                 ["job"], registry=registry, buckets=_STEP_BUCKETS).labels(job=job)
 
-    def report(self, loss: float, steps: int = 1) -> None:
+    def report(self, loss: float, steps: int = 1, seconds: float | None = None) -> None:
+        """Record the loss now, ``steps`` more steps, and the ``seconds`` they took (if known)."""
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        if seconds is not None and (seconds < 0 or (seconds > 0 and steps == 0)):
+            raise ValueError(f"seconds must be >= 0 and cover at least one step, got {seconds} "
+                             f"for {steps} steps")
         self._loss.set(loss)
         self._steps.inc(steps)
+        if seconds is not None and steps:
+            for _ in range(steps):  # one observation per step, so _count counts steps
+                self._step_s.observe(seconds / steps)

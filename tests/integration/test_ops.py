@@ -1,0 +1,328 @@
+"""Operating a running tree: /metrics moves as training runs, promtool accepts what it serves,
+the dashboard and alert rules only name series that exist, `hps status` shows the same
+numbers, the health service answers SERVING only once a tier has synced with its parent, and
+`hps serve` stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from ps.config import JobConfig, OptimizerConfig, ServerConfig
+from ps.health import LIVENESS, Health
+from ps.metrics import TrainingMetrics, serve_metrics
+from ps.server import create_server
+from ps.status import print_tree
+from ps.store import KeySpec, Layout
+from tests.conftest import FAST, LoopThread, Tree
+from worker import ParameterClient
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT = Layout([KeySpec("w", (32, 16)), KeySpec("b", (16,))])
+SIZE = 4 * LAYOUT.numel  # float32 bytes of one whole vector
+STEPS = 3
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def tool(name: str) -> str | None:
+    """A test tool from the venv (`make tools`) or PATH."""
+    venv = Path(sys.executable).parent / name
+    return str(venv) if venv.exists() else shutil.which(name)
+
+
+# -- a tree whose every tier serves /metrics -------------------------------------------------------
+class Scraped:
+    """Tiers of a ``Tree`` with their own registry and /metrics server each."""
+
+    def __init__(self, tree: Tree) -> None:
+        self.tree = tree
+        self.http: dict[str, object] = {}
+
+    def add(self, name: str, role: str, parent: str = "", **kw) -> str:
+        registry = CollectorRegistry()
+        cfg = ServerConfig(role=role, name=name, parent=self.tree.addr(parent) if parent else "",
+                           **{**FAST, **kw})
+        self.tree.servers[name] = self.tree.lt.run(create_server(cfg, registry))
+        self.http[name] = serve_metrics(registry, 0)
+        return self.tree.addr(name)
+
+    def text(self, name: str) -> str:
+        url = f"http://127.0.0.1:{self.http[name].server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read().decode()
+
+    def value(self, name: str, metric: str, **labels) -> float:
+        return sample(self.text(name), metric, **labels)
+
+    def close(self) -> None:
+        for httpd in self.http.values():
+            httpd.shutdown()
+            httpd.server_close()
+        self.tree.close()
+
+
+def sample(text: str, metric: str, **labels) -> float:
+    """The value of the one sample named ``metric`` whose labels include ``labels``."""
+    found = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+             if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, f"{metric}{labels}: {len(found)} samples"
+    return found[0]
+
+
+def _grad(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(LAYOUT.numel).astype(np.float32)
+
+
+def train(clients, steps: int) -> None:
+    """BSP: every client pushes once per round (threads), then pulls the new version."""
+    errors = []
+
+    def run(i, c):
+        try:
+            for s in range(steps):
+                v, _ = c.push(_grad(100 * i + s), clock=s)
+                c.pull(min_version=v)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    assert not errors, errors
+
+
+def wait_for(fn, what: str, tries: int = 100, pause_s: float = 0.05):
+    """Poll ``fn`` until it returns something truthy: at most ``tries`` times."""
+    for _ in range(tries):
+        got = fn()
+        if got:
+            return got
+        time.sleep(pause_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """root <- eu <- eu-a, two workers on eu-a; scrapes before and after STEPS BSP rounds."""
+    lt = LoopThread()
+    ops = Scraped(Tree(lt))
+    clients = []
+    try:
+        ops.add("root", "global")
+        ops.add("eu", "regional", parent="root")
+        zone = ops.add("eu-a", "zone", parent="eu")
+        cfg = JobConfig(name="lm", delta_codec="fp32+zstd", optimizer=OptimizerConfig(lr=0.1))
+        clients = [ParameterClient(zone, "lm", f"w{i}") for i in range(2)]
+        clients[0].create_job(cfg, LAYOUT, _grad(7))
+        for c in clients:
+            c.register()
+            c.pull(min_version=0)
+        before = {n: ops.text(n) for n in ops.http}
+        train(clients, STEPS)
+        after = {n: ops.text(n) for n in ops.http}
+        yield ops, before, after
+    finally:
+        for c in clients:
+            c.close()
+        ops.close()
+        lt.close()
+
+
+def test_metrics_move_as_training_runs(trained):
+    ops, before, after = trained
+    for name in ("root", "eu", "eu-a"):
+        assert sample(before[name], "hps_version", job="lm") == 0
+        assert sample(after[name], "hps_version", job="lm") == STEPS
+        assert sample(after[name], "hps_ready") == 1
+    # Replicas caught up with the root: no lag, and the parent answered.
+    for name in ("eu", "eu-a"):
+        assert sample(after[name], "hps_replica_lag_versions", job="lm") == 0
+        assert sample(after[name], "hps_replica_lag_seconds", job="lm") == 0
+        assert sample(after[name], "hps_upstream_reachable") == 1
+    assert sample(after["root"], "hps_replica_lag_versions", job="lm") == 0
+
+    zone = after["eu-a"]
+    assert sample(zone, "hps_members", job="lm") == 2
+    assert sample(after["root"], "hps_members", job="lm") == 1  # the regional master
+    assert sample(zone, "hps_pushes_total", job="lm") == 2 * STEPS
+    assert sample(zone, "hps_push_duration_seconds_count", job="lm") == 2 * STEPS
+    assert sample(after["root"], "hps_pushes_total", job="lm") == STEPS  # one aggregate a round
+    assert sample(after["root"], "hps_rounds_total", job="lm") == STEPS
+    # fp32 pushes: the wire bytes are the decoded bytes; zstd deltas are counted as sent.
+    pushed = sample(zone, "hps_push_bytes_total", job="lm", edge="children")
+    assert pushed == sample(zone, "hps_push_decoded_bytes_total", job="lm", edge="children") \
+        == 2 * STEPS * SIZE
+    assert sample(before["eu-a"], "hps_push_bytes_total", job="lm", edge="children") == 0
+    assert sample(zone, "hps_push_bytes_total", job="lm", edge="parent") == STEPS * SIZE
+    served = sample(zone, "hps_pull_bytes_total", job="lm", edge="children")
+    assert served > sample(before["eu-a"], "hps_pull_bytes_total", job="lm", edge="children") > 0
+    hits = sample(zone, "hps_delta_log_hits_total", job="lm")
+    snaps = sample(zone, "hps_snapshot_fallbacks_total", job="lm")
+    assert hits >= 2 * STEPS and snaps >= 2  # each worker's first pull is a snapshot
+    assert sample(zone, "hps_pull_decoded_bytes_total", job="lm", edge="children") == \
+        (hits + snaps) * SIZE
+    assert sample(zone, "hps_barrier_wait_seconds_count", job="lm") == 2 * STEPS
+    # Every update the root applied was computed on the version before it (bsp).
+    assert sample(after["root"], "hps_update_staleness_versions_count", job="lm") == STEPS
+    assert sample(after["root"], "hps_update_staleness_versions_sum", job="lm") == 0
+
+
+def test_promtool_accepts_the_exposition(trained):
+    promtool = tool("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (`make tools` extracts it from Debian's "
+                    "prometheus package)")
+    _, _, after = trained
+    for name, text in after.items():
+        r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0 and not r.stdout.strip(), f"{name}: {r.stdout}{r.stderr}"
+
+
+def _names_used(expr: str) -> set[str]:
+    """hps_* series an expression reads (not $variables, nor parts of recorded a:b:c names)."""
+    return set(re.findall(r"(?<![\w:$])(hps_[a-z0-9_]+)(?![\w:])", expr))
+
+
+def test_rules_and_dashboard_only_use_series_the_tiers_export(trained):
+    import yaml
+
+    _, _, after = trained
+    registry = CollectorRegistry()
+    TrainingMetrics("lm", registry).report(loss=2.0, steps=3, seconds=0.3)
+    from prometheus_client import generate_latest
+
+    exported = {s.name for text in [*after.values(), generate_latest(registry).decode()]
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/rules/hps.rules.yml").read_text())
+    recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    used = {n for g in rules["groups"] for r in g["rules"] for n in _names_used(r["expr"])}
+    dashboard = json.loads((ROOT / "deploy/grafana/hps-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used |= {n for e in exprs for n in _names_used(e)}
+    assert used, "no hps_* series found in the rules or the dashboard"
+    assert used - exported - recorded == set()
+
+
+def test_status_shows_the_numbers_the_metrics_show(trained):
+    ops, _, after = trained
+    out = io.StringIO()
+    assert print_tree(ops.tree.addr("root"), out) == 0
+    text = out.getvalue()
+    for name in ("root", "eu", "eu-a"):
+        assert f" {name} @ " in text, text
+    assert text.count(f"job lm: version {STEPS} ") == 3, text
+    zone_block = text[text.index(" eu-a @ "):]
+    assert "lag 0 versions" in zone_block and "members 2 (2 workers)" in zone_block, zone_block
+
+
+def test_lag_and_reconnects_when_the_parent_goes_away(tree):
+    ops = Scraped(tree)
+    try:
+        ops.add("root", "global")
+        eu = ops.add("eu", "regional", parent="root")
+        zone = ops.add("eu-a", "zone", parent="eu")
+        c = ParameterClient(zone, "lm", "w0")
+        c.create_job(JobConfig(name="lm", optimizer=OptimizerConfig(lr=0.1)), LAYOUT, _grad(1))
+        c.register()
+        c.pull(min_version=0)
+        train([c], 1)
+        assert ops.value("eu-a", "hps_upstream_reconnects_total") == 0
+        # The regional master goes away: the zone cannot tell whether it is current, so its
+        # lag in seconds counts from when it last was.
+        tree.stop("eu")
+        wait_for(lambda: ops.value("eu-a", "hps_upstream_reachable") == 0, "parent unreachable")
+        lag = wait_for(lambda: ops.value("eu-a", "hps_replica_lag_seconds", job="lm"), "lag > 0")
+        assert lag > 0
+        assert ops.value("eu-a", "hps_upstream_errors_total") >= 1
+        # The master comes back on the same address: one reconnect, and in sync again.
+        ops.http.pop("eu").shutdown()
+        ops.add("eu", "regional", parent="root", listen=eu)
+        wait_for(lambda: ops.value("eu-a", "hps_upstream_reconnects_total") == 1, "a reconnect",
+                 tries=200)
+        train([c], 1)
+        wait_for(lambda: ops.value("eu-a", "hps_replica_lag_seconds", job="lm") == 0, "lag 0")
+        assert ops.value("eu-a", "hps_version", job="lm") == 2
+        c.close()
+    finally:
+        for httpd in ops.http.values():
+            httpd.shutdown()
+            httpd.server_close()
+
+
+# -- health ------------------------------------------------------------------------------------
+def _check(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_health_is_serving_only_once_the_tier_synced_with_its_parent(tree):
+    parent = f"127.0.0.1:{_free_port()}"  # nothing listens there yet
+    tree.servers["z"] = tree.lt.run(create_server(ServerConfig(role="zone", name="z", parent=parent,
+                                                               **FAST)))
+    zone = tree.addr("z")
+    time.sleep(3 * FAST["heartbeat_s"])  # a few heartbeats fail
+    assert _check(zone) == _NOT_SERVING
+    assert _check(zone, "hps.v1.ParameterServer") == _NOT_SERVING
+    assert _check(zone, LIVENESS) == _SERVING  # alive, just not ready
+    with pytest.raises(grpc.RpcError) as err:
+        _check(zone, "no.such.Service")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    tree.servers["root"] = tree.lt.run(create_server(ServerConfig(role="global", listen=parent,
+                                                                  **FAST)))
+    assert _check(parent) == _SERVING  # the root has no parent to wait for
+    wait_for(lambda: _check(zone) == _SERVING, "the zone to sync with its parent")
+
+    # On SIGTERM the server drains first: probes see NOT_SERVING while it winds down.
+    health = Health(tree.tier("z"))
+    assert health.status("") == _SERVING
+    health.drain()
+    assert health.status("") == health.status(LIVENESS) == _NOT_SERVING
+
+
+# -- the process -------------------------------------------------------------------------------
+def test_hps_serve_serves_metrics_and_health_and_stops_on_sigterm(reap):
+    env = {**os.environ, "HPS_METRICS_PORT": "0", "HPS_PARENT": f"127.0.0.1:{_free_port()}",
+           "HPS_HEARTBEAT_S": "0.1", "HPS_MEMBER_TIMEOUT_S": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "ps.cli", "serve", "--role", "zone", "--name", "z1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    reap(p)
+    line = p.stdout.readline()
+    m = re.match(r"hps: serving zone z1 on (\S+) metrics (\d+)", line)
+    assert m, line + p.stderr.read()
+    address, metrics_port = m.group(1), int(m.group(2))
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert sample(text, "hps_ready", tier="zone", zone="z1") == 0  # its parent is not there
+    assert sample(text, "hps_upstream_reachable", tier="zone", zone="z1") == 0
+    assert "process_cpu_seconds_total" in text  # the process collector of a served registry
+    assert _check(address) == _NOT_SERVING and _check(address, LIVENESS) == _SERVING
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 0, p.stderr.read()
