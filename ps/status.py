@@ -8,12 +8,13 @@ Relays register with the address they serve on, so starting at the root walks th
 from __future__ import annotations
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps.demo.report import human_bytes
 from ps.errors import from_rpc_error, HpsError
 from ps.wire import GRPC_OPTIONS, ROLE_NAME, pb, stubs
 
-__all__ = ["fetch_status", "print_tree", "walk"]
+__all__ = ["fetch_status", "fetch_ready", "print_tree", "walk"]
 
 
 def fetch_status(address: str, timeout_s: float = 5.0) -> pb.StatusReply:
@@ -22,6 +23,16 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> pb.StatusReply:
             return stubs(ch)["Status"](pb.StatusRequest(), timeout=timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+
+
+def fetch_ready(address: str, timeout_s: float = 5.0) -> str:
+    """What the tier's readiness probe would see: "ready", "NOT READY" or "ready ?" (no answer)."""
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return "ready ?"
+    return "ready" if r.status == health_pb2.HealthCheckResponse.SERVING else "NOT READY"
 
 
 def walk(address: str, depth: int = 0, seen: set | None = None):
@@ -52,7 +63,7 @@ def print_tree(address: str, out) -> int:
             continue
         parent = "" if not st.parent else f" parent {st.parent} ({'up' if st.parent_reachable else 'UNREACHABLE'})"
         print(f"{pad}{ROLE_NAME.get(st.role, '?')} {st.name} @ {addr} epoch {st.server_epoch:#x} "
-              f"up {st.uptime_s:.0f}s{parent}", file=out)
+              f"up {st.uptime_s:.0f}s, {fetch_ready(addr)}{parent}", file=out)
         for j in st.jobs:
             lag = max(0, j.parent_version - j.version)
             workers = [m for m in j.members if m.role == pb.ROLE_WORKER]
@@ -65,8 +76,8 @@ def print_tree(address: str, out) -> int:
                       f"mean {mean:.2f} max {j.staleness_max} over {j.staleness_count} applied pushes", file=out)
             waited = j.round_wait_ms_sum / 1000.0
             if waited:
-                print(f"{pad}    pushes waited {waited:.1f}s in total at this tier for their acknowledgement",
-                      file=out)
+                print(f"{pad}    pushes waited {waited:.1f}s in total at this tier for their "
+                      "acknowledgement (barrier / window)", file=out)
             print(f"{pad}    bytes: push in {human_bytes(j.bytes_pushed_in)}, up {human_bytes(j.bytes_pushed_up)}; "
                   f"pull in {human_bytes(j.bytes_pulled_in)}, out {human_bytes(j.bytes_pulled_out)}; "
                   f"snapshots {j.snapshots_served}, deltas {j.deltas_served}", file=out)

@@ -231,6 +231,7 @@ def test_status_shows_the_numbers_the_metrics_show(trained):
     for name in ("root", "eu", "eu-a"):
         assert f" {name} @ " in text, text
     assert text.count(f"job lm: version {STEPS} ") == 3, text
+    assert text.count(", ready") == 3, text  # what the readiness probes see (hps_ready)
     zone_block = text[text.index(" eu-a @ "):]
     assert "lag 0 versions" in zone_block and "members 2 (2 workers)" in zone_block, zone_block
 
