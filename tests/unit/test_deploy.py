@@ -235,3 +235,50 @@ def test_kubernetes_scrape_config_keeps_hps_pods_and_their_tier_labels():
         assert "metrics" in ports
     kust = yaml.safe_load((K8S / "base" / "zone" / "kustomization.yaml").read_text())
     assert kust["labels"][0]["pairs"]["app.kubernetes.io/part-of"] == "hps"
+
+
+# -- the image -------------------------------------------------------------------------------------
+ROOT = DEPLOY.parent
+
+
+def test_dockerfile_runs_hps_as_pid_1_as_the_manifests_user_on_their_ports():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'^ENTRYPOINT \["hps"\]$', text, re.M)  # exec form: SIGTERM reaches hps
+    assert re.search(r"^USER 10001:10001$", text, re.M)
+    assert re.search(r"^EXPOSE 7000 9100$", text, re.M)
+    torch_pin = re.search(r"^TORCH\s*:=\s*(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert f"pip install {torch_pin} " in text  # the same torch as the development venv
+    for tier, kind in (("root", "statefulset"), ("regional", "deployment"), ("zone", "deployment")):
+        w = _load(K8S / "base" / tier / f"{kind}.yaml")[0]
+        pod = w["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == 10001
+        assert {p["containerPort"] for p in hps_container(w)["ports"]} == {7000, 9100}
+
+
+def test_the_images_build_steps_package_the_generated_code(tmp_path):
+    """The Dockerfile's protoc and `pip install .`, without docker: the wheel holds the server."""
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for needed in ("pyproject.toml", "ps/", "worker/", "protos/"):
+        assert not any(needed.startswith(p.strip("*/")) for p in ignored if p.strip("*/")), needed
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", ctx)
+    skip = shutil.ignore_patterns("__pycache__", "hps_pb2*")  # as .dockerignore drops them
+    for d in ("ps", "worker", "protos"):
+        shutil.copytree(ROOT / d, ctx / d, ignore=skip)
+    protoc = re.search(r"python (-m grpc_tools\.protoc [^\\\n&]+)", (ROOT / "Dockerfile").read_text())
+    r = subprocess.run([sys.executable, *protoc.group(1).split()], cwd=ctx, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        ".", "-w", str(tmp_path / "dist")], cwd=ctx, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import zipfile
+
+    (wheel,) = (tmp_path / "dist").glob("hps-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"ps/proto/hps_pb2.py", "ps/proto/hps_pb2_grpc.py", "ps/server.py", "ps/health.py",
+            "ps/metrics.py", "worker/__init__.py"} <= names
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "hps = ps.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
