@@ -48,7 +48,7 @@ def _serve(args) -> int:
             metrics_port=int(args.metrics_port), heartbeat_s=float(args.heartbeat_s),
             member_timeout_s=float(args.member_timeout_s), checkpoint_dir=args.checkpoint_dir or "",
             checkpoint_every=int(args.checkpoint_every), round_timeout_s=float(args.round_timeout_s),
-            flush_ms=float(args.flush_ms), flush_bytes=int(args.flush_bytes))
+            flush_ms=float(args.flush_ms), flush_bytes=int(args.flush_bytes), up_codec=args.up_codec or "")
     except (BadInput, ValueError) as exc:
         print(f"hps serve: {exc}", file=sys.stderr)
         return 2
@@ -94,6 +94,8 @@ def _job(args) -> int:
         if args.action == "create":
             cfg = JobConfig(name=args.name, mode=args.mode, staleness=int(args.staleness),
                             damping=args.damping, push_codec=args.push_codec, delta_codec=args.delta_codec,
+                            relay_codec=args.relay_codec, topk=float(args.topk),
+                            topk_warmup_steps=int(args.topk_warmup_steps),
                             optimizer=OptimizerConfig(kind=args.optimizer, lr=float(args.lr),
                                                       momentum=float(args.momentum),
                                                       warmup_steps=int(args.warmup_steps)))
@@ -135,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ssp/async: flush the aggregation window after this many ms")
     s.add_argument("--flush-bytes", action=_EnvDefault, default=str(64 * 1024 * 1024),
                    help="ssp/async: ... or once this many payload bytes are waiting")
+    s.add_argument("--up-codec", action=_EnvDefault, default="",
+                   help="relays: codec of this tier's upward edge, overriding the job's relay codec")
     s.add_argument("--loop", action=_EnvDefault, default="asyncio", choices=["asyncio", "uvloop"],
                    help="event loop (benchmarks/bsp_step.py --loops compares them)")
     s.set_defaults(fn=_serve)
@@ -159,8 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", default="0.01")
     s.add_argument("--momentum", default="0.0")
     s.add_argument("--warmup-steps", default="0")
-    s.add_argument("--push-codec", default="fp32")
-    s.add_argument("--delta-codec", default="fp32")
+    s.add_argument("--push-codec", default="fp32", help="workers' codec: fp32, fp32+zstd, fp16, bf16, "
+                   "int8, topk, sign, rows (lossy ones run with error feedback)")
+    s.add_argument("--relay-codec", default="", help="relays' codec for aggregates (default: the push codec)")
+    s.add_argument("--delta-codec", default="fp32", help="the root's codec for published-view deltas")
+    s.add_argument("--topk", default="0.01", help="density of the topk codec (fraction of elements)")
+    s.add_argument("--topk-warmup-steps", default="0", help="DGC warm-up: density 25%% down to --topk")
     s.set_defaults(fn=_job)
 
     s = sub.add_parser("demo", help="train a small transformer LM on a local cluster")
@@ -171,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--topology", help="topology YAML (default: the embedded one)")
     s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"], help="consistency model")
     s.add_argument("--staleness", type=int, default=2, help="s for --mode ssp")
+    s.add_argument("--codec", default="fp32", help="push codec of workers and relays, e.g. topk")
+    s.add_argument("--topk", type=float, default=0.01, help="density of --codec topk")
     s.add_argument("--slow", type=float, default=1.0,
                    help="make the last worker this many times slower (e.g. 2), to see the modes differ")
     s.set_defaults(fn=_demo)

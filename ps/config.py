@@ -62,10 +62,15 @@ class JobConfig:
     mode: str = "bsp"
     staleness: int = 0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    push_codec: str = "fp32"
-    delta_codec: str = "fp32"
+    push_codec: str = "fp32"       # worker -> its tier
+    delta_codec: str = "fp32"      # the root's published-view deltas (error kept at the root)
     delta_log_length: int = 64
     damping: bool = False  # async/ssp: lr / (1 + staleness) at the root
+    # Relays re-encode their children's sum with this codec and their own error-feedback
+    # residual ("": the push codec); a tier's --up-codec overrides it for its own edge.
+    relay_codec: str = ""
+    topk: float = 0.01             # density k of the topk codec, as a fraction of elements
+    topk_warmup_steps: int = 0     # DGC warm-up: density 25% -> topk over these many steps
 
     def __post_init__(self) -> None:
         _require(bool(_NAME.match(self.name)),
@@ -77,6 +82,11 @@ class JobConfig:
         _require(self.mode != "bsp" or not self.damping, "damping applies to ssp and async, not bsp")
         _require(self.push_codec in CODEC_NAMES, f"push codec {self.push_codec!r} is not one of {CODEC_NAMES}")
         _require(self.delta_codec in CODEC_NAMES, f"delta codec {self.delta_codec!r} is not one of {CODEC_NAMES}")
+        _require(self.relay_codec == "" or self.relay_codec in CODEC_NAMES,
+                 f"relay codec {self.relay_codec!r} is not one of {CODEC_NAMES} (or '' for the push codec)")
+        _require(not isinstance(self.topk, bool) and 0 < self.topk <= 1,
+                 f"topk density must be in (0, 1], got {self.topk!r}")
+        _require(self.topk_warmup_steps >= 0, f"topk_warmup_steps must be >= 0, got {self.topk_warmup_steps}")
         _require(1 <= self.delta_log_length <= 100_000,
                  f"delta_log_length must be in [1, 100000], got {self.delta_log_length}")
 
@@ -101,6 +111,9 @@ class ServerConfig:
     # first (a zone may flush every few ms, a regional master towards the root far less often).
     flush_ms: float = 5.0
     flush_bytes: int = 64 * 1024 * 1024
+    # Codec of this tier's upward edge, overriding the job's relay codec ("": the job decides):
+    # a region whose link to the root is thin may send sign while its zones send top-k.
+    up_codec: str = ""
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"role {self.role!r} is not one of {ROLES}")
@@ -119,6 +132,9 @@ class ServerConfig:
         _require(self.upstream_timeout_s > 0, f"upstream timeout must be positive, got {self.upstream_timeout_s}")
         _require(0 <= self.flush_ms <= 60_000, f"flush window must be in [0, 60000] ms, got {self.flush_ms}")
         _require(self.flush_bytes > 0, f"flush byte budget must be positive, got {self.flush_bytes}")
+        _require(self.up_codec == "" or self.up_codec in CODEC_NAMES,
+                 f"up codec {self.up_codec!r} is not one of {CODEC_NAMES} (or '' for the job's choice)")
+        _require(self.role != "global" or not self.up_codec, "the global root has no upward edge to encode")
 
     @property
     def display_name(self) -> str:

@@ -17,12 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ps.codecs import get_codec
 from ps.config import ServerConfig
 from ps.consistency import Aggregate
 from ps.deltas import DeltaEntry
 from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, UnknownJob
-from ps.tensors import assemble, payload_bytes, split
+from ps.tensors import Encoder, assemble, payload_bytes
 from ps.tier import JobState, Tier
 from ps.upstream import Upstream
 from ps.wire import PullMeta, PushMeta, encode_push
@@ -123,7 +122,11 @@ class Relay(Tier):
     async def _forward(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
         job = js.config.name
         seq = self._up_acked.get(job, 0) + 1  # reused until acknowledged, like a worker's
-        chunks = split(js.layout, agg.grad, get_codec(js.config.push_codec)) if agg.contributors else []
+        # Re-encode the sum with this relay's own residual: sums of top-k vectors get denser
+        # at every level, so re-sparsify (DGC; design invariant 6). Off the event loop: a large
+        # model's encode takes tens of milliseconds.
+        enc = self.encoder(js)
+        chunks = await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round) if agg.contributors else []
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
                                       agg.contributors, agg.clock_min, agg.clock_max, floor), chunks)
         js.reported_floor = max(js.reported_floor, floor)
@@ -160,6 +163,15 @@ class Relay(Tier):
         js.stats.bytes_pushed_up += payload_bytes(chunks)
         if not fut.done():
             fut.set_result(ack)
+
+    def encoder(self, js: JobState) -> Encoder:
+        """The job's upward codec at this tier: --up-codec, else the job's relay codec, else
+        its push codec."""
+        if js.encoder is None:
+            cfg = js.config
+            name = self.config.up_codec or cfg.relay_codec or cfg.push_codec
+            js.encoder = Encoder(name, cfg.topk, cfg.topk_warmup_steps, seed=self.member_id)
+        return js.encoder
 
     # -- downward --------------------------------------------------------------------------
     async def _follow(self, job: str) -> None:
@@ -212,6 +224,8 @@ class Relay(Tier):
                 log.warning("%s: job %s moved to root epoch %#x at version %d; resynced from a snapshot",
                             self.role, js.config.name, meta.view_epoch, vm.version)
                 js.reset_round(vm.version, "the root restarted")
+                if js.encoder is not None:
+                    js.encoder.reset()  # residuals of gradients on the old lineage are void
         else:
             for vm, chunks in versions:
                 delta = assemble(js.layout, chunks, what=f"delta {vm.version}", check_finite=False)

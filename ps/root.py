@@ -169,7 +169,9 @@ class Root(Tier):
         self._publish(js, rec.clock_min, rec.contributors)
 
     def _publish(self, js: JobState, clock_min: int, contributors: int) -> None:
-        codec = get_codec(js.config.delta_codec)
+        # No separate residual: params - view is exactly what earlier deltas did not carry.
+        cfg = js.config
+        codec = get_codec(cfg.delta_codec, k=cfg.topk) if cfg.delta_codec == "topk" else get_codec(cfg.delta_codec)
         chunks = split(js.layout, js.params - js.view.values, codec)
         decoded = assemble(js.layout, chunks, what="published delta", check_finite=False)
         new = js.view.values + decoded

@@ -3,23 +3,32 @@
     chunks = split(layout, grad, get_codec("fp32"))
     grad2 = assemble(layout, chunks, what="push")          # validated, bit-identical
 
+    enc = Encoder("topk", topk=0.01, warmup_steps=100)      # one sender's edge, with its residuals
+    chunks = enc.split(layout, grad, step=7)                # error feedback kept per chunk
+
 A chunk is at most ``CHUNK_ELEMS`` elements, so every frame stays under the 4 MiB payload
 limit of the wire. ``assemble`` is where untrusted input is checked: unknown keys, wrong
 shape or dtype, overlapping or out-of-range slices, payloads that do not decode, and
 non-finite values all raise BadInput before anything is changed.
+
+``Encoder`` is what one sender keeps for one edge (a worker's push, a relay's aggregate): the
+codec, the top-k density warm-up and the error-feedback residuals (design invariant 6).
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from ps.codecs import Codec, get_codec
+from ps.codecs import Codec, ErrorFeedback, dgc_density, get_codec
 from ps.errors import BadInput
 from ps.store import Layout
 
-__all__ = ["Chunk", "split", "assemble", "CHUNK_ELEMS", "payload_bytes"]
+__all__ = ["Chunk", "split", "assemble", "CHUNK_ELEMS", "payload_bytes", "Encoder", "row_width",
+           "row_sparse_keys"]
 
 CHUNK_ELEMS = 1 << 20  # 4 MiB of float32: the wire's per-frame payload limit
 
@@ -37,18 +46,105 @@ class Chunk:
     payload: bytes | memoryview
 
 
-def split(layout: Layout, flat: np.ndarray, codec: Codec, chunk_elems: int = CHUNK_ELEMS) -> list[Chunk]:
-    """Encode ``flat`` (the job's whole vector) as chunks, key by key."""
+def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_elems: int = CHUNK_ELEMS,
+          ef: ErrorFeedback | None = None, rows: frozenset[str] = frozenset()) -> list[Chunk]:
+    """Encode ``flat`` (the job's whole vector, numpy or torch on any device) as chunks.
+
+    With ``ef`` each chunk is encoded under error feedback (residual keyed by key and offset);
+    keys in ``rows`` travel as their non-zero rows (the lossless rows codec), in chunks of
+    whole rows.
+    """
     out = []
     for spec in layout:
         base = layout.offset(spec.key)
-        for off in range(0, max(spec.numel, 1), chunk_elems):
-            n = min(chunk_elems, spec.numel - off)
+        key_codec, step = codec, chunk_elems
+        if spec.key in rows:
+            width = row_width(spec)
+            key_codec = get_codec("rows", width=width)
+            step = max(width, chunk_elems // width * width)
+        for off in range(0, max(spec.numel, 1), step):
+            n = min(step, spec.numel - off)
             if n <= 0:
                 break
             part = flat[base + off: base + off + n]
-            out.append(Chunk(spec.key, spec.shape, spec.dtype, off, n, codec.name, codec.encode(part)))
+            payload = key_codec.encode(part) if ef is None else ef.encode(f"{spec.key}@{off}", key_codec, part)
+            out.append(Chunk(spec.key, spec.shape, spec.dtype, off, n, key_codec.name, payload))
     return out
+
+
+def row_width(spec) -> int:
+    """Elements per row of a key (a 1-D key is one element per row)."""
+    return spec.numel // spec.shape[0] if len(spec.shape) > 1 and spec.shape[0] else 1
+
+
+def row_sparse_keys(layout: Layout, flat: np.ndarray | torch.Tensor, max_fraction: float = 0.5) -> frozenset[str]:
+    """Keys of two or more dimensions whose gradient touches at most ``max_fraction`` of the rows.
+
+    An embedding table's gradient touches only the rows of the batch's tokens; sending those
+    rows (with their indices) instead of the table is lossless and often 10-1000x smaller.
+    """
+    t = flat if isinstance(flat, torch.Tensor) else torch.from_numpy(np.asarray(flat))
+    out = []
+    for spec in layout:
+        width = row_width(spec)
+        if len(spec.shape) < 2 or spec.shape[0] < 2 or width > CHUNK_ELEMS:
+            continue
+        base = layout.offset(spec.key)
+        table = t[base: base + spec.numel].view(spec.shape[0], width)
+        if int((table != 0).any(dim=1).sum()) <= max_fraction * spec.shape[0]:
+            out.append(spec.key)
+    return frozenset(out)
+
+
+class Encoder:
+    """One sender's state for one edge: codec, density warm-up, error-feedback residuals.
+
+        enc = Encoder("topk", topk=0.01, warmup_steps=400, seed="w0")
+        chunks = enc.split(layout, grad, step=clock)      # grad: numpy, or torch on its device
+        ckpt["encoder"] = enc.state_dict()                # residuals survive a restart
+
+    Lossy codecs always run under error feedback: what one step does not send is added to the
+    next (the worker, each relay that re-encodes an aggregate; invariant 6). Lossless codecs
+    send row-sparse keys as rows. ``seed`` (any string) makes each sender's sampling and
+    stochastic rounding its own: workers with one seed would round the same way and their
+    rounding errors would add up instead of cancelling.
+    """
+
+    def __init__(self, codec: str, topk: float = 0.01, warmup_steps: int = 0, seed: str | int = 0) -> None:
+        seed = seed if isinstance(seed, int) else zlib.crc32(seed.encode())
+        self.name, self.topk, self.warmup_steps = codec, topk, warmup_steps
+        options = {"topk": dict(k=topk, seed=seed), "int8": dict(seed=seed)}.get(codec, {})
+        self.codec = get_codec(codec, **options)
+        self.ef = ErrorFeedback()
+
+    @property
+    def lossless(self) -> bool:
+        return self.codec.lossless
+
+    def codec_at(self, step: int) -> Codec:
+        """The codec for ``step``: top-k's density follows DGC's warm-up (25% down to topk)."""
+        if self.name == "topk" and self.warmup_steps:
+            return self.codec.with_k(dgc_density(max(0, step), self.topk, self.warmup_steps))
+        return self.codec
+
+    def split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int = 0) -> list[Chunk]:
+        if self.name == "rows":
+            rows = frozenset(s.key for s in layout)
+        elif self.lossless:
+            rows = row_sparse_keys(layout, flat)
+        else:
+            rows = frozenset()  # lossy codecs already send no zeros they need not (top-k) or pack them
+        return split(layout, flat, self.codec_at(step), ef=None if self.lossless else self.ef, rows=rows)
+
+    def reset(self) -> None:
+        """Drop every residual (a new lineage: the root restarted)."""
+        self.ef.reset()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self.ef.state_dict()
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.ef.load_state_dict(state)
 
 
 def assemble(layout: Layout, chunks: list[Chunk], what: str, check_finite: bool = True,

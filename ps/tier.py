@@ -23,7 +23,7 @@ from ps.consistency import Aggregate, BspRound, Membership, SeqBook, Window
 from ps.deltas import DeltaLog
 from ps.errors import NotReady, Stale, TimedOut, UnknownJob
 from ps.store import Layout, View
-from ps.tensors import Chunk, assemble, payload_bytes, split
+from ps.tensors import Chunk, Encoder, assemble, payload_bytes, split
 from ps.wire import PullMeta, PushMeta, VersionMeta
 
 __all__ = ["Tier", "JobState", "Ack", "Registration", "JobStats"]
@@ -90,6 +90,7 @@ class JobState:
     stats: JobStats = field(default_factory=JobStats)
     parent_version: int = 0
     synced_at: float = 0.0
+    encoder: Encoder | None = None       # relay: the upward edge's codec and residuals
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _snapshot: tuple[int, int, list[Chunk]] | None = None
 

@@ -39,7 +39,8 @@ GRPC_OPTIONS = [
 # Enum tables; complete at import (every non-UNSPECIFIED value has a domain name).
 _MODE = {"bsp": pb.MODE_BSP, "ssp": pb.MODE_SSP, "async": pb.MODE_ASYNC}
 _CODEC = {"fp32": pb.CODEC_FP32, "fp32+zstd": pb.CODEC_FP32_ZSTD, "fp16": pb.CODEC_FP16,
-          "bf16": pb.CODEC_BF16, "int8": pb.CODEC_INT8, "topk": pb.CODEC_TOPK, "sign": pb.CODEC_SIGN}
+          "bf16": pb.CODEC_BF16, "int8": pb.CODEC_INT8, "topk": pb.CODEC_TOPK, "sign": pb.CODEC_SIGN,
+          "rows": pb.CODEC_ROWS}
 _OPT = {"sgd": pb.OPTIMIZER_SGD, "adam": pb.OPTIMIZER_ADAM}
 _DTYPE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
           "float64": pb.DTYPE_FLOAT64}
@@ -257,7 +258,9 @@ def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
                                      beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                      warmup_steps=o.warmup_steps),
         push_codec=_CODEC[cfg.push_codec], delta_codec=_CODEC[cfg.delta_codec],
-        delta_log_length=cfg.delta_log_length, damping=cfg.damping)
+        delta_log_length=cfg.delta_log_length, damping=cfg.damping,
+        relay_codec=_CODEC[cfg.relay_codec] if cfg.relay_codec else pb.CODEC_UNSPECIFIED,
+        topk=cfg.topk, topk_warmup_steps=cfg.topk_warmup_steps)
 
 
 def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
@@ -273,7 +276,10 @@ def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
                                   nesterov=o.nesterov, weight_decay=o.weight_decay, beta1=o.beta1,
                                   beta2=o.beta2, eps=o.eps, warmup_steps=o.warmup_steps),
         push_codec=_name(_CODEC, m.push_codec, "codec"), delta_codec=_name(_CODEC, m.delta_codec, "codec"),
-        delta_log_length=m.delta_log_length, damping=m.damping)
+        delta_log_length=m.delta_log_length, damping=m.damping,
+        relay_codec=_name(_CODEC, m.relay_codec, "codec") if m.relay_codec else "",
+        topk=m.topk or 0.01,  # 0: a peer from before the field; its default
+        topk_warmup_steps=m.topk_warmup_steps)
 
 
 def layout_to_pb(layout: Layout) -> list[pb.KeySpec]:

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+import torch
 
 from ps.codecs import get_codec
 from ps.config import JobConfig
 from ps.deltas import DeltaEntry  # noqa: F401  (documented type of what pull applies)
 from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, from_rpc_error
 from ps.store import Layout, View
-from ps.tensors import assemble, payload_bytes, split
+from ps.tensors import Encoder, assemble, payload_bytes, split
 from ps.wire import (GRPC_OPTIONS, ROLE, PushMeta, decode_pull_reply, encode_create_job,
                      encode_push, job_from_pb, layout_from_pb, pb, stubs)
 
@@ -68,6 +69,7 @@ class ParameterClient:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._heartbeat_s = 0.5
+        self.encoder: Encoder | None = None  # the push edge's codec and residuals (after register)
 
     # -- plumbing --------------------------------------------------------------------------
     def _call(self, name: str, request, timeout: float | None = None):
@@ -116,6 +118,9 @@ class ParameterClient:
         if self.layout is None or self.layout != layout:
             self.layout, self.view = layout, View(layout)
         self.server_epoch = r.server_epoch
+        if self.encoder is None:  # kept across re-registrations: the residuals are still owed
+            c = self.config
+            self.encoder = Encoder(c.push_codec, c.topk, c.topk_warmup_steps, seed=self.worker_id)
         self._heartbeat_s = max(r.heartbeat_ms / 1000.0, 0.05)
         if self._hb_thread is None:
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -192,23 +197,28 @@ class ParameterClient:
                 n += payload_bytes(chunks)
         return n
 
-    def push(self, grad: np.ndarray, clock: int = 0, *, clock_max: int | None = None,
+    def push(self, grad: np.ndarray | torch.Tensor, clock: int = 0, *, clock_max: int | None = None,
              base_version: int | None = None, view_epoch: int | None = None,
              contributors: int = 1) -> tuple[int, int]:
         """Push a flat gradient (a sum of ``contributors`` gradients computed at clocks
         ``clock..clock_max`` on ``base_version``, default: the held view); returns the version
         that applied it and the payload bytes sent.
 
+        ``grad`` may be a torch tensor on the training device: the job's codec selects and
+        quantises there, and only the compressed payload is copied to the host. Lossy codecs
+        keep what they did not send in ``self.encoder`` (error feedback).
         Raises Stale when the round it belonged to was aborted (nothing applied).
         """
         clock_max = clock if clock_max is None else clock_max
-        if not np.isfinite(grad).all():
+        finite = torch.isfinite(grad).all() if isinstance(grad, torch.Tensor) else np.isfinite(grad).all()
+        if not finite:
             from ps.errors import BadInput
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
         # Numbers advance only on acknowledgement: a retry (lost ack) or a refused push
         # reuses the number, and the tier answers an applied one with its recorded ack.
         self.seq = self.acked_seq + 1
-        chunks = split(self.layout, grad, get_codec(self.config.push_codec))
+        # Encoded once: a retry resends these very bytes, so the residual is updated once.
+        chunks = self.encoder.split(self.layout, grad, step=clock_max)
         frames = encode_push(PushMeta(
             self.job, self.worker_id, self.seq, self.view.version if base_version is None else base_version,
             self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,

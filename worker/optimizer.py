@@ -8,8 +8,10 @@
 
 The model's parameters are overwritten with the published view on construction (every
 worker starts from the same values) and after every step. Gradients are gathered on the
-model's device into one flat vector and cross to the host once per step; parameters come
-back the same way.
+model's device into one flat vector; the job's push codec compresses it there (top-k selects,
+int8 quantises on the GPU), so only the compressed payload crosses to the host. Sparse
+gradients (``nn.Embedding(sparse=True)``) are gathered densely on the device and travel as
+rows. Parameters come back as one host-to-device copy per step.
 """
 
 from __future__ import annotations
@@ -71,9 +73,18 @@ class HpsOptimizer:
         return self.client.view.version
 
     def _flat(self, get) -> np.ndarray:
+        return self._flat_device(get).cpu().numpy()
+
+    def _flat_device(self, get) -> torch.Tensor:
         with torch.no_grad():
-            flat = torch.cat([get(p).reshape(-1).to(torch.float32) for _, p in self.params])
-        return flat.cpu().numpy()  # one device-to-host copy per step
+            return torch.cat([get(p).reshape(-1).to(torch.float32) for _, p in self.params])
+
+    @staticmethod
+    def _grad(p: torch.Tensor) -> torch.Tensor:
+        g = p.grad
+        if g is None:
+            return torch.zeros_like(p)
+        return g.coalesce().to_dense() if g.is_sparse else g
 
     def _load_view(self) -> None:
         values = torch.from_numpy(self.client.view.values)
@@ -102,7 +113,7 @@ class HpsOptimizer:
         are in the held version. async: takes whatever version the tier holds now.
         """
         t0 = time.perf_counter()
-        grad = self._flat(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        grad = self._flat_device(self._grad)  # stays on the device: the codec runs there
         if self._record:
             self.trace.append((self.clock, self.client.view.version))
         if self.sender is not None:
@@ -123,7 +134,7 @@ class HpsOptimizer:
         self.last_step_s = time.perf_counter() - t0
         return StepResult(self.client.view.version, applied, up, self.client.bytes_down - down0)
 
-    def _step_nonblocking(self, grad: np.ndarray, t0: float) -> StepResult:
+    def _step_nonblocking(self, grad: torch.Tensor, t0: float) -> StepResult:
         down0, up0 = self.client.bytes_down, self.sender.bytes_up
         view = self.client.view
         self.sender.submit(grad, self.clock, view.version, view.epoch)
@@ -145,6 +156,16 @@ class HpsOptimizer:
         self.client.pull(wait_s=0.0)
         self._load_view()
         return self.version
+
+    def state_dict(self) -> dict:
+        """What a worker checkpoint needs beyond the model: its clock and the push edge's
+        error-feedback residuals (gradient mass not yet sent)."""
+        enc = self.client.encoder
+        return {"clock": self.clock, "residuals": enc.state_dict() if enc is not None else {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.clock = max(self.clock, int(state["clock"]))
+        self.client.encoder.load_state_dict(state["residuals"])
 
     def close(self) -> None:
         if self.sender is not None:

@@ -16,6 +16,7 @@ import logging
 import threading
 
 import numpy as np
+import torch
 
 from ps.errors import HpsError, Stale
 
@@ -42,7 +43,7 @@ class Sender:
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"hps-sender-{client.worker_id}")
         self._thread.start()
 
-    def submit(self, grad: np.ndarray, clock: int, base_version: int, view_epoch: int) -> None:
+    def submit(self, grad: np.ndarray | torch.Tensor, clock: int, base_version: int, view_epoch: int) -> None:
         """Queue a gradient; raises the error a previous push ended with (e.g. the job ended)."""
         with self._cv:
             if self._error is not None:
@@ -51,7 +52,7 @@ class Sender:
             if self._sum is None or view_epoch != self._base[0]:
                 if self._sum is not None:  # the root restarted: gradients on the old lineage are void
                     self.client.lost_steps += self._n
-                self._sum, self._n = grad.copy(), 1
+                self._sum, self._n = grad.clone() if hasattr(grad, "clone") else grad.copy(), 1
                 self._clocks, self._base = (clock, clock), (view_epoch, base_version)
             else:
                 self._sum += grad

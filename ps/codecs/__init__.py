@@ -8,7 +8,7 @@
     ef = ErrorFeedback()                  # lossy codecs run under error feedback
     payload = ef.encode("fc.weight", topk, grad)
 
-A codec is a pure object. Lossy codecs (fp16, bf16, int8, topk, sign) keep no residual
+A codec is a pure object. Lossy codecs (fp16, bf16, int8, topk, sign; rows is lossless) keep no residual
 themselves: the sender's ``ErrorFeedback`` state does (design invariant 6). Their payloads
 describe themselves (sizes, scales, k), so ``get_codec(name)`` decodes any of them whatever
 options the sender used, and decoding is deterministic so every tier that decodes the same
@@ -23,15 +23,16 @@ from ps.codecs.feedback import ErrorFeedback, dgc_density
 from ps.codecs.half import Bf16, Fp16
 from ps.codecs.int8 import Int8
 from ps.codecs.lossless import Fp32, Fp32Zstd
+from ps.codecs.rows import Rows
 from ps.codecs.sign import Sign
 from ps.codecs.topk import TopK
 from ps.errors import BadInput
 
 __all__ = ["Codec", "LossyCodec", "get_codec", "CODEC_NAMES", "ErrorFeedback", "dgc_density"]
 
-_CLASSES = {c.name: c for c in (Fp32, Fp32Zstd, Fp16, Bf16, Int8, TopK, Sign)}
+_CLASSES = {c.name: c for c in (Fp32, Fp32Zstd, Fp16, Bf16, Int8, TopK, Sign, Rows)}
 _REGISTRY: dict[str, Codec] = {name: cls() for name, cls in _CLASSES.items()}
-CODEC_NAMES: tuple[str, ...] = ("fp32", "fp32+zstd", "fp16", "bf16", "int8", "topk", "sign")
+CODEC_NAMES: tuple[str, ...] = ("fp32", "fp32+zstd", "fp16", "bf16", "int8", "topk", "sign", "rows")
 assert set(_REGISTRY) == set(CODEC_NAMES), "every codec name needs a codec"
 
 
@@ -39,7 +40,8 @@ def get_codec(name: str, **options) -> Codec:
     """The codec registered under ``name``, or a fresh one built with ``options``.
 
         get_codec("int8")                # the shared default instance
-        get_codec("topk", k=0.001)       # options: topk (k, seed), int8 (chunk, seed), fp32+zstd (level)
+        get_codec("topk", k=0.001)       # options: topk (k, seed), int8 (chunk, seed), fp32+zstd (level),
+                                         # rows (width)
     """
     cls = _CLASSES.get(name)
     if cls is None:

@@ -67,13 +67,15 @@ def main(args) -> int:
                 [sys.executable, "-m", "ps.demo.train", "--address", zone.address, "--worker-id", wid,
                  "--seed", str(i), "--steps", str(args.steps), "--batch", str(args.batch),
                  "--mode", args.mode, "--staleness", str(args.staleness),
+                 "--codec", args.codec, "--topk", str(args.topk),
                  "--slow", str(args.slow if i == args.workers - 1 else 1.0)],
                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
             workers.append(proc)
             threading.Thread(target=_reader, args=(proc, q), daemon=True).start()
         mode = f"ssp({args.staleness})" if args.mode == "ssp" else args.mode
-        print(f"hps demo: {args.workers} workers, {mode}, training for {args.steps} steps "
+        codec = f"top-{args.topk:g} + error feedback" if args.codec == "topk" else args.codec
+        print(f"hps demo: {args.workers} workers, {mode}, {codec} pushes, training for {args.steps} steps "
               f"({', '.join(f'{w}@{z}' for w, z in placement.items())})", flush=True)
         return _follow(args, out, cluster, root, workers, placement, q)
     except KeyboardInterrupt:

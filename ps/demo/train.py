@@ -25,9 +25,13 @@ from worker import HpsOptimizer
 __all__ = ["demo_job", "main"]
 
 
-def demo_job(name: str = "demo", mode: str = "bsp", staleness: int = 0) -> JobConfig:
+def demo_job(name: str = "demo", mode: str = "bsp", staleness: int = 0, codec: str = "fp32",
+             topk: float = 0.01) -> JobConfig:
+    """The demo's job; ``codec`` is the push codec of workers and relays (lossy ones with
+    error feedback; top-k warms its density up over the first 20 steps, as DGC does)."""
     return JobConfig(name=name, mode=mode, staleness=staleness if mode == "ssp" else 0,
-                     optimizer=OptimizerConfig(kind="adam", lr=3e-3, warmup_steps=20))
+                     optimizer=OptimizerConfig(kind="adam", lr=3e-3, warmup_steps=20),
+                     push_codec=codec, topk=topk, topk_warmup_steps=20 if codec == "topk" else 0)
 
 
 def _emit(**event) -> None:
@@ -51,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"])
     p.add_argument("--staleness", type=int, default=0)
+    p.add_argument("--codec", default="fp32", help="push codec (e.g. topk, fp16, int8, sign)")
+    p.add_argument("--topk", type=float, default=0.01, help="density of --codec topk")
     p.add_argument("--slow", type=float, default=1.0,
                    help="emulate a slower accelerator: each step's compute takes this many times longer")
     args = p.parse_args(argv)
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     data = load_corpus()
     model = build_model(cfg, seed=0)
     sampler = BatchSampler(data, context=cfg.context, batch_size=args.batch, seed=1000 + args.seed)
-    job = demo_job(args.job, args.mode, args.staleness)
+    job = demo_job(args.job, args.mode, args.staleness, args.codec, args.topk)
     with HpsOptimizer(model, args.address, job, worker_id=args.worker_id) as opt:
         _emit(event="start", worker=args.worker_id, version=opt.version,
               params=sum(p.numel() for p in model.parameters()))

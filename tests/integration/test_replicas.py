@@ -37,7 +37,7 @@ def _train(clients, steps, on_version=None):
     assert not errors, errors
 
 
-@pytest.mark.parametrize("delta_codec", ["fp32", "fp32+zstd"])
+@pytest.mark.parametrize("delta_codec", ["fp32", "fp32+zstd", "fp16", "int8", "topk"])
 def test_zone_and_worker_hold_the_roots_view_bit_for_bit(tree, delta_codec):
     tree.add("root", "global")
     tree.add("eu", "regional", parent="root")
@@ -60,10 +60,14 @@ def test_zone_and_worker_hold_the_roots_view_bit_for_bit(tree, delta_codec):
         for c in clients:
             assert (c.view.epoch, c.view.version, c.view.checksum) == (r_epoch, r_version, r_crc)
             assert same_bits(c.view.values, r_values)
-    # The published view trails the parameters only by fp32 rounding of view + (params - view);
-    # that residual goes out with the next delta, so it never accumulates.
+    # The published view trails the parameters only by what the last delta's codec dropped:
+    # fp32 rounding when lossless, the codec's error when lossy. That residual (params - view)
+    # goes out with the next delta, so it never accumulates (error feedback at the root).
     params = tree.lt.call(lambda: tree.tier("root").jobs["j"].params.copy())
-    assert np.abs(params - r_values).max() <= 1e-6 * np.abs(params).max()
+    # (A top-k view trails by design: the 99% not sent is owed, so only dense codecs are bounded.)
+    bound = {"fp32": 1e-6, "fp32+zstd": 1e-6, "fp16": 1e-2, "int8": 1e-2}.get(delta_codec)
+    if bound is not None:
+        assert np.abs(params - r_values).max() <= bound * np.abs(params).max()
     for c in clients:
         c.close()
 

@@ -197,7 +197,7 @@ def test_every_codec_name_resolves():
     for name in CODEC_NAMES:
         codec = get_codec(name)
         assert codec.name == name
-    assert {n for n in CODEC_NAMES if get_codec(n).lossless} == {"fp32", "fp32+zstd"}
+    assert {n for n in CODEC_NAMES if get_codec(n).lossless} == {"fp32", "fp32+zstd", "rows"}
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp32+zstd"])
