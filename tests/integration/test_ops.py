@@ -136,6 +136,10 @@ def trained():
         for c in clients:
             c.register()
             c.pull(min_version=0)
+        # A second job, declared only: the root exports its ssp bound.
+        ssp = ParameterClient(zone, "ssp", "w9")
+        ssp.create_job(JobConfig(name="ssp", mode="ssp", staleness=2), LAYOUT, _grad(8))
+        ssp.close()
         before = {n: ops.text(n) for n in ops.http}
         train(clients, STEPS)
         after = {n: ops.text(n) for n in ops.http}
@@ -181,6 +185,7 @@ def test_metrics_move_as_training_runs(trained):
     assert sample(zone, "hps_pull_decoded_bytes_total", job="lm", edge="children") == \
         (hits + snaps) * SIZE
     assert sample(zone, "hps_barrier_wait_seconds_count", job="lm") == 2 * STEPS
+    assert sample(after["root"], "hps_job_staleness_bound", job="ssp") == 2
     # Every update the root applied was computed on the version before it (bsp).
     assert sample(after["root"], "hps_update_staleness_versions_count", job="lm") == STEPS
     assert sample(after["root"], "hps_update_staleness_versions_sum", job="lm") == 0
