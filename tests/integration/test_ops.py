@@ -73,6 +73,11 @@ class Scraped:
     def value(self, name: str, metric: str, **labels) -> float:
         return sample(self.text(name), metric, **labels)
 
+    def has(self, name: str, metric: str, **labels) -> bool:
+        """Whether tier ``name`` exports a sample of ``metric`` with these labels yet."""
+        return any(s.name == metric and all(s.labels.get(k) == v for k, v in labels.items())
+                   for fam in text_string_to_metric_families(self.text(name)) for s in fam.samples)
+
     def close(self) -> None:
         for httpd in self.http.values():
             httpd.shutdown()
@@ -264,6 +269,9 @@ def test_lag_and_reconnects_when_the_parent_goes_away(tree):
         ops.http.pop("eu").shutdown()
         ops.add("eu", "regional", parent="root", listen=eu)
         wait_for(lambda: ops.value("eu-a", "hps_upstream_reconnects_total") == 1, "a reconnect",
+                 tries=200)
+        # The zone registers the job with the new master (a push before that would be refused).
+        wait_for(lambda: ops.has("eu", "hps_members", job="lm"), "the zone to re-register",
                  tries=200)
         train([c], 1)
         wait_for(lambda: ops.value("eu-a", "hps_replica_lag_seconds", job="lm") == 0, "lag 0")
