@@ -41,7 +41,7 @@ async def create_server(config: ServerConfig, registry: CollectorRegistry | None
                         ) -> tuple[grpc.aio.Server, int, Tier]:
     """Start a tier; its metrics go to ``registry`` (a fresh one if None, never the global)."""
     if config.role == "global":
-        from ps.root import Root  # imports torch (the optimizer); relays never need it
+        from ps.root import Root  # the optimizer and checkpoints: only the root needs them
 
         tier: Tier = Root(config)
     else:
