@@ -96,6 +96,7 @@ def _job(args) -> int:
                             damping=args.damping, push_codec=args.push_codec, delta_codec=args.delta_codec,
                             relay_codec=args.relay_codec, topk=float(args.topk),
                             topk_warmup_steps=int(args.topk_warmup_steps),
+                            momentum_correction=args.momentum_correction,
                             optimizer=OptimizerConfig(kind=args.optimizer, lr=float(args.lr),
                                                       momentum=float(args.momentum),
                                                       warmup_steps=int(args.warmup_steps)))
@@ -169,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--delta-codec", default="fp32", help="the root's codec for published-view deltas")
     s.add_argument("--topk", default="0.01", help="density of the topk codec (fraction of elements)")
     s.add_argument("--topk-warmup-steps", default="0", help="DGC warm-up: density 25%% down to --topk")
+    s.add_argument("--momentum-correction", action="store_true",
+                   help="DGC: workers keep the sgd momentum and sparsify the velocity (topk, sgd momentum)")
     s.set_defaults(fn=_job)
 
     s = sub.add_parser("demo", help="train a small transformer LM on a local cluster")

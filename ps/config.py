@@ -71,6 +71,10 @@ class JobConfig:
     relay_codec: str = ""
     topk: float = 0.01             # density k of the topk codec, as a fraction of elements
     topk_warmup_steps: int = 0     # DGC warm-up: density 25% -> topk over these many steps
+    # DGC momentum correction (Lin et al. 2018, sec. 3.2) for sgd+momentum with topk pushes:
+    # workers keep the velocity and sparsify it (masking what they sent); the root then steps
+    # plain SGD on what arrives. Momentum at the root would apply to stale, sparse sums instead.
+    momentum_correction: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(_NAME.match(self.name)),
@@ -87,6 +91,12 @@ class JobConfig:
         _require(not isinstance(self.topk, bool) and 0 < self.topk <= 1,
                  f"topk density must be in (0, 1], got {self.topk!r}")
         _require(self.topk_warmup_steps >= 0, f"topk_warmup_steps must be >= 0, got {self.topk_warmup_steps}")
+        o = self.optimizer
+        _require(not self.momentum_correction or (o.kind == "sgd" and o.momentum > 0 and not o.nesterov
+                                                  and self.push_codec == "topk"),
+                 "momentum_correction needs optimizer sgd with momentum > 0 (not nesterov) and push "
+                 f"codec topk; got {o.kind} momentum {o.momentum} nesterov {o.nesterov}, push codec "
+                 f"{self.push_codec!r}")
         _require(1 <= self.delta_log_length <= 100_000,
                  f"delta_log_length must be in [1, 100000], got {self.delta_log_length}")
 

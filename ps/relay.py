@@ -170,7 +170,7 @@ class Relay(Tier):
         if js.encoder is None:
             cfg = js.config
             name = self.config.up_codec or cfg.relay_codec or cfg.push_codec
-            js.encoder = Encoder(name, cfg.topk, cfg.topk_warmup_steps, seed=self.member_id)
+            js.encoder = Encoder.for_job(cfg, name, seed=self.member_id)
         return js.encoder
 
     # -- downward --------------------------------------------------------------------------

@@ -122,7 +122,10 @@ class Root(Tier):
                  view_values: np.ndarray | None = None) -> JobState:
         js = JobState(cfg, layout)
         js.params = np.array(values, dtype=np.float32, copy=True)
-        js.optimizer = ServerOptimizer(cfg.optimizer, js.params)
+        opt = cfg.optimizer
+        if cfg.momentum_correction:  # the workers hold the momentum (DGC); it must not apply twice
+            opt = dataclasses.replace(opt, momentum=0.0)
+        js.optimizer = ServerOptimizer(opt, js.params)
         view = js.params.copy() if view_values is None else np.array(view_values, np.float32)
         js.view.load_snapshot(self.epoch, version, view, checksum(view))
         js.wal = WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None

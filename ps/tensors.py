@@ -47,12 +47,12 @@ class Chunk:
 
 
 def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_elems: int = CHUNK_ELEMS,
-          ef: ErrorFeedback | None = None, rows: frozenset[str] = frozenset()) -> list[Chunk]:
+          encode=None, rows: frozenset[str] = frozenset()) -> list[Chunk]:
     """Encode ``flat`` (the job's whole vector, numpy or torch on any device) as chunks.
 
-    With ``ef`` each chunk is encoded under error feedback (residual keyed by key and offset);
-    keys in ``rows`` travel as their non-zero rows (the lossless rows codec), in chunks of
-    whole rows.
+    ``encode(name, codec, part)`` replaces ``codec.encode(part)`` for senders with state (error
+    feedback keyed by ``name``, "key@offset"); keys in ``rows`` travel as their non-zero rows
+    (the lossless rows codec), in chunks of whole rows.
     """
     out = []
     for spec in layout:
@@ -67,7 +67,7 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
             if n <= 0:
                 break
             part = flat[base + off: base + off + n]
-            payload = key_codec.encode(part) if ef is None else ef.encode(f"{spec.key}@{off}", key_codec, part)
+            payload = key_codec.encode(part) if encode is None else encode(f"{spec.key}@{off}", key_codec, part)
             out.append(Chunk(spec.key, spec.shape, spec.dtype, off, n, key_codec.name, payload))
     return out
 
@@ -110,12 +110,37 @@ class Encoder:
     rounding errors would add up instead of cancelling.
     """
 
-    def __init__(self, codec: str, topk: float = 0.01, warmup_steps: int = 0, seed: str | int = 0) -> None:
+    def __init__(self, codec: str, topk: float = 0.01, warmup_steps: int = 0, seed: str | int = 0,
+                 momentum: float = 0.0) -> None:
         seed = seed if isinstance(seed, int) else zlib.crc32(seed.encode())
         self.name, self.topk, self.warmup_steps = codec, topk, warmup_steps
         options = {"topk": dict(k=topk, seed=seed), "int8": dict(seed=seed)}.get(codec, {})
         self.codec = get_codec(codec, **options)
         self.ef = ErrorFeedback()
+        if momentum and codec != "topk":
+            raise BadInput(f"momentum correction sparsifies the velocity: it needs topk, not {codec!r}")
+        self.momentum = momentum
+        self.velocity: dict[str, torch.Tensor] = {}  # DGC: u = m u + g per chunk, masked when sent
+
+    @classmethod
+    def for_job(cls, cfg, codec: str | None = None, seed: str | int = 0, worker: bool = False) -> "Encoder":
+        """The encoder a job's sender uses: workers of a momentum-corrected job keep the momentum."""
+        momentum = cfg.optimizer.momentum if worker and cfg.momentum_correction else 0.0
+        return cls(codec or cfg.push_codec, cfg.topk, cfg.topk_warmup_steps, seed, momentum)
+
+    def _encode(self, name: str, codec: Codec, part) -> bytes:
+        if not self.momentum:
+            return self.ef.encode(name, codec, part)
+        g = part if isinstance(part, torch.Tensor) else torch.from_numpy(np.asarray(part))
+        u = self.velocity.get(name)
+        u = g.to(torch.float32).clone() if u is None else u.mul_(self.momentum).add_(g)
+        self.velocity[name] = u
+        payload = self.ef.encode(name, codec, u)
+        # Momentum factor masking (DGC): what was sent stops accumulating momentum here; the
+        # root applies it once, without momentum of its own.
+        idx, _ = codec.decode_sparse(payload, u.numel(), u.device)
+        u.index_fill_(0, idx, 0.0)
+        return payload
 
     @property
     def lossless(self) -> bool:
@@ -134,17 +159,24 @@ class Encoder:
             rows = row_sparse_keys(layout, flat)
         else:
             rows = frozenset()  # lossy codecs already send no zeros they need not (top-k) or pack them
-        return split(layout, flat, self.codec_at(step), ef=None if self.lossless else self.ef, rows=rows)
+        return split(layout, flat, self.codec_at(step), encode=None if self.lossless else self._encode, rows=rows)
 
     def reset(self) -> None:
         """Drop every residual (a new lineage: the root restarted)."""
         self.ef.reset()
+        self.velocity.clear()
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return self.ef.state_dict()
+        """Residuals by chunk ("key@offset") and, with momentum correction, velocities
+        ("velocity:key@offset"): float32 numpy arrays, safe to checkpoint."""
+        state = self.ef.state_dict()
+        state.update({f"velocity:{k}": u.detach().cpu().numpy().copy() for k, u in self.velocity.items()})
+        return state
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        self.ef.load_state_dict(state)
+        self.ef.load_state_dict({k: v for k, v in state.items() if not k.startswith("velocity:")})
+        self.velocity = {k[len("velocity:"):]: torch.from_numpy(np.array(v, np.float32, copy=True).reshape(-1))
+                         for k, v in state.items() if k.startswith("velocity:")}
 
 
 def assemble(layout: Layout, chunks: list[Chunk], what: str, check_finite: bool = True,

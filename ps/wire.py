@@ -260,7 +260,8 @@ def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
         push_codec=_CODEC[cfg.push_codec], delta_codec=_CODEC[cfg.delta_codec],
         delta_log_length=cfg.delta_log_length, damping=cfg.damping,
         relay_codec=_CODEC[cfg.relay_codec] if cfg.relay_codec else pb.CODEC_UNSPECIFIED,
-        topk=cfg.topk, topk_warmup_steps=cfg.topk_warmup_steps)
+        topk=cfg.topk, topk_warmup_steps=cfg.topk_warmup_steps,
+        momentum_correction=cfg.momentum_correction)
 
 
 def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
@@ -279,7 +280,7 @@ def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
         delta_log_length=m.delta_log_length, damping=m.damping,
         relay_codec=_name(_CODEC, m.relay_codec, "codec") if m.relay_codec else "",
         topk=m.topk or 0.01,  # 0: a peer from before the field; its default
-        topk_warmup_steps=m.topk_warmup_steps)
+        topk_warmup_steps=m.topk_warmup_steps, momentum_correction=m.momentum_correction)
 
 
 def layout_to_pb(layout: Layout) -> list[pb.KeySpec]:

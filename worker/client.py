@@ -119,8 +119,7 @@ class ParameterClient:
             self.layout, self.view = layout, View(layout)
         self.server_epoch = r.server_epoch
         if self.encoder is None:  # kept across re-registrations: the residuals are still owed
-            c = self.config
-            self.encoder = Encoder(c.push_codec, c.topk, c.topk_warmup_steps, seed=self.worker_id)
+            self.encoder = Encoder.for_job(self.config, seed=self.worker_id, worker=True)
         self._heartbeat_s = max(r.heartbeat_ms / 1000.0, 0.05)
         if self._hb_thread is None:
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,

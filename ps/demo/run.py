@@ -74,7 +74,8 @@ def main(args) -> int:
             workers.append(proc)
             threading.Thread(target=_reader, args=(proc, q), daemon=True).start()
         mode = f"ssp({args.staleness})" if args.mode == "ssp" else args.mode
-        codec = f"top-{args.topk:g} + error feedback" if args.codec == "topk" else args.codec
+        codec = (f"top-{args.topk:g} + error feedback (DGC: sgd, momentum corrected at the workers)"
+                 if args.codec == "topk" else f"{args.codec} (adam)")
         print(f"hps demo: {args.workers} workers, {mode}, {codec} pushes, training for {args.steps} steps "
               f"({', '.join(f'{w}@{z}' for w, z in placement.items())})", flush=True)
         return _follow(args, out, cluster, root, workers, placement, q)

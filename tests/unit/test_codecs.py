@@ -271,3 +271,38 @@ def test_unknown_codec_options_are_refused_naming_them():
         get_codec("topk", q=1)
     with pytest.raises(BadInput, match="k=2"):
         get_codec("topk", k=2)
+
+
+def test_momentum_correction_sparsifies_the_velocity_and_masks_what_it_sent():
+    """DGC: u = m u + g, v = v + u; send top-k(v); u and v zero (v: the codec's rounding) there."""
+    layout = Layout([KeySpec("w", (100,))])
+    enc = Encoder("topk", topk=0.1, momentum=0.9)
+    g = np.linspace(-1, 1, 100).astype(np.float32)
+    first = assemble(layout, enc.split(layout, g), "t")
+    sent = np.flatnonzero(first)
+    assert len(sent) == 10
+    u = enc.velocity["w@0"].numpy()
+    assert np.all(u[sent] == 0) and np.array_equal(np.delete(u, sent), np.delete(g, sent))
+    second = assemble(layout, enc.split(layout, g), "t")
+    # an unsent element now carries its velocity 0.9 g + g on top of its residual g
+    expected = np.where(np.isin(np.arange(100), sent), 0, g + 1.9 * g)
+    assert np.allclose(second[second != 0], expected[second != 0], rtol=2e-3)
+    state = enc.state_dict()
+    assert {"w@0", "velocity:w@0"} == set(state)
+    again = Encoder("topk", topk=0.1, momentum=0.9)
+    again.load_state_dict(state)
+    assert [c.payload for c in again.split(layout, g)] == [c.payload for c in enc.split(layout, g)]
+
+
+def test_momentum_correction_is_only_for_sgd_momentum_with_topk():
+    from ps.config import JobConfig, OptimizerConfig
+
+    ok = JobConfig(name="j", push_codec="topk", momentum_correction=True,
+                   optimizer=OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9))
+    assert Encoder.for_job(ok, worker=True).momentum == 0.9
+    assert Encoder.for_job(ok, "topk").momentum == 0.0  # relays: error feedback only
+    for bad in (dict(push_codec="fp16"), dict(optimizer=OptimizerConfig(kind="adam")),
+                dict(optimizer=OptimizerConfig(kind="sgd", momentum=0.0))):
+        with pytest.raises(BadInput, match="momentum_correction"):
+            JobConfig(**{"name": "j", "push_codec": "topk", "momentum_correction": True,
+                         "optimizer": OptimizerConfig(kind="sgd", momentum=0.9), **bad})
