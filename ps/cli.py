@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--staleness", type=int, default=2, help="s for --mode ssp")
     s.add_argument("--codec", default="fp32", help="push codec of workers and relays, e.g. topk")
     s.add_argument("--topk", type=float, default=0.01, help="density of --codec topk")
+    s.add_argument("--delta-codec", default="fp32",
+                   help="the root's codec for published deltas (fp16, int8: lossy, error kept at the root)")
     s.add_argument("--slow", type=float, default=1.0,
                    help="make the last worker this many times slower (e.g. 2), to see the modes differ")
     s.set_defaults(fn=_demo)

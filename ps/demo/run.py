@@ -67,7 +67,7 @@ def main(args) -> int:
                 [sys.executable, "-m", "ps.demo.train", "--address", zone.address, "--worker-id", wid,
                  "--seed", str(i), "--steps", str(args.steps), "--batch", str(args.batch),
                  "--mode", args.mode, "--staleness", str(args.staleness),
-                 "--codec", args.codec, "--topk", str(args.topk),
+                 "--codec", args.codec, "--topk", str(args.topk), "--delta-codec", args.delta_codec,
                  "--slow", str(args.slow if i == args.workers - 1 else 1.0)],
                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
@@ -90,6 +90,7 @@ def main(args) -> int:
 def _follow(args, out, cluster, root, workers, placement, q) -> int:
     series: dict[str, list[tuple[int, float]]] = {w: [] for w in placement}
     step_s: dict[str, list[float]] = {w: [] for w in placement}
+    ups: dict[str, list[int]] = {w: [] for w in placement}
     last: dict[str, dict] = {}
     done: dict[str, dict] = {}
     exited = 0
@@ -103,6 +104,7 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
         elif kind == "step":
             series[ev["worker"]].append((ev["step"], ev["loss"]))
             step_s[ev["worker"]].append(ev["step_s"])
+            ups[ev["worker"]].append(ev["bytes_up"])
             last[ev["worker"]] = ev
             step = min(e["step"] for e in last.values()) if len(last) == len(placement) else -1
             if step >= 0 and (step // 10 > shown // 10 or step == args.steps - 1) and step != shown:
@@ -124,7 +126,7 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
         if len({(j.version, j.checksum) for _, _, st in tiers for j in st.jobs}) <= 1:
             break
         time.sleep(0.05)
-    return _report(args, out, series, step_s, done, placement, tiers, wall)
+    return _report(args, out, series, step_s, ups, done, placement, tiers, wall)
 
 
 def _median(xs: list[float]) -> float:
@@ -132,7 +134,7 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if xs else float("nan")
 
 
-def _report(args, out, series, step_s, done, placement, tiers, wall) -> int:
+def _report(args, out, series, step_s, ups, done, placement, tiers, wall) -> int:
     rows = []
     for w, zone in placement.items():
         pts = series[w]
@@ -143,7 +145,10 @@ def _report(args, out, series, step_s, done, placement, tiers, wall) -> int:
                          val_loss=d.get("val_loss") or float("nan"), version=d.get("version", 0),
                          lost_steps=d.get("lost_steps", 0),
                          # the first steps include start-up (imports, job creation, snapshot)
-                         median_step_s=_median(step_s[w][3:] or step_s[w])))
+                         median_step_s=_median(step_s[w][3:] or step_s[w]),
+                         # the second half of the run: past top-k's density warm-up
+                         late_push_bytes_per_step=(sum(ups[w][len(ups[w]) // 2:]) /
+                                                   max(1, len(ups[w]) - len(ups[w]) // 2))))
     print("\n" + summary_table(rows, ["worker", "zone", "steps", "train_loss", "val_loss", "version",
                                       "lost_steps", "median_step_s"]))
     trows = []

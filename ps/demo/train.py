@@ -26,7 +26,7 @@ __all__ = ["demo_job", "main"]
 
 
 def demo_job(name: str = "demo", mode: str = "bsp", staleness: int = 0, codec: str = "fp32",
-             topk: float = 0.01) -> JobConfig:
+             topk: float = 0.01, delta_codec: str = "fp32") -> JobConfig:
     """The demo's job; ``codec`` is the push codec of workers and relays (lossy ones with
     error feedback at every tier).
 
@@ -38,9 +38,11 @@ def demo_job(name: str = "demo", mode: str = "bsp", staleness: int = 0, codec: s
     if codec == "topk":
         return JobConfig(name=name, mode=mode, staleness=staleness if mode == "ssp" else 0,
                          optimizer=OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9, warmup_steps=20),
-                         push_codec=codec, topk=topk, topk_warmup_steps=20, momentum_correction=True)
+                         push_codec=codec, topk=topk, topk_warmup_steps=20, momentum_correction=True,
+                         delta_codec=delta_codec)
     return JobConfig(name=name, mode=mode, staleness=staleness if mode == "ssp" else 0,
-                     optimizer=OptimizerConfig(kind="adam", lr=3e-3, warmup_steps=20), push_codec=codec)
+                     optimizer=OptimizerConfig(kind="adam", lr=3e-3, warmup_steps=20), push_codec=codec,
+                     delta_codec=delta_codec)
 
 
 def _emit(**event) -> None:
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness", type=int, default=0)
     p.add_argument("--codec", default="fp32", help="push codec (e.g. topk, fp16, int8, sign)")
     p.add_argument("--topk", type=float, default=0.01, help="density of --codec topk")
+    p.add_argument("--delta-codec", default="fp32", help="the root's codec for published deltas")
     p.add_argument("--slow", type=float, default=1.0,
                    help="emulate a slower accelerator: each step's compute takes this many times longer")
     args = p.parse_args(argv)
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     data = load_corpus()
     model = build_model(cfg, seed=0)
     sampler = BatchSampler(data, context=cfg.context, batch_size=args.batch, seed=1000 + args.seed)
-    job = demo_job(args.job, args.mode, args.staleness, args.codec, args.topk)
+    job = demo_job(args.job, args.mode, args.staleness, args.codec, args.topk, args.delta_codec)
     with HpsOptimizer(model, args.address, job, worker_id=args.worker_id) as opt:
         _emit(event="start", worker=args.worker_id, version=opt.version,
               params=sum(p.numel() for p in model.parameters()))

@@ -287,6 +287,12 @@ def test_job_config_round_trips_through_protobuf():
     assert job_from_pb(pb.JobConfig.FromString(m.SerializeToString())) == cfg
     sgd = JobConfig(name="s", optimizer=OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9, nesterov=True))
     assert job_from_pb(job_to_pb(sgd)) == sgd
+    dgc = JobConfig(name="d", push_codec="topk", relay_codec="sign", delta_codec="int8", topk=0.003,
+                    topk_warmup_steps=400, momentum_correction=True,
+                    optimizer=OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9))
+    assert job_from_pb(pb.JobConfig.FromString(job_to_pb(dgc).SerializeToString())) == dgc
+    rows = JobConfig(name="r", push_codec="rows")
+    assert job_from_pb(job_to_pb(rows)) == rows and job_to_pb(rows).relay_codec == pb.CODEC_UNSPECIFIED
 
 
 def test_job_from_pb_refuses_unspecified_values():
