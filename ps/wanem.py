@@ -266,6 +266,9 @@ async def _serve(args) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     name = f" {args.name}" if args.name else ""
+    # SIGUSR1: log the byte counters now (a benchmark reads them before and after a phase).
+    loop.add_signal_handler(signal.SIGUSR1, lambda: print(
+        f"wanem{name}: {relay.up.bytes} bytes up, {relay.down.bytes} bytes down so far", flush=True))
     print(f"wanem{name}: relaying {relay.address} -> {args.target} ({link.describe()})", flush=True)
     t0 = time.monotonic()
     await stop.wait()

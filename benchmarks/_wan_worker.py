@@ -1,0 +1,76 @@
+"""One demo-model worker of benchmarks/wan_loss.py: trains TinyLM through hps with the job given
+as JSON, printing one JSON line per step (wall-clock time, loss) and a final line.
+
+    python benchmarks/_wan_worker.py --address 127.0.0.1:7001 --worker-id w0 --seed 0 --steps 100 \
+        --job '{"name": "lm", "mode": "async", "push_codec": "topk"}'
+
+The same as ``hps demo``'s worker (ps/demo/train.py: same model, data, batches, Adam 3e-3 with
+20 warm-up steps) except that the job's codecs come from --job, and time stamps are absolute
+(time.time()) so the driver can put every worker on one clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ps.config import JobConfig, OptimizerConfig  # noqa: E402
+from ps.demo.corpus import BatchSampler, load_corpus  # noqa: E402
+from ps.demo.model import ModelConfig, build_model  # noqa: E402
+from worker import HpsOptimizer  # noqa: E402
+
+
+def _emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+@torch.no_grad()
+def _val_loss(model, data, context: int, batches: int = 8) -> float:
+    sampler = BatchSampler(data, context=context, batch_size=16, seed=1234, split="val")
+    losses = [model(*sampler.next_batch())[1].item() for _ in range(batches)]
+    return sum(losses) / len(losses)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--address", required=True)
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--job", required=True, help="JobConfig fields as JSON (optimizer: Adam 3e-3, warm-up 20)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    fields = json.loads(args.job)
+    job = JobConfig(optimizer=OptimizerConfig(kind="adam", lr=3e-3, warmup_steps=20), **fields)
+    cfg = ModelConfig()
+    data = load_corpus()
+    model = build_model(cfg, seed=0)
+    sampler = BatchSampler(data, context=cfg.context, batch_size=args.batch, seed=1000 + args.seed)
+    with HpsOptimizer(model, args.address, job, worker_id=args.worker_id, round_timeout_s=900) as opt:
+        _emit(event="start", worker=args.worker_id, t=time.time())
+        for step in range(args.steps):
+            x, y = sampler.next_batch()
+            opt.zero_grad()
+            loss = model(x, y)[1]
+            loss.backward()
+            r = opt.step()
+            _emit(event="step", worker=args.worker_id, step=step, t=time.time(), loss=loss.item(),
+                  version=r.version, bytes_up=r.bytes_up, bytes_down=r.bytes_down)
+        opt.sync(timeout_s=300)
+        val = _val_loss(model, data, cfg.context)
+        _emit(event="done", worker=args.worker_id, t=time.time(), version=opt.version,
+              val_loss=val if math.isfinite(val) else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

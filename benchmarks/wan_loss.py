@@ -1,0 +1,249 @@
+"""Time to a target loss across regions: the flat deployment a user would pick (every worker on
+the root, dense fp32, BSP) against the hierarchy (per-region aggregation, compressed, async or
+ssp), both across the same emulated WAN, side by side in one run.
+
+    python benchmarks/wan_loss.py --steps 150
+
+The demo model (TinyLM, Adam 3e-3, 20 warm-up steps), 4 workers in two regions of two, each
+region 100 ms round trip and 100 Mbit/s each way from the root (ps/wanem.py links):
+- flat: deploy/wan-flat.yaml; each region's two workers share their region's link to the root;
+- hierarchy: deploy/wan.yaml; workers on their region's zones, the regional master the only
+  thing crossing the WAN; job --mode (default async), push/relay/delta codec --codec (topk at
+  --topk density, error feedback at every sender), regional flush window --region-flush-ms.
+Every worker runs --steps steps (equal samples). Reports for each: wall time, loss curve
+(mean over workers, smoothed over 10 steps) against time, time to the target loss (the loss
+flat BSP ends at, plus 1%), final validation loss, and bytes crossing the WAN per step (both
+directions of every region's link, as counted by the link emulators, divided by steps per
+worker, after start-up: job creation and the first snapshots are counted apart). Goals:
+hierarchy >= 5x faster to the target, >= 400x fewer WAN bytes per step than flat dense fp32,
+final loss within 1%. Writes benchmarks/results/wan_loss.json and wan_loss.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from _common import RESULTS, ROOT, met, plot, write
+
+WORKER = str(ROOT / "benchmarks" / "_wan_worker.py")
+GOAL_SPEEDUP, GOAL_BYTES, GOAL_LOSS_PCT = 5.0, 400.0, 1.0
+
+
+def _reader(proc: subprocess.Popen, q: queue.Queue) -> None:
+    for line in proc.stdout:
+        try:
+            q.put(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    q.put({"event": "exit"})
+
+
+def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: int, batch: int, logdir: str) -> dict:
+    from ps.launch import Cluster
+    from ps.status import fetch_status
+
+    with Cluster.start(topo, logdir) as cluster:
+        where = [cluster.address(a) for a in addresses]
+        q: queue.Queue = queue.Queue()
+        procs = []
+        for i, addr in enumerate(where):
+            err = open(os.path.join(logdir, f"w{i}.log"), "wb")
+            p = subprocess.Popen([sys.executable, WORKER, "--address", addr, "--worker-id", f"w{i}", "--seed", str(i),
+                                  "--steps", str(steps), "--batch", str(batch), "--job", json.dumps(job)],
+                                 stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+            procs.append(p)
+            threading.Thread(target=_reader, args=(p, q), daemon=True).start()
+        events, exited, started = [], 0, 0
+        try:
+            while exited < len(procs):
+                ev = q.get(timeout=1200)
+                if ev["event"] == "exit":
+                    exited += 1
+                    continue
+                events.append(ev)
+                if ev["event"] == "start":
+                    started += 1
+                    if started == len(procs):  # job created, every snapshot pulled: start-up over
+                        for t in cluster.links.values():
+                            os.kill(t.proc.pid, signal.SIGUSR1)
+            tiers = {}
+            for name, t in cluster.tiers.items():
+                for j in fetch_status(t.address).jobs:
+                    tiers[name] = dict(role=t.role, version=j.version, push_in=j.bytes_pushed_in,
+                                       push_up=j.bytes_pushed_up, pull_in=j.bytes_pulled_in,
+                                       pull_out=j.bytes_pulled_out)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+    # Stopped: each link has logged what crossed it.
+    up = down = up0 = down0 = 0
+    for name in cluster.links:
+        text = open(os.path.join(logdir, f"link-{name}.log")).read()
+        m = re.search(r"(\d+) bytes up, (\d+) bytes down so far", text)
+        if m:
+            up0, down0 = up0 + int(m.group(1)), down0 + int(m.group(2))
+        m = re.search(r"(\d+) bytes up, (\d+) bytes down$", text, re.M)
+        if m:
+            up, down = up + int(m.group(1)), down + int(m.group(2))
+    done = [e for e in events if e["event"] == "done"]
+    if len(done) != len(where):
+        tail = "".join(open(os.path.join(logdir, f"w{i}.log")).read()[-1500:] for i in range(len(where)))
+        raise RuntimeError(f"{label}: {len(done)} of {len(where)} workers finished:\n{tail}")
+    t0 = min(e["t"] for e in events if e["event"] == "start")
+    per_step: dict[int, list] = {}
+    for e in events:
+        if e["event"] == "step":
+            per_step.setdefault(e["step"], []).append(e)
+    curve = []  # (seconds since the first worker started, mean loss over workers at this step)
+    for s in sorted(per_step):
+        es = per_step[s]
+        curve.append((max(e["t"] for e in es) - t0, sum(e["loss"] for e in es) / len(es)))
+    smooth = [(t, sum(v for _, v in curve[max(0, i - 9):i + 1]) / len(curve[max(0, i - 9):i + 1]))
+              for i, (t, _) in enumerate(curve)]
+    wall = max(e["t"] for e in done) - t0
+    return dict(label=label, job=job, wall_s=wall, curve=curve, smoothed=smooth,
+                final_train_loss=smooth[-1][1], val_loss=sum(e["val_loss"] for e in done) / len(done),
+                root_version=max(e["version"] for e in done),
+                wan_bytes=dict(up=up, down=down, start_up=up0 + down0),
+                # per step: after start-up (job creation, first snapshots), both directions
+                wan_bytes_per_step=(up + down - up0 - down0) / steps,
+                wan_bytes_per_step_with_start_up=(up + down) / steps, tiers=tiers)
+
+
+def time_to(smoothed: list, target: float) -> float | None:
+    return next((t for t, v in smoothed if v <= target), None)
+
+
+def _codec_status(job: dict) -> str:
+    from ps.config import JobConfig
+
+    try:
+        JobConfig(**job)
+    except Exception as exc:  # a field or codec this build does not have yet
+        return f"not built yet: {exc}"
+    return ""
+
+
+def main() -> int:
+    from ps.launch import load_topology
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=150, help="steps per worker, both deployments")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--mode", default="async", choices=["async", "ssp"], help="the hierarchy's consistency")
+    p.add_argument("--staleness", type=int, default=4, help="s for --mode ssp")
+    p.add_argument("--codec", default="topk", help="the hierarchy's push, relay and delta codec")
+    p.add_argument("--delta-codec", default="", help="the root's published deltas ('': --codec)")
+    p.add_argument("--topk", type=float, default=0.01)
+    p.add_argument("--job-extra", default="{}", help="more JobConfig fields for the hierarchy, as JSON")
+    p.add_argument("--region-flush-ms", type=float, default=0, help="override deploy/wan.yaml's (0: keep)")
+    p.add_argument("--latency-ms", type=float, default=100.0, help="each region's link: round trip")
+    p.add_argument("--bandwidth-mbit", type=float, default=100.0, help="each region's link: each way")
+    p.add_argument("--only-hierarchy", action="store_true", help="skip the flat run (needs --target-loss)")
+    p.add_argument("--target-loss", type=float, default=0.0, help="instead of flat BSP's final + 1%%")
+    p.add_argument("--out")
+    args = p.parse_args()
+
+    link = {"latency_ms": args.latency_ms, "bandwidth_mbit": args.bandwidth_mbit}
+    flat_topo = load_topology(str(ROOT / "deploy" / "wan-flat.yaml"))
+    for ln in flat_topo["links"]:
+        ln.update(link)
+    tree_topo = load_topology(str(ROOT / "deploy" / "wan.yaml"))
+    for reg in tree_topo["regions"]:
+        reg.update(link)
+        if args.region_flush_ms:
+            reg["flush_ms"] = args.region_flush_ms
+    flat_job = dict(name="flat", mode="bsp")
+    tree_job = dict(name="tree", mode=args.mode, staleness=args.staleness if args.mode == "ssp" else 0,
+                    push_codec=args.codec, relay_codec=args.codec, delta_codec=args.delta_codec or args.codec)
+    if args.codec == "topk":
+        tree_job["topk"] = args.topk
+    tree_job.update(json.loads(args.job_extra))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(f"{tmp}/flat")
+        os.makedirs(f"{tmp}/tree")
+        if args.only_hierarchy:
+            flat = dict(label="flat (skipped)", final_train_loss=args.target_loss, smoothed=[], wall_s=float("nan"),
+                        val_loss=float("nan"), wan_bytes_per_step=float("nan"))
+        else:
+            flat = run("flat: 4 workers on the root, dense fp32, bsp", flat_topo, ["eu-wan", "eu-wan", "us-wan", "us-wan"],
+                       flat_job, args.steps, args.batch, f"{tmp}/flat")
+        print(f"flat      wall {flat['wall_s']:7.1f}s  final loss {flat['final_train_loss']:.4f}  val {flat['val_loss']:.4f}  "
+              f"WAN {flat['wan_bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
+        missing = _codec_status(tree_job)
+        tree = None
+        if missing:
+            print(f"hierarchy {missing}")
+        else:
+            label = f"hierarchy: per-region aggregation, {args.codec}, {args.mode}"
+            tree = run(label, tree_topo, ["eu-a", "eu-b", "us-a", "us-b"], tree_job, args.steps, args.batch, f"{tmp}/tree")
+            print(f"hierarchy wall {tree['wall_s']:7.1f}s  final loss {tree['final_train_loss']:.4f}  "
+                  f"val {tree['val_loss']:.4f}  WAN {tree['wan_bytes_per_step'] / 1e6:.4f} MB/step", flush=True)
+
+    target = args.target_loss or flat["final_train_loss"] * (1 + GOAL_LOSS_PCT / 100)
+    result = dict(settings=dict(steps=args.steps, batch=args.batch, workers=4, regions=2, link=link,
+                                link_latency_means="round trip", model="TinyLM 470,528 params (1.88 MB fp32)",
+                                optimizer="adam 3e-3, warm-up 20", hierarchy_job=tree_job, flat_job=flat_job,
+                                region_flush_ms=args.region_flush_ms or "deploy/wan.yaml"),
+                  goals=dict(speedup_to_target=GOAL_SPEEDUP, wan_bytes_reduction=GOAL_BYTES,
+                             final_loss_within_pct=GOAL_LOSS_PCT),
+                  target_loss=target, target_loss_means="flat BSP's final smoothed train loss + 1%",
+                  flat=flat, hierarchy=tree if tree else dict(status=missing))
+    flat["time_to_target_s"] = time_to(flat["smoothed"], target)
+    if tree:
+        tree["time_to_target_s"] = time_to(tree["smoothed"], target)
+        tt, ft = tree["time_to_target_s"], flat["time_to_target_s"]
+        cmp = dict(speedup_to_target=(ft / tt) if (tt and ft) else None,
+                   wall_speedup=flat["wall_s"] / tree["wall_s"],
+                   wan_bytes_reduction=flat["wan_bytes_per_step"] / max(tree["wan_bytes_per_step"], 1),
+                   final_val_loss_diff_pct=100 * (tree["val_loss"] - flat["val_loss"]) / flat["val_loss"],
+                   final_train_loss_diff_pct=100 * (tree["final_train_loss"] - flat["final_train_loss"])
+                   / flat["final_train_loss"])
+        cmp["meets"] = dict(speedup=bool(cmp["speedup_to_target"]) and cmp["speedup_to_target"] >= GOAL_SPEEDUP,
+                            bytes=cmp["wan_bytes_reduction"] >= GOAL_BYTES,
+                            loss=cmp["final_val_loss_diff_pct"] <= GOAL_LOSS_PCT)
+        result["comparison"] = cmp
+        sp = cmp["speedup_to_target"]
+        print(f"\ntarget loss {target:.4f} (flat BSP's final + 1%)")
+        print(f"time to target: flat {ft or float('nan'):.1f}s, hierarchy "
+              f"{tt if tt is not None else float('nan'):.1f}s -> "
+              f"{(f'{sp:.2f}x' if sp else 'not reached')} (goal >= {GOAL_SPEEDUP}x: "
+              f"{met(sp or 0, GOAL_SPEEDUP)})")
+        print(f"WAN bytes per step: flat {flat['wan_bytes_per_step'] / 1e6:.3f} MB, hierarchy "
+              f"{tree['wan_bytes_per_step'] / 1e3:.2f} kB -> {cmp['wan_bytes_reduction']:.0f}x fewer "
+              f"(goal >= {GOAL_BYTES:.0f}x: {met(cmp['wan_bytes_reduction'], GOAL_BYTES)})")
+        print(f"final val loss: flat {flat['val_loss']:.4f}, hierarchy {tree['val_loss']:.4f} "
+              f"({cmp['final_val_loss_diff_pct']:+.2f}%; goal within {GOAL_LOSS_PCT}%: "
+              f"{met(-cmp['final_val_loss_diff_pct'], -GOAL_LOSS_PCT)})")
+    write("wan_loss", result, args.out)
+
+    def draw(ax):
+        for r in (flat, tree):
+            if r:
+                ax.plot([t for t, _ in r["smoothed"]], [v for _, v in r["smoothed"]], label=r["label"])
+        ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.3f}")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("train loss (mean of workers, 10-step average)")
+        ax.set_title(f"2 regions x 2 workers, {args.latency_ms:g} ms RTT / {args.bandwidth_mbit:g} Mbit/s to the root")
+        ax.legend(fontsize=8)
+
+    plot(RESULTS / "wan_loss.png" if not args.out else ROOT / (args.out + ".png"), draw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
