@@ -51,8 +51,10 @@ test: install tools
 demo: install
 	$(BIN)/hps demo
 
+# Benchmarks (not tests: nothing is asserted, figures are ratios measured side by side).
+# BENCH_FLAGS=--quick runs small sizes (a smoke run); BENCH_FLAGS="--only wan_loss" a subset.
 bench: install
-	$(BIN)/python benchmarks/bsp_step.py
+	$(BIN)/python benchmarks/run_all.py $(BENCH_FLAGS)
 
 clean:
 	rm -rf $(VENV) ps/proto/hps_pb2*.py ps/proto/hps_pb2*.pyi *.egg-info
