@@ -57,9 +57,9 @@ def run_hps(args) -> list[float]:
 
     layout = Layout([KeySpec(f"layer{i}.weight", (min(args.key_elems, args.params - off),))
                      for i, off in enumerate(range(0, args.params, args.key_elems))])
-    job = JobConfig(name="bench", optimizer=OptimizerConfig(kind="sgd", lr=0.01), push_codec=args.codec,
+    job = JobConfig(name=f"bench-{args.codec}", optimizer=OptimizerConfig(kind="sgd", lr=0.01), push_codec=args.codec,
                     delta_codec=args.delta_codec or args.codec, topk=args.topk, delta_log_length=8)
-    c = ParameterClient(args.address, "bench", args.worker_id, timeout_s=120, round_timeout_s=300)
+    c = ParameterClient(args.address, job.name, args.worker_id, timeout_s=120, round_timeout_s=300)
     grads = [gradient(args.params, args.rank, s) for s in range(4)]
     c.create_job(job, layout, np.zeros(args.params, np.float32))
     c.register()

@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from _common import RESULTS, ROOT, met, plot, write
 
@@ -87,29 +88,28 @@ def run_gloo(n: int, params: int, steps: int, ns: str | None) -> float:
                 p.kill()
 
 
-def run_hps(n: int, params: int, steps: int, codec: str, topk: float) -> tuple[float, dict]:
-    from ps.launch import Cluster
-
-    topo = {"host": "127.0.0.1", "settings": {"heartbeat_s": 0.5, "member_timeout_s": 10.0},
+TOPOLOGY = {"host": "127.0.0.1", "settings": {"heartbeat_s": 0.5, "member_timeout_s": 10.0},
             "root": {"name": "root"},
             "regions": [{"name": r, "zones": [{"name": f"{r}-a"}, {"name": f"{r}-b"}]} for r in ("eu", "us")]}
+
+
+def run_hps(cluster, n: int, params: int, steps: int, codec: str, topk: float) -> tuple[float, dict]:
+    """One job per codec (bench-<codec>) on the same cluster: jobs never see each other."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with tempfile.TemporaryDirectory() as tmp, Cluster.start(topo, tmp) as cluster:
-        procs = []
-        for r in range(n):
-            procs.append(subprocess.Popen(
-                [sys.executable, PEER, "hps", "--rank", str(r), "--address", cluster.address(ZONES[r % 4]),
-                 "--worker-id", f"w{r}", "--params", str(params), "--steps", str(steps), "--codec", codec,
-                 "--topk", str(topk)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT))
-            if r == 0:  # the first creates the job; the rest join it (all before the first push)
-                import time
-                time.sleep(1.0)
-        try:
-            res = _collect(procs, 900)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+    procs = []
+    for r in range(n):
+        procs.append(subprocess.Popen(
+            [sys.executable, PEER, "hps", "--rank", str(r), "--address", cluster.address(ZONES[r % 4]),
+             "--worker-id", f"w{r}", "--params", str(params), "--steps", str(steps), "--codec", codec,
+             "--topk", str(topk)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT))
+        if r == 0:  # the first creates the job; the rest join it (all before the first push)
+            time.sleep(1.0)
+    try:
+        res = _collect(procs, 900)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     return _step(res), dict(up=statistics.mean(r["bytes"]["up"] for r in res),
                             down=statistics.mean(r["bytes"]["down"] for r in res))
 
@@ -135,30 +135,42 @@ def main() -> int:
     p.add_argument("--topk", type=float, default=0.01)
     p.add_argument("--out")
     args = p.parse_args()
+    from ps.launch import Cluster
+
     ns = _netns()
     rows: dict[str, dict] = {}
     try:
         for n in map(int, args.workers.split(",")):
-            gloo = run_gloo(n, args.params, args.steps, ns)
-            row = rows[f"N={n}"] = dict(gloo_step_s=gloo, hps={})
-            print(f"N={n}  gloo all_reduce step {gloo * 1000:8.1f} ms", flush=True)
-            for codec in args.codecs.split(","):
-                missing = _codec_available(codec)
-                if missing:
-                    row["hps"][codec] = dict(status=missing)
-                    print(f"N={n}  hps {codec:5s} {missing}", flush=True)
-                    continue
-                step, nbytes = run_hps(n, args.params, args.steps, codec, args.topk)
-                ratio = step / gloo
-                row["hps"][codec] = dict(step_s=step, vs_gloo=ratio, goal=GOALS.get(codec),
-                                         meets_goal=ratio <= GOALS.get(codec, float("inf")),
-                                         bytes_per_step_per_worker=nbytes)
-                print(f"N={n}  hps {codec:5s} step {step * 1000:8.1f} ms = {ratio:.2f}x gloo "
-                      f"(goal <= {GOALS.get(codec)}x: {met(ratio, GOALS.get(codec, 9e9), False)}); "
-                      f"per worker up {nbytes['up'] / 1e6:.2f} MB down {nbytes['down'] / 1e6:.2f} MB", flush=True)
+            with tempfile.TemporaryDirectory() as tmp, Cluster.start(TOPOLOGY, tmp) as cluster:
+                one_n(cluster, n, args, ns, rows)
     finally:
         if ns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    _report(args, ns, rows)
+    return 0
+
+
+def one_n(cluster, n: int, args, ns: str | None, rows: dict) -> None:
+    gloo = run_gloo(n, args.params, args.steps, ns)
+    row = rows[f"N={n}"] = dict(gloo_step_s=gloo, hps={})
+    print(f"N={n}  gloo all_reduce step {gloo * 1000:8.1f} ms", flush=True)
+    for codec in args.codecs.split(","):
+        missing = _codec_available(codec)
+        if missing:
+            row["hps"][codec] = dict(status=missing)
+            print(f"N={n}  hps {codec:5s} {missing}", flush=True)
+            continue
+        step, nbytes = run_hps(cluster, n, args.params, args.steps, codec, args.topk)
+        ratio = step / gloo
+        row["hps"][codec] = dict(step_s=step, vs_gloo=ratio, goal=GOALS.get(codec),
+                                 meets_goal=ratio <= GOALS.get(codec, float("inf")),
+                                 bytes_per_step_per_worker=nbytes)
+        print(f"N={n}  hps {codec:5s} step {step * 1000:8.1f} ms = {ratio:.2f}x gloo "
+              f"(goal <= {GOALS.get(codec)}x: {met(ratio, GOALS.get(codec, 9e9), False)}); "
+              f"per worker up {nbytes['up'] / 1e6:.2f} MB down {nbytes['down'] / 1e6:.2f} MB", flush=True)
+
+
+def _report(args, ns: str | None, rows: dict) -> None:
     write("bsp_vs_gloo", dict(
         settings=dict(params=args.params, bytes=4 * args.params, steps=args.steps, topk=args.topk,
                       topology="root, 2 regions x 2 zones; N=2: one worker per region",
@@ -181,7 +193,6 @@ def main() -> int:
         ax.legend()
 
     plot(RESULTS / "bsp_vs_gloo.png" if not args.out else ROOT / (args.out + ".png"), draw)
-    return 0
 
 
 if __name__ == "__main__":
