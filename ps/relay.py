@@ -46,6 +46,17 @@ class Relay(Tier):
         self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
         self._force_snapshot: set[str] = set()
 
+    def job(self, name: str) -> JobState:
+        # A relay learns jobs from its parent; one it holds nothing for (it restarted, or no
+        # child has asked yet) may well exist: the caller must register for it, which asks the
+        # parent. Only a job the parent said has ended is unknown here. (Answering UnknownJob
+        # would make a child relay drop a live job when its parent restarts.)
+        if name not in self.jobs and name not in self.ended:
+            raise NotReady(f"this {self.role} tier holds no state for job {name!r} (it may have "
+                           "restarted): the caller is not a registered member here yet; register "
+                           "for the job and retry")
+        return super().job(name)
+
     def set_address(self, address: str) -> None:
         self.up.own_address = address
 
@@ -105,9 +116,12 @@ class Relay(Tier):
                 log.warning("%s: parent %s restarted (epoch %#x -> %#x); registering again",
                             self.role, self.config.parent, known, epoch)
                 unknown = sorted(self.attached)
-            for job in unknown:
+            # Jobs the parent forgot, and jobs detached after a refusal (NotReady) that still
+            # have children here: both must register again or their rounds never close.
+            detached = [j for j, js in self.jobs.items() if j not in self.attached and len(js.members)]
+            for job in sorted(set(unknown) | set(detached)):
                 self.attached.discard(job)
-                if len(self.jobs[job].members):
+                if job in self.jobs and len(self.jobs[job].members):
                     try:
                         await self._job_for_register(job)
                     except HpsError as exc:
@@ -163,6 +177,9 @@ class Relay(Tier):
         js.stats.bytes_pushed_up += payload_bytes(chunks)
         if not fut.done():
             fut.set_result(ack)
+
+    def parent_reachable(self) -> bool:
+        return self.up.reachable
 
     def encoder(self, js: JobState) -> Encoder:
         """The job's upward codec at this tier: --up-codec, else the job's relay codec, else

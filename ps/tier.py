@@ -412,6 +412,9 @@ class Tier:
                 [(VersionMeta(v, js.view.checksum, js.view.clock_min), chunks)])
 
     # -- status ----------------------------------------------------------------------------
+    def parent_reachable(self) -> bool:
+        return True  # the root has no parent
+
     def status(self) -> dict:
         now = self.clock()
         jobs = []
@@ -419,7 +422,9 @@ class Tier:
             jobs.append(dict(
                 name=name, mode=js.config.mode, version=js.view.version, view_epoch=js.view.epoch,
                 parent_version=js.parent_version or js.view.version,
-                lag_s=(now - js.synced_at) if js.synced_at and js.parent_version > js.view.version else 0.0,
+                # Behind the parent, or cut off from it (then we cannot know how far behind).
+                lag_s=(now - js.synced_at) if js.synced_at and (js.parent_version > js.view.version
+                                                                or not self.parent_reachable()) else 0.0,
                 round=js.round.round if js.bsp else js.stats.rounds,
                 round_pushed=len(js.round.pushed if js.bsp else js.window.pushed),
                 checksum=js.view.checksum, clock_min=js.view.clock_min,
