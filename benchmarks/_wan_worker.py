@@ -33,8 +33,8 @@ def _emit(**event) -> None:
 
 
 @torch.no_grad()
-def _val_loss(model, data, context: int, batches: int = 8) -> float:
-    sampler = BatchSampler(data, context=context, batch_size=16, seed=1234, split="val")
+def _val_loss(model, data, context: int, batches: int = 8, split: str = "val") -> float:
+    sampler = BatchSampler(data, context=context, batch_size=16, seed=1234, split=split)
     losses = [model(*sampler.next_batch())[1].item() for _ in range(batches)]
     return sum(losses) / len(losses)
 
@@ -65,10 +65,12 @@ def main() -> int:
             r = opt.step()
             _emit(event="step", worker=args.worker_id, step=step, t=time.time(), loss=loss.item(),
                   version=r.version, bytes_up=r.bytes_up, bytes_down=r.bytes_down)
+        before = _val_loss(model, data, cfg.context)  # on the last view trained on
+        train_eval = _val_loss(model, data, cfg.context, split="train")
         opt.sync(timeout_s=300)
         val = _val_loss(model, data, cfg.context)
         _emit(event="done", worker=args.worker_id, t=time.time(), version=opt.version,
-              val_loss=val if math.isfinite(val) else None)
+              val_loss=val if math.isfinite(val) else None, val_loss_before_sync=before, train_eval_before_sync=train_eval)
     return 0
 
 

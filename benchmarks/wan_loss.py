@@ -118,6 +118,8 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
     wall = max(e["t"] for e in done) - t0
     return dict(label=label, job=job, wall_s=wall, curve=curve, smoothed=smooth,
                 final_train_loss=smooth[-1][1], val_loss=sum(e["val_loss"] for e in done) / len(done),
+                val_loss_before_sync=sum(e["val_loss_before_sync"] for e in done) / len(done),
+                train_eval_before_sync=sum(e["train_eval_before_sync"] for e in done) / len(done),
                 root_version=max(e["version"] for e in done),
                 wan_bytes=dict(up=up, down=down, start_up=up0 + down0),
                 # per step: after start-up (job creation, first snapshots), both directions
