@@ -284,8 +284,14 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
                                                            "applied", labels=jl)
     bound = gauge("hps_job_staleness_bound", "The ssp job's staleness bound s, in worker clocks "
                                              "(steps); ssp jobs only")
+    # What the workers below report with their pushes (loss, step time): summaries, so a mean
+    # over any window is rate(_sum) / rate(_count); at the root they cover the whole job.
+    w_loss = SummaryMetricFamily("hps_worker_loss", "Training losses the workers below this tier "
+                                 "reported with their pushes", labels=jl)
+    w_step = SummaryMetricFamily("hps_worker_step_seconds", "Wall time of the workers' steps "
+                                 "(compute, push and pull) as they reported them", labels=jl)
     out += [version, lag_v, lag_s, members, open_round, pushes, push_bytes, pull_bytes, push_raw,
-            pull_raw, hits, fallbacks, rounds, aborted, wait, bound]
+            pull_raw, hits, fallbacks, rounds, aborted, wait, bound, w_loss, w_step]
     staleness = stale_max = None
     if s["role"] == "global":
         # A summary, not a histogram: the root keeps only the count, sum and maximum.
@@ -320,6 +326,8 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
         rounds.add_metric(lv, j["rounds"])
         aborted.add_metric(lv, j["aborted_rounds"])
         wait.add_metric(lv, count_value=j["pushes"], sum_value=j["round_wait_ms_sum"] / 1000.0)
+        w_loss.add_metric(lv, count_value=j["loss_count"], sum_value=j["loss_sum"])
+        w_step.add_metric(lv, count_value=j["loss_count"], sum_value=j["step_seconds_sum"])
         if staleness is not None:
             staleness.add_metric(lv, count_value=j["staleness_count"], sum_value=j["staleness_sum"])
             stale_max.add_metric(lv, j["staleness_max"])
@@ -380,8 +388,9 @@ class TrainingMetrics:
 
     The ``HpsTrainingLossRising`` alert (deploy/prometheus/rules/hps.rules.yml) watches these:
     each evaluation of its group is one report. The worker id is the scrape target (instance),
-    never a label. The protocol does not carry these to the tiers (yet): a script that wants
-    them scraped serves them itself, as above.
+    never a label. Workers using ``HpsOptimizer`` also report loss and step time with their
+    pushes, and every tier exports them as ``hps_worker_loss`` / ``hps_worker_step_seconds``
+    (the root: job-wide); this class is for scripts that want their own series too.
     """
 
     def __init__(self, job: str, registry: CollectorRegistry) -> None:

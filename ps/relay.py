@@ -141,8 +141,10 @@ class Relay(Tier):
         # model's encode takes tens of milliseconds.
         enc = self.encoder(js)
         chunks = await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round) if agg.contributors else []
+        (loss, n, secs), js.unsent_report = js.unsent_report, (0.0, 0, 0.0)
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
-                                      agg.contributors, agg.clock_min, agg.clock_max, floor), chunks)
+                                      agg.contributors, agg.clock_min, agg.clock_max, floor,
+                                      loss, n, secs), chunks)
         js.reported_floor = max(js.reported_floor, floor)
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]

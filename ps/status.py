@@ -74,6 +74,9 @@ def print_tree(address: str, out) -> int:
                 mean = j.staleness_sum / j.staleness_count if j.staleness_count else 0.0
                 print(f"{pad}    {pb.Mode.Name(j.mode)[5:].lower()}: clock floor {j.clock_min}, staleness "
                       f"mean {mean:.2f} max {j.staleness_max} over {j.staleness_count} applied pushes", file=out)
+            if j.loss_count:
+                print(f"{pad}    workers report: loss {j.loss_sum / j.loss_count:.4f} (mean of {j.loss_count} "
+                      f"steps), step {1000 * j.step_seconds_sum / j.loss_count:.0f} ms", file=out)
             waited = j.round_wait_ms_sum / 1000.0
             if waited:
                 print(f"{pad}    pushes waited {waited:.1f}s in total at this tier for their "

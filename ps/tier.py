@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -62,6 +63,10 @@ class JobStats:
     staleness_sum: int = 0
     staleness_max: int = 0
     round_wait_ms_sum: int = 0
+    # What the workers below reported about their training (PushMeta telemetry), for metrics.
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    step_seconds_sum: float = 0.0
 
     def staleness(self, s: int) -> None:
         self.staleness_count += 1
@@ -91,6 +96,7 @@ class JobState:
     parent_version: int = 0
     synced_at: float = 0.0
     encoder: Encoder | None = None       # relay: the upward edge's codec and residuals
+    unsent_report: tuple[float, int, float] = (0.0, 0, 0.0)  # relay: telemetry not yet sent up
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _snapshot: tuple[int, int, list[Chunk]] | None = None
 
@@ -291,6 +297,7 @@ class Tier:
             js.window.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, nbytes, self.clock())
         member.pushes += 1
         member.floor = max(member.floor, meta.clock_floor)
+        self._telemetry(js, meta)
         js.stats.pushes += 1
         js.stats.bytes_pushed_in += nbytes
         fut = js.open_future()
@@ -306,6 +313,19 @@ class Tier:
                            f"{self.config.round_timeout_s:.0f}s; the push stays in it") from None
         finally:
             js.stats.round_wait_ms_sum += int((self.clock() - t0) * 1000)
+
+    @staticmethod
+    def _telemetry(js: JobState, meta: PushMeta) -> None:
+        """Count what the push reports about training (never part of the update)."""
+        if not (math.isfinite(meta.loss_sum) and math.isfinite(meta.step_seconds_sum)
+                and meta.step_seconds_sum >= 0 and meta.loss_count >= 0):
+            return  # a NaN loss would poison every sum after it; the metrics show it stalled
+        st = js.stats
+        st.loss_sum += meta.loss_sum
+        st.loss_count += meta.loss_count
+        st.step_seconds_sum += meta.step_seconds_sum
+        loss, n, secs = js.unsent_report
+        js.unsent_report = (loss + meta.loss_sum, n + meta.loss_count, secs + meta.step_seconds_sum)
 
     @staticmethod
     def _settle(js: JobState, book: SeqBook, key: tuple[str, int], fut: asyncio.Future) -> None:

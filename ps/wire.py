@@ -173,6 +173,9 @@ class PushMeta:
     clock_min: int = 0
     clock_max: int = 0
     clock_floor: int = 0
+    loss_sum: float = 0.0          # training telemetry (see PushHeader): reported, never applied
+    loss_count: int = 0
+    step_seconds_sum: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,8 @@ def decode_push(frames: Iterable[bytes]) -> tuple[PushMeta, list[Chunk]]:
                 raise BadInput(f"malformed push: first frame is {kind!r}, expected a push header")
             p = h.push
             meta = PushMeta(p.job, p.sender, p.seq, p.base_version, p.view_epoch, p.contributors,
-                            p.clock_min, p.clock_max, p.clock_floor)
+                            p.clock_min, p.clock_max, p.clock_floor, p.loss_sum, p.loss_count,
+                            p.step_seconds_sum)
         elif kind == "chunks":
             chunks.extend(_chunks_from(h.chunks, payload))
         else:

@@ -198,7 +198,7 @@ class ParameterClient:
 
     def push(self, grad: np.ndarray | torch.Tensor, clock: int = 0, *, clock_max: int | None = None,
              base_version: int | None = None, view_epoch: int | None = None,
-             contributors: int = 1) -> tuple[int, int]:
+             contributors: int = 1, report: tuple[float, int, float] = (0.0, 0, 0.0)) -> tuple[int, int]:
         """Push a flat gradient (a sum of ``contributors`` gradients computed at clocks
         ``clock..clock_max`` on ``base_version``, default: the held view); returns the version
         that applied it and the payload bytes sent.
@@ -206,6 +206,8 @@ class ParameterClient:
         ``grad`` may be a torch tensor on the training device: the job's codec selects and
         quantises there, and only the compressed payload is copied to the host. Lossy codecs
         keep what they did not send in ``self.encoder`` (error feedback).
+        ``report`` is training telemetry the tiers export as metrics, never applied: (sum of
+        losses, how many, sum of step seconds).
         Raises Stale when the round it belonged to was aborted (nothing applied).
         """
         clock_max = clock if clock_max is None else clock_max
@@ -221,7 +223,7 @@ class ParameterClient:
         frames = encode_push(PushMeta(
             self.job, self.worker_id, self.seq, self.view.version if base_version is None else base_version,
             self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
-            clock_max + 1), chunks)
+            clock_max + 1, *report), chunks)
         nbytes = payload_bytes(chunks)
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
         reply = self._retrying("push", lambda: self._call("Push", iter(frames),

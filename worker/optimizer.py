@@ -52,6 +52,7 @@ class HpsOptimizer:
         self.layout = Layout([KeySpec(n, tuple(p.shape)) for n, p in self.params])
         self.clock = 0
         self.last_step_s = 0.0
+        self._iteration_start = time.perf_counter()  # step time = from one step() to the next
         # A JobConfig creates the job if needed; a name adopts a job declared with `hps job create`.
         created = self.client.create_job(job, self.layout, self._flat(lambda p: p.detach()))
         log.info("%s: job %s %s", self.client.worker_id, name, "created" if created else "exists")
@@ -105,23 +106,30 @@ class HpsOptimizer:
             elif p.grad is not None:
                 p.grad.zero_()
 
-    def step(self) -> StepResult:
+    def step(self, loss: float | torch.Tensor | None = None) -> StepResult:
         """Push this step's gradients and bring back the parameters to compute the next on.
 
         bsp: waits for the round and returns version v+1. ssp(s): hands the gradient to the
         background sender, then waits until every live worker's updates from clocks < c - s
         are in the held version. async: takes whatever version the tier holds now.
+        ``loss`` (optional) travels with the push, with the time since the previous step, so
+        every tier exports the job's training loss and step time (``hps_worker_loss``).
         """
         t0 = time.perf_counter()
+        report = (0.0, 0, 0.0)
+        if loss is not None:
+            value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            report = (value, 1, t0 - self._iteration_start)
+        self._iteration_start = t0
         grad = self._flat_device(self._grad)  # stays on the device: the codec runs there
         if self._record:
             self.trace.append((self.clock, self.client.view.version))
         if self.sender is not None:
-            return self._step_nonblocking(grad, t0)
+            return self._step_nonblocking(grad, t0, report)
         down0 = self.client.bytes_down
         applied, up = True, 0
         try:
-            version, up = self.client.push(grad, clock=self.clock)
+            version, up = self.client.push(grad, clock=self.clock, report=report)
         except Stale as exc:
             # The round was aborted (a tier or the root restarted): this gradient is not
             # applied. Catch up and let the loop go on; counted in lost_steps.
@@ -134,10 +142,10 @@ class HpsOptimizer:
         self.last_step_s = time.perf_counter() - t0
         return StepResult(self.client.view.version, applied, up, self.client.bytes_down - down0)
 
-    def _step_nonblocking(self, grad: torch.Tensor, t0: float) -> StepResult:
+    def _step_nonblocking(self, grad: torch.Tensor, t0: float, report: tuple[float, int, float]) -> StepResult:
         down0, up0 = self.client.bytes_down, self.sender.bytes_up
         view = self.client.view
-        self.sender.submit(grad, self.clock, view.version, view.epoch)
+        self.sender.submit(grad, self.clock, view.version, view.epoch, report)
         self.clock += 1
         if self.mode == "ssp":
             self.client.pull(min_clock=max(0, self.clock - self.staleness))

@@ -37,13 +37,15 @@ class Sender:
         self._n = 0
         self._clocks = (0, 0)
         self._base = (0, 0)  # (view epoch, oldest base version) of the summed gradients
+        self._report = (0.0, 0, 0.0)  # telemetry of the summed steps (loss sum, count, seconds)
         self._busy = False
         self._error: HpsError | None = None
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"hps-sender-{client.worker_id}")
         self._thread.start()
 
-    def submit(self, grad: np.ndarray | torch.Tensor, clock: int, base_version: int, view_epoch: int) -> None:
+    def submit(self, grad: np.ndarray | torch.Tensor, clock: int, base_version: int, view_epoch: int,
+               report: tuple[float, int, float] = (0.0, 0, 0.0)) -> None:
         """Queue a gradient; raises the error a previous push ended with (e.g. the job ended)."""
         with self._cv:
             if self._error is not None:
@@ -54,11 +56,13 @@ class Sender:
                     self.client.lost_steps += self._n
                 self._sum, self._n = grad.clone() if hasattr(grad, "clone") else grad.copy(), 1
                 self._clocks, self._base = (clock, clock), (view_epoch, base_version)
+                self._report = report
             else:
                 self._sum += grad
                 self._n += 1
                 self._clocks = (self._clocks[0], clock)
                 self._base = (view_epoch, min(self._base[1], base_version))
+                self._report = tuple(a + b for a, b in zip(self._report, report))
             self._cv.notify_all()
 
     def _run(self) -> None:
@@ -69,10 +73,11 @@ class Sender:
                 if self._sum is None:
                     return
                 grad, n, clocks, (epoch, base) = self._sum, self._n, self._clocks, self._base
+                report = self._report
                 self._sum, self._busy = None, True
             try:
                 version, nbytes = self.client.push(grad, clocks[0], clock_max=clocks[1], base_version=base,
-                                                   view_epoch=epoch, contributors=n)
+                                                   view_epoch=epoch, contributors=n, report=report)
                 self.bytes_up += nbytes
                 self.pushes += 1
                 if self._record:

@@ -104,7 +104,8 @@ def train(clients, steps: int) -> None:
     def run(i, c):
         try:
             for s in range(steps):
-                v, _ = c.push(_grad(100 * i + s), clock=s)
+                # training telemetry rides along: loss 1 + s, 50 ms per step
+                v, _ = c.push(_grad(100 * i + s), clock=s, report=(1.0 + s, 1, 0.05))
                 c.pull(min_version=v)
         except Exception as exc:  # surfaced below
             errors.append(exc)
@@ -191,6 +192,12 @@ def test_metrics_move_as_training_runs(trained):
         (hits + snaps) * SIZE
     assert sample(zone, "hps_barrier_wait_seconds_count", job="lm") == 2 * STEPS
     assert sample(after["root"], "hps_job_staleness_bound", job="ssp") == 2
+    # The workers' reported loss and step time reach every tier up to the root (relays forward
+    # what their children reported with their own pushes).
+    for name in ("eu-a", "eu", "root"):
+        assert sample(after[name], "hps_worker_loss_count", job="lm") == 2 * STEPS
+        assert sample(after[name], "hps_worker_loss_sum", job="lm") == 2 * sum(1.0 + s for s in range(STEPS))
+        assert sample(after[name], "hps_worker_step_seconds_sum", job="lm") == pytest.approx(2 * STEPS * 0.05)
     # Every update the root applied was computed on the version before it (bsp).
     assert sample(after["root"], "hps_update_staleness_versions_count", job="lm") == STEPS
     assert sample(after["root"], "hps_update_staleness_versions_sum", job="lm") == 0
