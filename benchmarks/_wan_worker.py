@@ -4,9 +4,10 @@ as JSON, printing one JSON line per step (wall-clock time, loss) and a final lin
     python benchmarks/_wan_worker.py --address 127.0.0.1:7001 --worker-id w0 --seed 0 --steps 100 \
         --job '{"name": "lm", "mode": "async", "push_codec": "topk"}'
 
-The same as ``hps demo``'s worker (ps/demo/train.py: same model, data, batches, Adam 3e-3 with
-20 warm-up steps) except that the job's codecs come from --job, and time stamps are absolute
-(time.time()) so the driver can put every worker on one clock.
+The same as ``hps demo``'s worker (ps/demo/train.py: same model, data and batches; Adam 3e-3
+with 20 warm-up steps unless --job names an "optimizer") except that the whole job comes from
+--job, and time stamps are absolute (time.time()) so the driver can put every worker on one
+clock.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
     fields = json.loads(args.job)
-    job = JobConfig(optimizer=OptimizerConfig(kind="adam", lr=3e-3, warmup_steps=20), **fields)
+    opt_fields = fields.pop("optimizer", None) or dict(kind="adam", lr=3e-3, warmup_steps=20)
+    job = JobConfig(optimizer=OptimizerConfig(**opt_fields), **fields)
     cfg = ModelConfig()
     data = load_corpus()
     model = build_model(cfg, seed=0)

@@ -26,10 +26,10 @@ BENCHES = {
     "wanem": ([], ["--megabytes", "5", "--pings", "10"]),
     "dataplane": (["--params", "100000000", "--reps", "2"], ["--params", "10000000", "--reps", "2"]),
     "bsp_vs_gloo": (["--params", "4000000", "--steps", "12"], ["--params", "1000000", "--steps", "6"]),
-    "wan_loss": (["--steps", "100"], ["--steps", "30"]),
-    "bsp_step": (["--loops", "asyncio"], ["--loops", "asyncio", "--steps", "15"]),
+    "wan_loss": (["--steps", "80"], ["--steps", "20"]),
+    "bsp_step": (["--loops", "asyncio", "--steps", "30"], ["--loops", "asyncio", "--steps", "15"]),
     "codecs": ([], ["--numel", "1048576", "--runs", "3"]),
-    "modes": (["--steps", "60"], ["--steps", "20"]),
+    "modes": (["--steps", "40"], ["--steps", "20"]),
 }
 
 
@@ -48,7 +48,7 @@ def headline(name: str) -> dict:
         return {n: {c: round(v["vs_gloo"], 2) if "vs_gloo" in v else v.get("status") for c, v in row["hps"].items()}
                 for n, row in r["rows"].items()}
     if name == "wan_loss":
-        return r.get("comparison", {})
+        return {m: {k: v for k, v in c.items()} for m, c in r.get("comparisons", {}).items()}
     if name == "bsp_step":
         return dict(bsp_over_compute_only=r.get("bsp_over_compute_only"), bsp_over_floor=r.get("bsp_over_floor"))
     if name == "modes":
