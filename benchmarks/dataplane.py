@@ -3,7 +3,7 @@ with a plain Python TCP stream of the same bytes between two processes, in one r
 
     python benchmarks/dataplane.py --params 100000000
 
-Rows (each the median of --reps; the model is --params float32 values in keys of --key-elems):
+Rows (each the median of --reps after one warm-up; the model is --params float32 values in keys of --key-elems):
 - ``tcp``: one process sends the bytes with ``socket.sendall`` from a buffer, another reads
   them with ``recv_into`` into a buffer (no protocol at all): the limit on this machine;
 - ``wire``: hps's own frames (ps.wire, identity serialisers) over gRPC to a server that
@@ -143,7 +143,7 @@ def wire_rows(params: int, key_elems: int, reps: int, env: dict) -> dict:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
         rpc = stubs(channel)
         push, pull = [], []
-        for _ in range(reps):
+        for _ in range(reps + 1):  # the first is a warm-up (connection, first allocations)
             t0 = time.perf_counter()
             rpc["Push"](iter(frames), timeout=300)
             push.append(time.perf_counter() - t0)
@@ -155,7 +155,7 @@ def wire_rows(params: int, key_elems: int, reps: int, env: dict) -> dict:
     finally:
         proc.terminate()
         proc.wait(30)
-    return dict(push_s=push, pull_s=pull)
+    return dict(push_s=push[1:], pull_s=pull[1:], warm_up=dict(push_s=push[0], pull_s=pull[0]))
 
 
 def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: dict) -> dict:
@@ -179,7 +179,7 @@ def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: di
             t0 = time.perf_counter()
             c.pull(min_version=c.start_version)
             snapshot = time.perf_counter() - t0
-            for _ in range(reps):
+            for _ in range(reps + 1):  # the first is a warm-up (first allocations in every process)
                 t0 = time.perf_counter()
                 version, _ = c.push(grad)
                 push.append(time.perf_counter() - t0)
@@ -188,7 +188,8 @@ def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: di
                 pull.append(time.perf_counter() - t0)
         finally:
             c.close()
-    return dict(push_s=push, pull_s=pull, snapshot_pull_s=snapshot)
+    return dict(push_s=push[1:], pull_s=pull[1:], warm_up=dict(push_s=push[0], pull_s=pull[0]),
+                snapshot_pull_s=snapshot)
 
 
 def main() -> int:
