@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 from ps.config import ServerConfig
-from ps.consistency import Aggregate
+from ps.consistency import Aggregate, BspRound
 from ps.deltas import DeltaEntry
 from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, UnknownJob
 from ps.tensors import Encoder, assemble, payload_bytes
@@ -45,17 +45,6 @@ class Relay(Tier):
         self._locks: dict[str, asyncio.Lock] = {}
         self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
         self._force_snapshot: set[str] = set()
-
-    def job(self, name: str) -> JobState:
-        # A relay learns jobs from its parent; one it holds nothing for (it restarted, or no
-        # child has asked yet) may well exist: the caller must register for it, which asks the
-        # parent. Only a job the parent said has ended is unknown here. (Answering UnknownJob
-        # would make a child relay drop a live job when its parent restarts.)
-        if name not in self.jobs and name not in self.ended:
-            raise NotReady(f"this {self.role} tier holds no state for job {name!r} (it may have "
-                           "restarted): the caller is not a registered member here yet; register "
-                           "for the job and retry")
-        return super().job(name)
 
     def set_address(self, address: str) -> None:
         self.up.own_address = address
@@ -156,29 +145,39 @@ class Relay(Tier):
                 # Outcome unknown: retry with the same sequence number; the parent
                 # answers a retry of an applied push with its recorded ack (invariant 4).
                 if self.clock() + delay > deadline:
-                    if not fut.done():
-                        fut.set_exception(exc)
+                    self._refused(js, agg, fut, exc)
                     return
                 log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
                             agg.round, job, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
             except UnknownJob as exc:
-                self._drop_job(job, str(exc))
-                if not fut.done():
-                    fut.set_exception(exc)
+                gone = await self._job_gone(job)
+                self._refused(js, agg, fut, exc if gone else Stale(
+                    f"the parent lost this round ({exc}); pull the latest version and push again"))
                 return
             except HpsError as exc:
                 log.warning("%s: parent refused round %d of %s: %s", self.role, agg.round, job, exc)
                 if isinstance(exc, NotReady):
                     self.attached.discard(job)  # dropped upstream: the heartbeat loop re-registers
-                if not fut.done():
-                    fut.set_exception(Stale(f"the parent refused this round: {exc}"))
+                self._refused(js, agg, fut, Stale(f"the parent refused this round: {exc}"))
                 return
         self._up_acked[job] = seq
         js.stats.bytes_pushed_up += payload_bytes(chunks)
         if not fut.done():
             fut.set_result(ack)
+
+    @staticmethod
+    def _refused(js: JobState, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
+        """The parent did not apply a closed batch: fail its pushers, and in BSP open that round
+        again. The children pull, find the same version, and push on it once more; were the
+        next round left open, every such push would be refused as stale until a new version
+        came (seen as a worker spinning through refused steps after a root restart)."""
+        if (js.bsp and js.round.round == agg.round + 1 and not js.round.pushed
+                and js.view.version <= agg.round):
+            js.round = BspRound(round=agg.round, numel=js.layout.numel)
+        if not fut.done():
+            fut.set_exception(exc)
 
     def parent_reachable(self) -> bool:
         return self.up.reachable
@@ -210,13 +209,31 @@ class Relay(Tier):
             except Stale as exc:
                 log.warning("%s: %s", self.role, exc)
                 self._force_snapshot.add(job)
-            except UnknownJob as exc:
-                self._drop_job(job, str(exc))
-                return
+            except UnknownJob:
+                if await self._job_gone(job):
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
             except HpsError as exc:
                 log.debug("%s: pull of %s failed: %s", self.role, job, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
+
+    async def _job_gone(self, job: str) -> bool:
+        """The parent says it does not know ``job``: it ended, or the parent restarted and holds
+        no state for it yet (a relay learns jobs only from its children's registrations).
+        Registering again asks the root, whose answer is authoritative: drop the job only if
+        that fails with UnknownJob too. True if the job is gone."""
+        self.attached.discard(job)
+        try:
+            await self._job_for_register(job)
+            return False
+        except UnknownJob as exc:
+            self._drop_job(job, str(exc))
+            return True
+        except HpsError as exc:  # cannot tell now; the heartbeat loop registers again
+            log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
+            return False
 
     def _drop_job(self, job: str, why: str) -> None:
         """The parent no longer knows the job (it ended): refuse it here too."""
