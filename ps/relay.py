@@ -21,7 +21,8 @@ from ps.config import ServerConfig
 from ps.consistency import Aggregate, BspRound
 from ps.deltas import DeltaEntry
 from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, UnknownJob
-from ps.tensors import Encoder, assemble, payload_bytes
+from ps.encoder import Encoder
+from ps.tensors import assemble, payload_bytes
 from ps.tier import JobState, Tier
 from ps.upstream import Upstream
 from ps.wire import PullMeta, PushMeta, encode_push

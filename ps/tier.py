@@ -24,7 +24,8 @@ from ps.consistency import Aggregate, BspRound, Membership, SeqBook, Window
 from ps.deltas import DeltaLog
 from ps.errors import NotReady, Stale, TimedOut, UnknownJob
 from ps.store import Layout, View
-from ps.tensors import Chunk, Encoder, assemble, payload_bytes, split
+from ps.encoder import Encoder
+from ps.tensors import Chunk, assemble, payload_bytes, split
 from ps.wire import PullMeta, PushMeta, VersionMeta
 
 __all__ = ["Tier", "JobState", "Ack", "Registration", "JobStats"]

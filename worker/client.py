@@ -28,7 +28,8 @@ from ps.config import JobConfig
 from ps.deltas import DeltaEntry  # noqa: F401  (documented type of what pull applies)
 from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, from_rpc_error
 from ps.store import Layout, View
-from ps.tensors import Encoder, assemble, payload_bytes, split
+from ps.encoder import Encoder
+from ps.tensors import assemble, payload_bytes, split
 from ps.wire import (GRPC_OPTIONS, ROLE, PushMeta, decode_pull_reply, encode_create_job,
                      encode_push, job_from_pb, layout_from_pb, pb, stubs)
 

@@ -82,7 +82,7 @@ def test_density_reaching_the_root_does_not_grow_with_the_number_of_workers(tree
 
 def test_the_relay_codec_and_a_tiers_up_codec_choose_the_upward_encoding(tree):
     tree.add("root", "global")
-    region = tree.add("eu", "regional", parent="root", up_codec="sign")
+    tree.add("eu", "regional", parent="root", up_codec="sign")
     zone = tree.add("eu-a", "zone", parent="eu")
     clients = _job_clients(tree, zone, "j", 2, push_codec="topk", relay_codec="int8")
     _push_rounds(clients, 3, seed=1)

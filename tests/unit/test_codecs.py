@@ -14,7 +14,8 @@ from ps.codecs import CODEC_NAMES, ErrorFeedback, dgc_density, get_codec
 from ps.codecs.topk import SMALL, select
 from ps.errors import BadInput
 from ps.store import KeySpec, Layout
-from ps.tensors import Encoder, assemble, row_sparse_keys
+from ps.encoder import Encoder, row_sparse_keys
+from ps.tensors import assemble
 
 LOSSY = ["fp16", "bf16", "int8", "topk", "sign"]
 # derandomize: the same examples on every run, so CI is repeatable (a new seed explores anew).
