@@ -18,6 +18,8 @@ import secrets
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from ps.codecs import get_codec
 from ps.config import JobConfig, ServerConfig
 from ps.consistency import Aggregate, BspRound, Membership, SeqBook, Window
@@ -98,6 +100,7 @@ class JobState:
     synced_at: float = 0.0
     encoder: Encoder | None = None       # relay: the upward edge's codec and residuals
     unsent_report: tuple[float, int, float] = (0.0, 0, 0.0)  # relay: telemetry not yet sent up
+    scratch: np.ndarray | None = None    # root: reused buffer for params - view
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _snapshot: tuple[int, int, list[Chunk]] | None = None
 
