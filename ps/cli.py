@@ -66,6 +66,8 @@ def _launch(args) -> int:
     cluster = Cluster.start(load_topology(args.topology), args.logdir)
     for t in cluster.tiers.values():
         print(f"{t.role:9s} {t.name:8s} {t.address:22s} metrics {t.metrics_port}  log {t.log}")
+    for t in cluster.links.values():  # emulated WAN links (latency_ms / bandwidth_mbit edges)
+        print(f"{'link':9s} {t.name:8s} {t.address:22s} -> {t.parent}  log {t.log}")
     print("cluster up; Ctrl-C stops it", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

@@ -56,6 +56,8 @@ def main(args) -> int:
         root = next(t for t in cluster.tiers.values() if t.role == "global")
         for t in cluster.tiers.values():
             print(f"  {t.role:9s} {t.name:6s} {t.address}", flush=True)
+        for t in cluster.links.values():  # emulated WAN links in front of a parent
+            print(f"  link      {t.name:6s} {t.address} -> {t.parent}", flush=True)
         q: queue.Queue = queue.Queue()
         placement = {}
         for i in range(args.workers):

@@ -248,6 +248,10 @@ def test_dockerfile_runs_hps_as_pid_1_as_the_manifests_user_on_their_ports():
     assert re.search(r"^EXPOSE 7000 9100$", text, re.M)
     torch_pin = re.search(r"^TORCH\s*:=\s*(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert f"pip install {torch_pin} " in text  # the same torch as the development venv
+    # The servers' allocator setting is the one `hps launch` gives its servers.
+    from ps.launch import MALLOC_ENV
+    for name, value in MALLOC_ENV.items():
+        assert re.search(rf"^ENV .*\b{name}={value}\b", text, re.M), name
     for tier, kind in (("root", "statefulset"), ("regional", "deployment"), ("zone", "deployment")):
         w = _load(K8S / "base" / tier / f"{kind}.yaml")[0]
         pod = w["spec"]["template"]["spec"]
