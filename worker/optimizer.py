@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ps.config import JobConfig
-from ps.errors import Stale, TimedOut
+from ps.errors import Conflict, Stale, TimedOut, UnknownJob
 from ps.store import KeySpec, Layout
 from worker.client import ParameterClient, StepResult
 from worker.sender import Sender
@@ -53,13 +53,27 @@ class HpsOptimizer:
         self.clock = 0
         self.last_step_s = 0.0
         self._iteration_start = time.perf_counter()  # step time = from one step() to the next
-        # A JobConfig creates the job if needed; a name adopts a job declared with `hps job create`.
-        created = self.client.create_job(job, self.layout, self._flat(lambda p: p.detach()))
-        log.info("%s: job %s %s", self.client.worker_id, name, "created" if created else "exists")
-        self.client.register()
-        if self.client.layout != self.layout:
-            raise ValueError(f"the model's parameters do not match job {name!r}: the job holds "
-                             f"{[(s.key, s.shape) for s in self.client.layout]}")
+        # Join a running job without sending the initial values: across a WAN every joining
+        # worker would otherwise ship the whole model to the root only to have it ignored.
+        # Otherwise a JobConfig creates the job, and a name adopts one declared with `hps job
+        # create`; the first worker's values win.
+        try:
+            self.client.register()
+            created = False
+        except UnknownJob:
+            created = self.client.create_job(job, self.layout, self._flat(lambda p: p.detach()))
+            self.client.register()
+        problem = None
+        if isinstance(job, JobConfig) and self.client.config != job:
+            problem = Conflict(f"job {name!r} is running with another configuration "
+                               f"({self.client.config}); this worker asked for {job}")
+        elif self.client.layout != self.layout:
+            problem = ValueError(f"the model's parameters do not match job {name!r}: the job holds "
+                                 f"{[(s.key, s.shape) for s in self.client.layout]}")
+        if problem is not None:
+            self.client.close()  # leave again: a member that never pushes would hold up bsp rounds
+            raise problem
+        log.info("%s: job %s %s", self.client.worker_id, name, "created" if created else "joined")
         self.client.pull(min_version=self.client.start_version)
         self._load_view()
         self.mode = self.client.config.mode
