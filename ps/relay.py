@@ -46,6 +46,7 @@ class Relay(Tier):
         self._locks: dict[str, asyncio.Lock] = {}
         self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
         self._force_snapshot: set[str] = set()
+        self._fwd_locks: dict[str, asyncio.Lock] = {}
 
     def set_address(self, address: str) -> None:
         self.up.own_address = address
@@ -124,6 +125,13 @@ class Relay(Tier):
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def _forward(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
+        # One forward per job at a time: a sequence number is reused until acknowledged, so a
+        # second forward started while the first retries would carry the same number and get
+        # the first one's recorded ack -- acknowledged, never applied (invariant 4).
+        async with self._fwd_locks.setdefault(js.config.name, asyncio.Lock()):
+            await self._forward_one(js, agg, floor, fut)
+
+    async def _forward_one(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
         job = js.config.name
         seq = self._up_acked.get(job, 0) + 1  # reused until acknowledged, like a worker's
         # Re-encode the sum with this relay's own residual: sums of top-k vectors get denser
@@ -177,6 +185,10 @@ class Relay(Tier):
         if (js.bsp and js.round.round == agg.round + 1 and not js.round.pushed
                 and js.view.version <= agg.round):
             js.round = BspRound(round=agg.round, numel=js.layout.numel)
+        if js.encoder is not None and not js.encoder.lossless:
+            # The refused aggregate's unsent part is in the residual, and its children will
+            # send the same gradients again: drop it rather than count it twice.
+            js.encoder.reset()
         if not fut.done():
             fut.set_exception(exc)
 

@@ -99,8 +99,9 @@ class View:
     """A replica of the published view: (epoch, version) plus the values, checksummed.
 
     ``epoch`` is the root incarnation whose lineage the view belongs to; 0 means "no view yet".
-    Every mutation computes the new values aside and commits only after the checksum matches,
-    so a refused delta changes nothing.
+    Every mutation through ``load_snapshot`` / ``apply_delta`` (replicas) computes the new values
+    aside and commits only after the checksum matches, so a refused delta changes nothing. The
+    root, whose view is the source of every checksum, updates ``values`` in place instead.
     """
 
     def __init__(self, layout: Layout) -> None:

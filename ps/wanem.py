@@ -143,28 +143,34 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d: _
 
     async def deliver() -> None:
         nonlocal held
-        while True:
-            while not queue:
-                if eof:
-                    return
-                ready.clear()
-                await ready.wait()
-            at, data = queue[0]
-            wait = at - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            queue.popleft()
-            writer.write(data)
-            held -= len(data)
-            if held < d.link.buffer:
-                room.set()
-            await writer.drain()
+        try:
+            while True:
+                while not queue:
+                    if eof:
+                        return
+                    ready.clear()
+                    await ready.wait()
+                at, data = queue[0]
+                wait = at - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                queue.popleft()
+                writer.write(data)
+                held -= len(data)
+                if held < d.link.buffer:
+                    room.set()
+                await writer.drain()
+        except BaseException:
+            room.set()  # the far side failed: wake the reader so it stops too (else it waits forever)
+            raise
 
     sender = asyncio.ensure_future(deliver())
     last = 0.0
     try:
         while True:
             await room.wait()
+            if sender.done():
+                break  # delivery failed; ``await sender`` below raises its error
             data = await reader.read(_CHUNK)
             if not data:
                 break

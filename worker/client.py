@@ -188,7 +188,12 @@ class ParameterClient:
         if meta.snapshot:
             vm, chunks = versions[0]
             values = assemble(self.layout, chunks, what="snapshot", check_finite=False, require_all=True)
+            previous = self.view.epoch
             self.view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum, vm.clock_min)
+            if previous and previous != meta.view_epoch and self.encoder is not None:
+                # A new lineage (the root restarted): what the residuals owe was computed on
+                # the old one, as the relays also judge (they reset theirs).
+                self.encoder.reset()
             n += payload_bytes(chunks)
         else:
             for vm, chunks in versions:

@@ -182,12 +182,20 @@ class HpsOptimizer:
     def state_dict(self) -> dict:
         """What a worker checkpoint needs beyond the model: its clock and the push edge's
         error-feedback residuals (gradient mass not yet sent)."""
+        self._quiesce()
         enc = self.client.encoder
         return {"clock": self.clock, "residuals": enc.state_dict() if enc is not None else {}}
 
     def load_state_dict(self, state: dict) -> None:
+        self._quiesce()
         self.clock = max(self.clock, int(state["clock"]))
         self.client.encoder.load_state_dict(state["residuals"])
+
+    def _quiesce(self, timeout_s: float = 60.0) -> None:
+        """ssp/async: let the background sender push what it holds, so the residuals are not
+        being changed by its encode while they are read or replaced."""
+        if self.sender is not None and not self.sender.drain(timeout_s):
+            raise TimedOut(f"pushes still unacknowledged after {timeout_s:.0f}s")
 
     def close(self) -> None:
         if self.sender is not None:

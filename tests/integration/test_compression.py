@@ -31,7 +31,7 @@ def _run_threads(fns, timeout=120):
         except Exception as exc:  # surfaced below
             errors.append(exc)
 
-    ts = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    ts = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in fns]
     [t.start() for t in ts]
     [t.join(timeout) for t in ts]
     assert not any(t.is_alive() for t in ts), "a worker thread hung"
