@@ -127,3 +127,36 @@ def test_link_from_a_topology_entry():
     link = Link.from_spec({"latency_ms": 100, "bandwidth_mbit": 100})
     assert link == Link(latency_ms=100.0, bandwidth_mbit=100.0)
     assert "100 ms RTT" in link.describe()
+
+
+def test_a_target_that_resets_mid_stream_does_not_leave_the_connection_hanging():
+    """The target resets the connection while more than a buffer of the client's bytes is
+    queued in the link: the relay must notice, close both sides and be able to shut down
+    (it used to wait forever for room in its full buffer)."""
+    async def main():
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await r.read(65536)
+            w.transport.abort()  # a reset, as when the parent tier is killed
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        target = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        relay = await Relay(Link(latency_ms=2, bandwidth_mbit=1000), target).start()
+        host, port = relay.address.rsplit(":", 1)
+        r, w = await asyncio.open_connection(host, int(port))
+        try:
+            for _ in range(64):  # 8 MiB, far more than the link buffers
+                w.write(b"x" * 131072)
+                await asyncio.wait_for(w.drain(), 5)
+        except (ConnectionError, asyncio.TimeoutError):
+            pass  # the relay closed us, or stopped reading: both fine
+        w.close()
+        for _ in range(200):  # bounded: up to 10 s for the handler to wind down
+            if not relay._tasks:
+                break
+            await asyncio.sleep(0.05)
+        assert not relay._tasks, "the connection handler never finished"
+        await relay.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
