@@ -37,6 +37,7 @@ class Member:
     last_seen: float
     pushes: int = 0
     floor: int = 0  # SSP clock floor this member reported with its latest accepted push
+    workers: int = 1  # live workers at or below it, as its latest accepted push reported
 
 
 class Membership:
@@ -88,6 +89,10 @@ class Membership:
 
     def expected_in(self, round_: int) -> set[str]:
         return {k for k, m in self._m.items() if m.first_round <= round_}
+
+    def workers(self) -> int:
+        """Live workers below this tier (each member counts what it last reported; at least 1)."""
+        return max(1, sum(m.workers for m in self._m.values()))
 
     def floor(self, default: int) -> int:
         """The clock floor below this tier: the slowest live member's (``default`` if none)."""

@@ -301,6 +301,7 @@ class Tier:
             js.window.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, nbytes, self.clock())
         member.pushes += 1
         member.floor = max(member.floor, meta.clock_floor)
+        member.workers = meta.workers
         self._telemetry(js, meta)
         js.stats.pushes += 1
         js.stats.bytes_pushed_in += nbytes

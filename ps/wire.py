@@ -176,6 +176,7 @@ class PushMeta:
     loss_sum: float = 0.0          # training telemetry (see PushHeader): reported, never applied
     loss_count: int = 0
     step_seconds_sum: float = 0.0
+    workers: int = 1               # live workers at or below the sender
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ def decode_push(frames: Iterable[bytes]) -> tuple[PushMeta, list[Chunk]]:
             p = h.push
             meta = PushMeta(p.job, p.sender, p.seq, p.base_version, p.view_epoch, p.contributors,
                             p.clock_min, p.clock_max, p.clock_floor, p.loss_sum, p.loss_count,
-                            p.step_seconds_sum)
+                            p.step_seconds_sum, max(1, p.workers))
         elif kind == "chunks":
             chunks.extend(_chunks_from(h.chunks, payload))
         else:

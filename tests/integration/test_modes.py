@@ -12,9 +12,10 @@ import torch
 
 from ps.codecs import get_codec
 from ps.config import JobConfig, OptimizerConfig
+from ps.store import KeySpec, Layout
 from ps.tensors import split
 from ps.wire import PushMeta, encode_push, pb, stubs
-from worker import HpsOptimizer
+from worker import HpsOptimizer, ParameterClient
 
 
 def _problem(seed: int, n_in: int = 6):
@@ -120,9 +121,10 @@ def test_bsp_ssp_and_async_jobs_share_a_cluster_without_cross_talk(tree):
     zones = [tree.add("eu-a", "zone", parent="eu"), tree.add("eu-b", "zone", parent="eu")]
     jobs = [JobConfig(name="b", mode="bsp", optimizer=OptimizerConfig(lr=0.05)),
             JobConfig(name="s", mode="ssp", staleness=1, optimizer=OptimizerConfig(lr=0.05)),
-            # async progress is one Adam step per version, and a fast sender sums the gradients
-            # that queue behind its push into one: the version count depends on timing, so this
-            # job takes large steps to converge within the few versions a loaded machine gives.
+            # async progress is one Adam step per version, scaled by its share of the workers,
+            # and a fast sender sums the gradients that queue behind its push into one: the
+            # version count depends on timing, so this job takes large steps to converge within
+            # the few versions a loaded machine gives.
             JobConfig(name="a", mode="async", optimizer=OptimizerConfig(kind="adam", lr=0.1))]
     dims = {"b": 4, "s": 6, "a": 8}  # different keys' shapes per job
     runs, all_losses = [], {}
@@ -214,8 +216,9 @@ def test_ssp_a_dead_workers_clock_stops_holding_the_others_back(tree):
 def test_async_applies_exactly_the_pushed_gradients_on_their_recorded_bases(tree):
     """Async is delayed SGD, exactly: replaying the worker's trace (which version each
     gradient was computed on, which push carried which clocks) in plain torch gives the
-    root's parameters to float32 rounding. So what async loses in quality against bsp is
-    staleness and step count, not a wrong gradient, base or sum."""
+    root's parameters to float32 rounding, with the root's per-sample learning rate (an update
+    of c gradients moves c / live-workers of a step). So what async loses in quality against
+    bsp is staleness, not a wrong gradient, base, sum or scale."""
     root = tree.add("root", "global")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -242,8 +245,35 @@ def test_async_applies_exactly_the_pushed_gradients_on_their_recorded_bases(tree
 
     for lo, hi, version in applied:
         assert version == len(versions)  # one version per push, in order
-        g = sum(grad_on(versions[trace[c][1]], c) for c in range(lo, hi + 1)) / (hi - lo + 1)
-        versions.append(versions[-1] - lr * g)
+        contributors, live_workers = hi - lo + 1, 1
+        g = sum(grad_on(versions[trace[c][1]], c) for c in range(lo, hi + 1)) / contributors
+        # the root scales an ssp/async update by its share of the live workers' gradients
+        versions.append(versions[-1] - lr * min(1.0, contributors / live_workers) * g)
     assert sum(hi - lo + 1 for lo, hi, _ in applied) == 15  # every gradient, once
     got = tree.lt.call(lambda: tree.tier("root").jobs["delayed"].params.copy())
     assert np.allclose(got, versions[-1].detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_async_updates_move_their_share_of_the_live_workers(tree):
+    """Learning rate per sample, as in bsp: with 2 live workers, an update carrying one
+    worker's gradient moves half a step; one carrying both (or a pile of queued ones) a full
+    step, never more."""
+    root = tree.add("root", "global")
+    layout = Layout([KeySpec("w", (8,))])
+    job = JobConfig(name="share", mode="async", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    clients = [ParameterClient(root, "share", f"w{i}") for i in range(2)]
+    clients[0].create_job(job, layout, np.zeros(8, np.float32))
+    for c in clients:
+        c.register()
+        c.pull()
+    g = np.ones(8, np.float32)
+    for s in range(3):  # one push at a time: every version carries one worker's gradient
+        for c in clients:
+            c.push(g, clock=s)
+    params = tree.lt.call(lambda: tree.tier("root").jobs["share"].params.copy())
+    assert np.allclose(params, -0.1 * 6 * 0.5)  # 6 versions of half a step
+    clients[0].push(4 * g, clock=3, clock_max=6, contributors=4)  # a sender's pile of 4
+    params = tree.lt.call(lambda: tree.tier("root").jobs["share"].params.copy())
+    assert np.allclose(params, -0.1 * 3 - 0.1 * 1.0)  # the average, one full step at most
+    for c in clients:
+        c.close()
