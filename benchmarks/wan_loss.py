@@ -35,21 +35,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 from _common import RESULTS, ROOT, met, plot, write
 
+from ps.demo.run import read_events  # noqa: E402  (the demo's worker-output reader)
+
 WORKER = str(ROOT / "benchmarks" / "_wan_worker.py")
 GOAL_SPEEDUP, GOAL_BYTES, GOAL_LOSS_PCT = 5.0, 400.0, 1.0
-
-
-def _reader(proc: subprocess.Popen, q: queue.Queue) -> None:
-    for line in proc.stdout:
-        try:
-            q.put(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    q.put({"event": "exit"})
 
 
 STEADY_AFTER = 20  # steps: top-k's density warm-up (25% -> 1%) is over by then
@@ -70,7 +62,7 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
                                  stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
                                  env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
             procs.append(p)
-            threading.Thread(target=_reader, args=(p, q), daemon=True).start()
+            threading.Thread(target=read_events, args=(p, q), daemon=True).start()
         events, exited, started = [], 0, 0
         reached: dict[str, int] = {}  # worker -> steps done, to mark the end of the warm-up
         try:

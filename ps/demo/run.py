@@ -20,10 +20,11 @@ from ps.demo.report import human_bytes, plot_loss, summary_table
 from ps.launch import Cluster, load_topology
 from ps.status import fetch_status
 
-__all__ = ["main"]
+__all__ = ["main", "read_events"]
 
 
-def _reader(proc: subprocess.Popen, q: queue.Queue) -> None:
+def read_events(proc: subprocess.Popen, q: queue.Queue) -> None:
+    """Queue each JSON line a worker process prints, then {"event": "exit"} when it ends."""
     for line in proc.stdout:
         try:
             q.put(json.loads(line))
@@ -74,7 +75,7 @@ def main(args) -> int:
                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
             workers.append(proc)
-            threading.Thread(target=_reader, args=(proc, q), daemon=True).start()
+            threading.Thread(target=read_events, args=(proc, q), daemon=True).start()
         mode = f"ssp({args.staleness})" if args.mode == "ssp" else args.mode
         codec = (f"top-{args.topk:g} + error feedback (DGC: sgd, momentum corrected at the workers)"
                  if args.codec == "topk" else f"{args.codec} (adam)")
