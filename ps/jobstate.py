@@ -83,7 +83,7 @@ class JobState:
     window: Window = None                # ssp/async: the open aggregation window
     futs: dict[int, asyncio.Future] = field(default_factory=dict)  # open/in-flight batches
     serial: int = 0                      # the open batch's key in futs
-    inflight: bool = False               # ssp/async: a closed window is being applied / sent up
+    inflight: int = 0                    # ssp/async: closed windows being applied / sent up
     timer: asyncio.TimerHandle | None = None
     reported_floor: int = 0              # the clock floor last sent up (relay) or stamped (root)
     pending: dict[tuple[str, int], asyncio.Future] = field(default_factory=dict)
@@ -100,11 +100,14 @@ class JobState:
         self.view = self.view or View(self.layout)
         self.log = self.log or DeltaLog(self.config.delta_log_length)
         self.round = self.round or BspRound(round=0, numel=self.layout.numel)
-        self.window = self.window or Window(numel=self.layout.numel)
+        self.window = self.window or self.new_window()
 
     @property
     def bsp(self) -> bool:
         return self.config.mode == "bsp"
+
+    def new_window(self) -> Window:
+        return Window(numel=self.layout.numel, repeats=self.config.mode == "async")
 
     def notify(self) -> None:
         """Wake everything waiting for a newer version."""
@@ -139,7 +142,7 @@ class JobState:
                 self.stats.aborted_rounds += 1
         self.futs.clear()
         self.round = BspRound(round=round_, numel=self.layout.numel)
-        self.window = Window(numel=self.layout.numel)
+        self.window = self.new_window()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

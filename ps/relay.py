@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 from ps.config import ServerConfig
-from ps.consistency import Aggregate, BspRound
+from ps.consistency import MAX_IN_FLIGHT, Aggregate, BspRound
 from ps.deltas import DeltaEntry
 from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, UnknownJob
 from ps.encoder import Encoder
@@ -47,6 +47,8 @@ class Relay(Tier):
         self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
         self._force_snapshot: set[str] = set()
         self._fwd_locks: dict[str, asyncio.Lock] = {}
+        self._enc_locks: dict[str, asyncio.Lock] = {}
+        self._up_issued: dict[str, int] = {}  # async: the highest sequence number sent up
 
     def set_address(self, address: str) -> None:
         self.up.own_address = address
@@ -70,7 +72,8 @@ class Relay(Tier):
             js = self.jobs.get(job)
             if js is not None and job in self.attached:
                 return js
-            reg = await self.up.register(job, last_seq=self._up_acked.get(job, 0))
+            reg = await self.up.register(job, last_seq=max(self._up_acked.get(job, 0),
+                                                           self._up_issued.get(job, 0)))
             if js is None or js.layout != reg.layout:
                 js = JobState(reg.config, reg.layout)
                 self.jobs[job] = js
@@ -124,21 +127,34 @@ class Relay(Tier):
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
-    async def _forward(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
-        # One forward per job at a time: a sequence number is reused until acknowledged, so a
-        # second forward started while the first retries would carry the same number and get
-        # the first one's recorded ack -- acknowledged, never applied (invariant 4).
-        async with self._fwd_locks.setdefault(js.config.name, asyncio.Lock()):
-            await self._forward_one(js, agg, floor, fut)
+    def in_flight_limit(self, js: JobState) -> int:
+        # async: windows go up without waiting for the previous one's acknowledgement, which
+        # comes only once the root applied it (a whole tree's round trip, or an ocean's).
+        return MAX_IN_FLIGHT if js.config.mode == "async" else 1
 
-    async def _forward_one(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
+    async def _forward(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
         job = js.config.name
-        seq = self._up_acked.get(job, 0) + 1  # reused until acknowledged, like a worker's
+        if js.config.mode == "async":
+            # Each window in flight has its own sequence number, reused by its own retries.
+            seq = self._up_issued[job] = max(self._up_issued.get(job, 0), self._up_acked.get(job, 0)) + 1
+            await self._forward_one(js, agg, floor, fut, seq)
+            return
+        # bsp/ssp: one forward per job at a time, its number reused until acknowledged (a
+        # refused round is sent again under it). A second forward started while the first
+        # retries would carry the same number and get the first one's recorded ack --
+        # acknowledged, never applied (invariant 4).
+        async with self._fwd_locks.setdefault(job, asyncio.Lock()):
+            await self._forward_one(js, agg, floor, fut, self._up_acked.get(job, 0) + 1)
+
+    async def _forward_one(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future, seq: int) -> None:
+        job = js.config.name
         # Re-encode the sum with this relay's own residual: sums of top-k vectors get denser
         # at every level, so re-sparsify (DGC; design invariant 6). Off the event loop: a large
-        # model's encode takes tens of milliseconds.
+        # model's encode takes tens of milliseconds. One encode at a time: they share the residual.
         enc = self.encoder(js)
-        chunks = await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round) if agg.contributors else []
+        async with self._enc_locks.setdefault(job, asyncio.Lock()):
+            chunks = (await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round)
+                      if agg.contributors else [])
         (loss, n, secs), js.unsent_report = js.unsent_report, (0.0, 0, 0.0)
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
                                       agg.contributors, agg.clock_min, agg.clock_max, floor,
@@ -171,7 +187,7 @@ class Relay(Tier):
                     self.attached.discard(job)  # dropped upstream: the heartbeat loop re-registers
                 self._refused(js, agg, fut, Stale(f"the parent refused this round: {exc}"))
                 return
-        self._up_acked[job] = seq
+        self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
         js.stats.bytes_pushed_up += payload_bytes(chunks)
         if not fut.done():
             fut.set_result(ack)

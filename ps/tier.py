@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 
 from ps.config import ServerConfig
-from ps.consistency import Aggregate, BspRound, SeqBook, Window
+from ps.consistency import Aggregate, BspRound, SeqBook
 from ps.errors import NotReady, Stale, TimedOut, UnknownJob
 from ps.jobstate import Ack, JobState, JobStats, Registration
 from ps.tensors import Chunk, assemble, payload_bytes
@@ -213,9 +213,15 @@ class Tier:
         js.stats.rounds += 1
         self._finish_round(js, agg, js.members.floor(js.view.clock_min), fut)
 
+    def in_flight_limit(self, js: JobState) -> int:
+        """Closed windows of ``js`` that may be in flight at once at this tier: one (the root
+        applies versions in order; ssp clock floors must reach the parent in order)."""
+        return 1
+
     def _maybe_flush(self, js: JobState, force: bool = False) -> None:
-        """Close the window when due (time or bytes), one batch in flight at a time."""
-        if js.inflight or not js.window.pushed:
+        """Close the window when due (time or bytes), with at most ``in_flight_limit``
+        closed batches in flight."""
+        if js.inflight >= self.in_flight_limit(js) or not js.window.pushed:
             return
         now, flush_s = self.clock(), self.config.flush_ms / 1000.0
         if not (force or js.window.due(now, flush_s, self.config.flush_bytes)):
@@ -231,14 +237,14 @@ class Tier:
             js.timer = None
         agg = js.window.close(default_base=js.view.version)
         fut = js.close_batch()
-        js.window = Window(numel=js.layout.numel)
-        js.inflight = True
+        js.window = js.new_window()
+        js.inflight += 1
         js.stats.rounds += 1
         fut.add_done_callback(lambda _: self._window_done(js))
         self._finish_round(js, agg, js.members.floor(js.view.clock_min), fut)
 
     def _window_done(self, js: JobState) -> None:
-        js.inflight = False
+        js.inflight = max(0, js.inflight - 1)
         self._maybe_flush(js)
 
     def _flush_floor(self, js: JobState) -> None:

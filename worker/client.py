@@ -61,7 +61,9 @@ class ParameterClient:
         self.start_clock = 0
         self.server_epoch = 0
         self.seq = 0                # sequence number of the push in flight (or last one)
-        self.acked_seq = 0          # last sequence number acknowledged
+        self.acked_seq = 0          # highest sequence number acknowledged
+        self._issued = 0            # pipelined pushes: the highest sequence number sent
+        self._push_lock = threading.Lock()  # async: several pushes in flight (worker.sender)
         self.bytes_up = 0
         self.bytes_down = 0
         self.lost_steps = 0
@@ -113,7 +115,7 @@ class ParameterClient:
 
     def register(self) -> None:
         r = self._retrying("register", lambda: self._call("Register", pb.RegisterRequest(
-            job=self.job, member=self.worker_id, role=ROLE["worker"], last_seq=self.acked_seq)))
+            job=self.job, member=self.worker_id, role=ROLE["worker"], last_seq=self.last_seq)))
         self.config, self.start_version, self.start_clock = job_from_pb(r.config), r.start_version, r.start_clock
         layout = layout_from_pb(r.keys)
         if self.layout is None or self.layout != layout:
@@ -202,9 +204,16 @@ class ParameterClient:
                 n += payload_bytes(chunks)
         return n
 
+    @property
+    def last_seq(self) -> int:
+        """The number a (re)registration continues after: the last acknowledged, or with
+        pipelined pushes the last sent (an overtaken one is then processed as it arrives)."""
+        return max(self.acked_seq, self._issued)
+
     def push(self, grad: np.ndarray | torch.Tensor, clock: int = 0, *, clock_max: int | None = None,
              base_version: int | None = None, view_epoch: int | None = None,
-             contributors: int = 1, report: tuple[float, int, float] = (0.0, 0, 0.0)) -> tuple[int, int]:
+             contributors: int = 1, report: tuple[float, int, float] = (0.0, 0, 0.0),
+             pipelined: bool = False) -> tuple[int, int]:
         """Push a flat gradient (a sum of ``contributors`` gradients computed at clocks
         ``clock..clock_max`` on ``base_version``, default: the held view); returns the version
         that applied it and the payload bytes sent.
@@ -214,6 +223,8 @@ class ParameterClient:
         keep what they did not send in ``self.encoder`` (error feedback).
         ``report`` is training telemetry the tiers export as metrics, never applied: (sum of
         losses, how many, sum of step seconds).
+        ``pipelined`` (async): other pushes may be in flight at once, from other threads; each
+        takes its own sequence number (the tiers accept them out of order).
         Raises Stale when the round it belonged to was aborted (nothing applied).
         """
         clock_max = clock if clock_max is None else clock_max
@@ -221,19 +232,26 @@ class ParameterClient:
         if not finite:
             from ps.errors import BadInput
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
-        # Numbers advance only on acknowledgement: a retry (lost ack) or a refused push
-        # reuses the number, and the tier answers an applied one with its recorded ack.
-        self.seq = self.acked_seq + 1
-        # Encoded once: a retry resends these very bytes, so the residual is updated once.
-        chunks = self.encoder.split(self.layout, grad, step=clock_max)
-        frames = encode_push(PushMeta(
-            self.job, self.worker_id, self.seq, self.view.version if base_version is None else base_version,
-            self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
-            clock_max + 1, *report), chunks)
+        with self._push_lock:
+            # Numbers advance only on acknowledgement: a retry (lost ack) or a refused push
+            # reuses the number, and the tier answers an applied one with its recorded ack.
+            # Pipelined, each push in flight holds its own number.
+            if pipelined:
+                seq = self._issued = max(self._issued, self.acked_seq) + 1
+            else:
+                seq = self.acked_seq + 1
+            self.seq = seq
+            # Encoded once: a retry resends these very bytes, so the residual is updated once.
+            chunks = self.encoder.split(self.layout, grad, step=clock_max)
+            frames = encode_push(PushMeta(
+                self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
+                self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
+                clock_max + 1, *report), chunks)
         nbytes = payload_bytes(chunks)
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
         reply = self._retrying("push", lambda: self._call("Push", iter(frames),
                                                           timeout=self.round_timeout_s))
-        self.acked_seq = self.seq
-        self.bytes_up += nbytes
+        with self._push_lock:
+            self.acked_seq = max(self.acked_seq, seq)
+            self.bytes_up += nbytes
         return reply.applied_version, nbytes

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ps.config import JobConfig
+from ps.consistency import MAX_IN_FLIGHT
 from ps.errors import Conflict, Stale, TimedOut, UnknownJob
 from ps.store import KeySpec, Layout
 from worker.client import ParameterClient, StepResult
@@ -81,7 +82,10 @@ class HpsOptimizer:
         self.clock = self.client.start_clock
         self.trace: list[tuple[int, int]] = []  # (clock, version computed on), if record
         self._record = record
-        self.sender = Sender(self.client, record) if self.mode != "bsp" else None
+        # async: several pushes in flight (each acknowledged only once the root applied it);
+        # ssp: one, so the clock floors it reports arrive in order.
+        self.sender = (Sender(self.client, record, in_flight=MAX_IN_FLIGHT if self.mode == "async" else 1)
+                       if self.mode != "bsp" else None)
 
     @property
     def version(self) -> int:

@@ -1,13 +1,15 @@
-"""The background sender of ssp/async workers: one push in flight, gradients summed meanwhile.
+"""The background sender of ssp/async workers: pushes in flight, gradients summed meanwhile.
 
-    sender = Sender(client)
+    sender = Sender(client, in_flight=4)
     sender.submit(grad, clock=7, base_version=41, view_epoch=e)   # returns at once
     sender.drain(timeout_s=30)                                     # before leaving
 
 A push is acknowledged only once the root applied it, which across an ocean takes a while; the
-training loop must not wait for that in ssp/async. Gradients that arrive while a push is in
-flight are summed locally and go up together as one push (contributors = how many), so the
-bytes sent per step fall as the link gets slower instead of a queue growing.
+training loop must not wait for that in ssp/async. Up to ``in_flight`` pushes are out at once
+(async: each gradient goes up as it comes; ssp keeps one, so its clock floors arrive in
+order). Gradients that arrive while all are out are summed locally and go up together as one
+push (contributors = how many), so the bytes sent per step fall as the link gets slower
+instead of a queue growing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ log = logging.getLogger("hps.worker")
 
 
 class Sender:
-    def __init__(self, client, record: bool = False) -> None:
+    def __init__(self, client, record: bool = False, in_flight: int = 1) -> None:
+        if in_flight < 1:
+            raise ValueError(f"a sender needs at least one push in flight, got {in_flight}")
         self.client = client
         self.applied: list[tuple[int, int, int]] = []  # (clock_lo, clock_hi, version), if record
         self.bytes_up = 0
@@ -38,11 +42,15 @@ class Sender:
         self._clocks = (0, 0)
         self._base = (0, 0)  # (view epoch, oldest base version) of the summed gradients
         self._report = (0.0, 0, 0.0)  # telemetry of the summed steps (loss sum, count, seconds)
-        self._busy = False
+        self._busy = 0  # pushes in flight
+        self.peak_in_flight = 0
+        self._pipelined = in_flight > 1
         self._error: HpsError | None = None
         self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"hps-sender-{client.worker_id}")
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, daemon=True, name=f"hps-sender-{client.worker_id}-{i}")
+                         for i in range(in_flight)]
+        for t in self._threads:
+            t.start()
 
     def submit(self, grad: np.ndarray | torch.Tensor, clock: int, base_version: int, view_epoch: int,
                report: tuple[float, int, float] = (0.0, 0, 0.0)) -> None:
@@ -74,33 +82,39 @@ class Sender:
                     return
                 grad, n, clocks, (epoch, base) = self._sum, self._n, self._clocks, self._base
                 report = self._report
-                self._sum, self._busy = None, True
+                self._sum = None
+                self._busy += 1
+                self.peak_in_flight = max(self.peak_in_flight, self._busy)
             try:
                 version, nbytes = self.client.push(grad, clocks[0], clock_max=clocks[1], base_version=base,
-                                                   view_epoch=epoch, contributors=n, report=report)
-                self.bytes_up += nbytes
-                self.pushes += 1
-                if self._record:
-                    self.applied.append((clocks[0], clocks[1], version))
+                                                   view_epoch=epoch, contributors=n, report=report,
+                                                   pipelined=self._pipelined)
+                with self._cv:
+                    self.bytes_up += nbytes
+                    self.pushes += 1
+                    if self._record:
+                        self.applied.append((clocks[0], clocks[1], version))
             except Stale as exc:
                 log.warning("%s: %d gradient(s) not applied: %s", self.client.worker_id, n, exc)
-                self.client.lost_steps += n
+                with self._cv:
+                    self.client.lost_steps += n
             except HpsError as exc:
                 with self._cv:
                     self._error = exc
             finally:
                 with self._cv:
-                    self._busy = False
+                    self._busy -= 1
                     self._cv.notify_all()
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until everything submitted is acknowledged (or failed); False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._sum is None and not self._busy, timeout_s)
+            return self._cv.wait_for(lambda: self._sum is None and self._busy == 0, timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
         self.drain(timeout_s)
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)

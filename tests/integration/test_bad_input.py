@@ -8,6 +8,7 @@ import pytest
 
 from ps.codecs import get_codec
 from ps.config import JobConfig, OptimizerConfig
+from ps.consistency import MAX_IN_FLIGHT
 from ps.store import KeySpec, Layout
 from ps.tensors import Chunk, split
 from ps.wire import PushMeta, encode_create_job, encode_push, pb, stubs
@@ -75,7 +76,8 @@ def test_each_bad_push_is_refused_with_a_sentence_and_changes_nothing(setup):
         "garbage frame": ([b"\x0a\x50garbage"], grpc.StatusCode.INVALID_ARGUMENT, "malformed frame"),
         "no push header": (encode_push(_meta(w), _chunks())[1:], grpc.StatusCode.INVALID_ARGUMENT,
                            "push header"),
-        "sequence from the future": (encode_push(_meta(w, seq=7), _chunks()), grpc.StatusCode.INVALID_ARGUMENT,
+        "sequence from the future": (encode_push(_meta(w, seq=4 * MAX_IN_FLIGHT + 2), _chunks()),
+                                     grpc.StatusCode.INVALID_ARGUMENT,
                                      "from the future"),
         "sequence zero": (encode_push(_meta(w, seq=0), _chunks()), grpc.StatusCode.INVALID_ARGUMENT, "start at 1"),
         "base from the past": (encode_push(PushMeta("j", "w0", 1, 0, 12345, 1, 0, 0), _chunks()),

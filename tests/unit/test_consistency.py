@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps.consistency import BspRound, Membership, SeqBook
+from ps.consistency import MAX_IN_FLIGHT, BspRound, Membership, SeqBook, Window
 from ps.errors import BadInput, NotReady, Stale
 
 __all__: list[str] = []
@@ -222,14 +222,31 @@ def test_seqbook_refuses_seq_zero_with_a_sentence():
 
 def test_seqbook_refuses_a_seq_from_the_future_with_a_sentence():
     book = SeqBook()
+    ahead = 4 * MAX_IN_FLIGHT  # async senders keep several pushes in flight
     with pytest.raises(BadInput, match="future"):
-        book.classify(2)
+        book.classify(ahead + 1)
     book.accept(1)
     book.accept(2)
     with pytest.raises(BadInput) as exc:
-        book.classify(5)
-    assert "5" in str(exc.value) and "2" in str(exc.value)
+        book.classify(ahead + 3)
+    assert str(ahead + 3) in str(exc.value) and "2" in str(exc.value)
     assert book.highest == 2  # refusing changed nothing
+
+
+def test_seqbook_takes_pipelined_pushes_out_of_order_each_once():
+    """async: pushes 2 and 3 are in flight together and 3 arrives first. 2 is then "seen"
+    (never applied: processed as it comes); once acknowledged, a retry of either is a duplicate."""
+    book = SeqBook()
+    book.accept(1)
+    book.record(1, "ack-1")
+    assert book.classify(3) == "new"
+    book.accept(3)
+    assert book.classify(2) == "seen"
+    book.accept(2)
+    book.record(3, "ack-3")
+    book.record(2, "ack-2")
+    assert book.classify(2) == book.classify(3) == "duplicate"
+    assert book.classify(4) == "new"
 
 
 def test_seqbook_keeps_only_the_last_acks():
@@ -244,3 +261,20 @@ def test_seqbook_keeps_only_the_last_acks():
     # round check refuses it as stale (an ack is only given once its round has closed).
     assert book.classify(1) == "seen"
     assert book.classify(6) == "new"
+
+
+# ============================================================================ Window
+
+
+def test_a_window_sums_an_async_senders_pipelined_pushes_but_refuses_a_second_ssp_push():
+    w = Window(numel=3, repeats=True)  # async
+    w.add("w0", 4, np.ones(3, np.float32), 1, (7, 7), 12, now=0.0)
+    w.add("w0", 5, np.full(3, 2.0, np.float32), 2, (8, 9), 12, now=0.001)
+    agg = w.close(default_base=9)
+    assert agg.contributors == 3 and agg.round == 4 and (agg.clock_min, agg.clock_max) == (7, 9)
+    assert np.array_equal(agg.grad, np.full(3, 3.0, np.float32))
+    w = Window(numel=3)  # ssp: one push per sender, so clock floors arrive in order
+    w.add("w0", 4, np.ones(3, np.float32), 1, (7, 7), 12, now=0.0)
+    with pytest.raises(BadInput, match="twice"):
+        w.add("w0", 5, np.ones(3, np.float32), 1, (8, 8), 12, now=0.001)
+    assert w.pushed == {"w0": 1}
