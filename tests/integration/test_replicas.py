@@ -87,14 +87,22 @@ def test_a_child_behind_the_delta_log_gets_a_snapshot_and_one_within_it_gets_del
     assert reader.view.version == 0
 
     stats = lambda: tree.lt.call(lambda: dict(tree.tier("z").jobs["j"].stats.__dict__))
-    _train([w], 2)
+    _train([w], 1)
     before = stats()
-    reader.pull(min_version=2)            # 2 versions behind, log holds 3: deltas
+    reader.pull(min_version=1)            # 1 version behind, log holds 3: a delta
     after = stats()
-    assert after["deltas_served"] - before["deltas_served"] == 2
+    assert after["deltas_served"] - before["deltas_served"] == 1
     assert after["snapshots_served"] == before["snapshots_served"]
 
-    _train([w], 5)                        # now 5 behind a 3-entry log: snapshot
+    _train([w], 2)                        # 2 dense deltas behind: a worker keeps no log, and
+    before = stats()                      # the view itself is smaller than the two deltas
+    reader.pull(min_version=3)
+    after = stats()
+    assert after["snapshots_served"] == before["snapshots_served"] + 1
+    assert after["deltas_served"] == before["deltas_served"]
+    assert (reader.view.version, reader.view.checksum) == tree.view("root", "j")[1:3]
+
+    _train([w], 4)                        # now 4 behind a 3-entry log: snapshot
     before = stats()
     reader.pull(min_version=7)
     after = stats()
@@ -103,5 +111,9 @@ def test_a_child_behind_the_delta_log_gets_a_snapshot_and_one_within_it_gets_del
     _, version, crc, values = tree.view("root", "j")
     assert (reader.view.version, reader.view.checksum) == (version, crc) == (7, crc)
     assert same_bits(reader.view.values, values)
+    # The zone, a relay, keeps the log its children are served from: it took every version
+    # from the root as a delta, after its first snapshot.
+    root_stats = tree.lt.call(lambda: dict(tree.tier("root").jobs["j"].stats.__dict__))
+    assert root_stats["snapshots_served"] == 1 and root_stats["deltas_served"] == 7
     w.close()
     reader.close()
