@@ -159,13 +159,19 @@ class Cluster:
         for key in ("flush_ms", "flush_bytes"):  # per tier: a zone flushes sooner than a region
             if key in spec:
                 cmd += [f"--{key.replace('_', '-')}", str(spec[key])]
-        tier = self._popen(name, role, cmd + list(args), self.logdir / f"{name}.log", parent)
+        # Every tier of a local cluster shares one machine: torch's default of one arithmetic
+        # thread per core in each of them oversubscribes it. Measured on the 2-core demo
+        # (py-spy, async): the root's Adam step and a region's encode spent most of their time
+        # waiting for their own threads. One each, unless the environment says otherwise.
+        tier = self._popen(name, role, cmd + list(args), self.logdir / f"{name}.log", parent,
+                           extra_env={"OMP_NUM_THREADS": "1"})
         self.tiers[name] = tier
         self._wait_line(tier, 60.0)  # children need the parent's port
         return tier
 
-    def _popen(self, name: str, role: str, cmd: list[str], log: Path, parent: str) -> Tier:
-        env = {**(self.env or os.environ), "PYTHONUNBUFFERED": "1"}
+    def _popen(self, name: str, role: str, cmd: list[str], log: Path, parent: str,
+               extra_env: dict[str, str] | None = None) -> Tier:
+        env = {**(extra_env or {}), **(self.env or os.environ), "PYTHONUNBUFFERED": "1"}
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=env)
