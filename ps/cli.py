@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the root's codec for published deltas (fp16, int8: lossy, error kept at the root)")
     s.add_argument("--slow", type=float, default=1.0,
                    help="make the last worker this many times slower (e.g. 2), to see the modes differ")
+    s.add_argument("--damping", action="store_true",
+                   help="ssp/async: the root scales each update's lr by 1/(1+staleness)")
     s.set_defaults(fn=_demo)
     return p
 

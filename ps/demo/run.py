@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from ps.demo.budget import StepBudget
 from ps.demo.report import human_bytes, plot_loss, summary_table
 from ps.launch import Cluster, load_topology
 from ps.status import fetch_status
@@ -46,6 +47,9 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def main(args) -> int:
+    if getattr(args, "damping", False) and args.mode == "bsp":
+        print("hps demo: --damping applies to --mode ssp or async (bsp has no stale updates)", file=sys.stderr)
+        return 2
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -61,6 +65,10 @@ def main(args) -> int:
             print(f"  link      {t.name:6s} {t.address} -> {t.parent}", flush=True)
         q: queue.Queue = queue.Queue()
         placement = {}
+        # One pool of workers x steps steps: every mode trains on the same samples, and in
+        # ssp/async the fast workers take the steps a slow one does not get to.
+        total = args.workers * args.steps
+        budget = StepBudget.create(str(out / "steps.budget"), total)
         for i in range(args.workers):
             zone = zones[i % len(zones)]
             wid = f"w{i}"
@@ -68,7 +76,11 @@ def main(args) -> int:
             err = open(logs / f"{wid}.log", "wb")
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ps.demo.train", "--address", zone.address, "--worker-id", wid,
-                 "--seed", str(i), "--steps", str(args.steps), "--batch", str(args.batch),
+                 "--seed", str(i), "--steps", str(total), "--budget", budget.path,
+                 "--budget-total", str(total), "--budget-parties", str(args.workers), "--batch", str(args.batch),
+                 # Below the servers' priority: on one small machine four busy workers would
+                 # starve the tiers, which in a deployment run on hosts of their own.
+                 "--nice", "10", *(["--damping"] if args.damping else []),
                  "--mode", args.mode, "--staleness", str(args.staleness),
                  "--codec", args.codec, "--topk", str(args.topk), "--delta-codec", args.delta_codec,
                  "--slow", str(args.slow if i == args.workers - 1 else 1.0)],
@@ -76,11 +88,12 @@ def main(args) -> int:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
             workers.append(proc)
             threading.Thread(target=read_events, args=(proc, q), daemon=True).start()
-        mode = f"ssp({args.staleness})" if args.mode == "ssp" else args.mode
+        mode = (f"ssp({args.staleness})" if args.mode == "ssp" else args.mode) + (" damped" if args.damping else "")
         codec = (f"top-{args.topk:g} + error feedback (DGC: sgd, momentum corrected at the workers)"
                  if args.codec == "topk" else f"{args.codec} (adam)")
-        print(f"hps demo: {args.workers} workers, {mode}, {codec} pushes, training for {args.steps} steps "
-              f"({', '.join(f'{w}@{z}' for w, z in placement.items())})", flush=True)
+        print(f"hps demo: {args.workers} workers, {mode}, {codec} pushes, training for {total} steps "
+              f"({args.steps} per worker on average; {', '.join(f'{w}@{z}' for w, z in placement.items())})",
+              flush=True)
         return _follow(args, out, cluster, root, workers, placement, q)
     except KeyboardInterrupt:
         print("\nhps demo: interrupted; stopping every process", flush=True)
@@ -99,6 +112,8 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
     exited = 0
     t0 = time.monotonic()
     shown = -1
+    taken = 0  # steps done by all workers together
+    started: list[float] = []
     while exited < len(workers):
         ev = q.get(timeout=900)
         kind = ev.get("event")
@@ -109,15 +124,19 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
             step_s[ev["worker"]].append(ev["step_s"])
             ups[ev["worker"]].append(ev["bytes_up"])
             last[ev["worker"]] = ev
-            step = min(e["step"] for e in last.values()) if len(last) == len(placement) else -1
+            taken += 1
+            step = taken // len(placement) - 1  # in steps per worker
             if step >= 0 and (step // 10 > shown // 10 or step == args.steps - 1) and step != shown:
                 shown = step
-                loss = sum(series[w][-1][1] for w in series) / len(series)
+                recent = [pts[-1][1] for pts in series.values() if pts]
+                loss = sum(recent) / len(recent)
                 up = sum(e["bytes_up"] for e in last.values())
                 down = sum(e["bytes_down"] for e in last.values())
                 print(f"step {step + 1:4d}/{args.steps}  loss {loss:6.3f}  version {ev['version']:5d}  "
                       f"bytes/step up {human_bytes(up)} down {human_bytes(down)}  "
                       f"{(time.monotonic() - t0) / (step + 1):.2f} s/step", flush=True)
+        elif kind == "start":
+            started.append(ev["t"])
         elif kind == "done":
             done[ev["worker"]] = ev
     wall = time.monotonic() - t0
@@ -129,7 +148,10 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
         if len({(j.version, j.checksum) for _, _, st in tiers for j in st.jobs}) <= 1:
             break
         time.sleep(0.05)
-    return _report(args, out, series, step_s, ups, done, placement, tiers, wall)
+    # Training time: from all workers up (they start together) to the last one synced; the
+    # same start-up (imports, job creation, first snapshot) is in ``wall`` for every mode.
+    train = max(d["t"] for d in done.values()) - max(started) if done and started else float("nan")
+    return _report(args, out, series, step_s, ups, done, placement, tiers, wall, train)
 
 
 def _median(xs: list[float]) -> float:
@@ -137,7 +159,7 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if xs else float("nan")
 
 
-def _report(args, out, series, step_s, ups, done, placement, tiers, wall) -> int:
+def _report(args, out, series, step_s, ups, done, placement, tiers, wall, train) -> int:
     rows = []
     for w, zone in placement.items():
         pts = series[w]
@@ -166,7 +188,10 @@ def _report(args, out, series, step_s, ups, done, placement, tiers, wall) -> int
                               push_up_per_step=human_bytes(j.bytes_pushed_up / steps),
                               pull_in_per_step=human_bytes(j.bytes_pulled_in / steps),
                               pull_out_per_step=human_bytes(j.bytes_pulled_out / steps),
-                              checksum=f"{j.checksum:#010x}"))
+                              checksum=f"{j.checksum:#010x}",
+                              # ssp/async: root version minus the pushed gradients' base version
+                              staleness_mean=j.staleness_sum / j.staleness_count if j.staleness_count else 0.0,
+                              staleness_max=j.staleness_max))
     print("\n" + summary_table(trows, ["tier", "version", "push_in_per_step", "push_up_per_step",
                                        "pull_in_per_step", "pull_out_per_step", "checksum"]))
     # Every tier holds the root's view; a worker that ended on the root's last version holds it
@@ -175,11 +200,13 @@ def _report(args, out, series, step_s, ups, done, placement, tiers, wall) -> int
     views = {(j.version, j.checksum) for _, _, st in tiers for j in st.jobs}
     views |= {(d["version"], d["checksum"]) for d in done.values() if (d["version"],) == (next(iter(root_view))[0],)}
     agree = len(root_view) == 1 and views == root_view and len(done) == len(placement)
+    per_worker = " ".join(f"{r['worker']}:{r['steps']}" for r in rows)
     print(f"\nreplicas agree with the root bit for bit: {'yes' if agree else 'NO'}; "
-          f"wall {wall:.1f}s for {args.steps} steps")
+          f"{sum(r['steps'] for r in rows)} steps ({per_worker}) in {train:.1f}s of training, "
+          f"{wall:.1f}s with start-up")
     mode = f"ssp({args.staleness})" if args.mode == "ssp" else args.mode
     png = plot_loss(series, str(out / "loss.png"), f"hps demo: {len(placement)} workers, {mode}")
-    (out / "summary.json").write_text(json.dumps(dict(workers=rows, tiers=trows, wall_s=wall,
+    (out / "summary.json").write_text(json.dumps(dict(workers=rows, tiers=trows, wall_s=wall, train_s=train,
                                                       replicas_agree=agree), indent=2))
     print(f"plot: {png}\nsummary: {out / 'summary.json'}")
     return 0 if agree and len(done) == len(placement) else 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ import time
 import torch
 
 from ps.config import JobConfig, OptimizerConfig
+from ps.demo.budget import StepBudget
 from ps.demo.corpus import BatchSampler, load_corpus
 from ps.demo.model import ModelConfig, build_model
 from worker import HpsOptimizer
@@ -26,7 +28,7 @@ __all__ = ["demo_job", "main"]
 
 
 def demo_job(name: str = "demo", mode: str = "bsp", staleness: int = 0, codec: str = "fp32",
-             topk: float = 0.01, delta_codec: str = "fp32") -> JobConfig:
+             topk: float = 0.01, delta_codec: str = "fp32", damping: bool = False) -> JobConfig:
     """The demo's job; ``codec`` is the push codec of workers and relays (lossy ones with
     error feedback at every tier).
 
@@ -39,10 +41,10 @@ def demo_job(name: str = "demo", mode: str = "bsp", staleness: int = 0, codec: s
         return JobConfig(name=name, mode=mode, staleness=staleness if mode == "ssp" else 0,
                          optimizer=OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9, warmup_steps=20),
                          push_codec=codec, topk=topk, topk_warmup_steps=20, momentum_correction=True,
-                         delta_codec=delta_codec)
+                         delta_codec=delta_codec, damping=damping)
     return JobConfig(name=name, mode=mode, staleness=staleness if mode == "ssp" else 0,
                      optimizer=OptimizerConfig(kind="adam", lr=3e-3, warmup_steps=20), push_codec=codec,
-                     delta_codec=delta_codec)
+                     delta_codec=delta_codec, damping=damping)
 
 
 def _emit(**event) -> None:
@@ -62,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", default="demo")
     p.add_argument("--worker-id", required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=100, help="steps of this worker (at most, with --budget)")
+    p.add_argument("--budget", help="a step pool shared with the other workers (ps.demo.budget): "
+                                    "claim each step from it, stop when it is empty")
+    p.add_argument("--budget-total", type=int, default=0, help="the pool's size, in steps")
+    p.add_argument("--budget-parties", type=int, default=1,
+                   help="workers sharing the pool: the first step waits until all are up")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"])
     p.add_argument("--staleness", type=int, default=0)
@@ -71,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delta-codec", default="fp32", help="the root's codec for published deltas")
     p.add_argument("--slow", type=float, default=1.0,
                    help="emulate a slower accelerator: each step's compute takes this many times longer")
+    p.add_argument("--damping", action="store_true", help="ssp/async: the root scales lr by 1/(1+staleness)")
+    p.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
     args = p.parse_args(argv)
+    if args.nice:
+        os.nice(args.nice)
     torch.set_num_threads(1)  # several workers share a small machine
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -80,12 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     data = load_corpus()
     model = build_model(cfg, seed=0)
     sampler = BatchSampler(data, context=cfg.context, batch_size=args.batch, seed=1000 + args.seed)
-    job = demo_job(args.job, args.mode, args.staleness, args.codec, args.topk, args.delta_codec)
+    budget = StepBudget(args.budget, args.budget_total) if args.budget else None
+    job = demo_job(args.job, args.mode, args.staleness, args.codec, args.topk, args.delta_codec, args.damping)
     with HpsOptimizer(model, args.address, job, worker_id=args.worker_id) as opt:
+        if budget is not None and not budget.start_together(args.budget_parties):
+            print(f"{args.worker_id}: not every worker came up within the wait; starting anyway",
+                  file=sys.stderr, flush=True)
         _emit(event="start", worker=args.worker_id, version=opt.version,
-              params=sum(p.numel() for p in model.parameters()))
+              params=sum(p.numel() for p in model.parameters()), t=time.time())
         for step in range(args.steps):
-            if stop:
+            if stop or (budget is not None and not budget.claim()):
                 break
             t0 = time.perf_counter()
             x, y = sampler.next_batch()
@@ -99,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                   applied=r.applied, bytes_up=r.bytes_up, bytes_down=r.bytes_down,
                   step_s=time.perf_counter() - t0)
         opt.sync()  # ssp/async: every gradient applied, the newest parameters loaded
+        synced = time.time()
         val = _val_loss(model, data, cfg.context)
         _emit(event="done", worker=args.worker_id, version=opt.version, checksum=opt.client.view.checksum,
-              val_loss=val if math.isfinite(val) else None, lost_steps=opt.client.lost_steps)
+              val_loss=val if math.isfinite(val) else None, lost_steps=opt.client.lost_steps, t=synced)
     return 0
 
 
