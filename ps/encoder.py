@@ -11,6 +11,7 @@ keeps the velocity it sparsifies. Lossless codecs send row-sparse keys as rows.
 
 from __future__ import annotations
 
+import threading
 import zlib
 
 import numpy as np
@@ -76,6 +77,9 @@ class Encoder:
             raise BadInput(f"momentum correction sparsifies the velocity: it needs topk, not {codec!r}")
         self.momentum = momentum
         self.velocity: dict[str, torch.Tensor] = {}  # DGC: u = m u + g per chunk, masked when sent
+        # One encode at a time, and a reset never in the middle of one: async senders encode
+        # several pushes from threads, and a root restart resets from another thread.
+        self._lock = threading.Lock()
 
     @classmethod
     def for_job(cls, cfg, codec: str | None = None, seed: str | int = 0, worker: bool = False) -> "Encoder":
@@ -108,6 +112,10 @@ class Encoder:
         return self.codec
 
     def split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int = 0) -> list[Chunk]:
+        with self._lock:
+            return self._split(layout, flat, step)
+
+    def _split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int) -> list[Chunk]:
         if self.name == "rows":
             rows = frozenset(s.key for s in layout)
         elif self.lossless:
@@ -118,8 +126,9 @@ class Encoder:
 
     def reset(self) -> None:
         """Drop every residual (a new lineage: the root restarted)."""
-        self.ef.reset()
-        self.velocity.clear()
+        with self._lock:
+            self.ef.reset()
+            self.velocity.clear()
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Residuals by chunk ("key@offset") and, with momentum correction, velocities

@@ -47,7 +47,6 @@ class Relay(Tier):
         self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
         self._force_snapshot: set[str] = set()
         self._fwd_locks: dict[str, asyncio.Lock] = {}
-        self._enc_locks: dict[str, asyncio.Lock] = {}
         self._up_issued: dict[str, int] = {}  # async: the highest sequence number sent up
 
     def set_address(self, address: str) -> None:
@@ -150,11 +149,9 @@ class Relay(Tier):
         job = js.config.name
         # Re-encode the sum with this relay's own residual: sums of top-k vectors get denser
         # at every level, so re-sparsify (DGC; design invariant 6). Off the event loop: a large
-        # model's encode takes tens of milliseconds. One encode at a time: they share the residual.
+        # model's encode takes tens of milliseconds (the encoder runs one at a time).
         enc = self.encoder(js)
-        async with self._enc_locks.setdefault(job, asyncio.Lock()):
-            chunks = (await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round)
-                      if agg.contributors else [])
+        chunks = await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round) if agg.contributors else []
         (loss, n, secs), js.unsent_report = js.unsent_report, (0.0, 0, 0.0)
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
                                       agg.contributors, agg.clock_min, agg.clock_max, floor,

@@ -226,6 +226,28 @@ def test_encoder_takes_torch_tensors_and_leaves_them_unchanged():
     assert np.count_nonzero(assemble(LAYOUT, chunks, "t")) <= 0.05 * LAYOUT.numel + 3
 
 
+def test_an_encoder_used_from_several_threads_still_conserves_the_sum():
+    """async senders encode several pushes at once from threads: error feedback must still
+    send every bit of gradient mass exactly once (sent + residual == pushed)."""
+    import threading
+
+    enc = Encoder("topk", topk=0.01, seed="w0")
+    rng = np.random.default_rng(7)
+    grads = [rng.standard_normal(LAYOUT.numel).astype(np.float32) for _ in range(48)]
+    sent = [None] * len(grads)
+
+    def work(i0: int) -> None:
+        for i in range(i0, len(grads), 4):
+            sent[i] = assemble(LAYOUT, enc.split(LAYOUT, grads[i]), "t")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    residual = np.concatenate([enc.state_dict()[f"{s.key}@0"] for s in LAYOUT])
+    total = np.sum(grads, axis=0, dtype=np.float64)
+    assert np.allclose(np.sum(sent, axis=0, dtype=np.float64) + residual, total, atol=1e-3)
+
+
 # ---------------------------------------------------------------------------- malformed input
 
 
