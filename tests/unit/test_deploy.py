@@ -62,6 +62,9 @@ def check_container(c: dict, where: str) -> None:
     res = c.get("resources", {})
     for kind in ("requests", "limits"):
         assert {"cpu", "memory"} <= set(res.get(kind, {})), f"{where}: resources {res}"
+    # torch's threads follow the pod's CPU limit, not the node's core count
+    omp = env_of(c).get("OMP_NUM_THREADS", {}).get("valueFrom", {}).get("resourceFieldRef", {})
+    assert omp.get("resource") == "limits.cpu" and omp.get("containerName") == c["name"], f"{where}: {omp}"
     for name, e in env_of(c).items():
         assert not (_SECRETISH.search(name) and "value" in e), f"{where}: {name} in plain text"
 
