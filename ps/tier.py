@@ -137,6 +137,15 @@ class Tier:
             raise Stale(f"gradient computed on a view of root epoch {meta.view_epoch:#x}; this tier "
                         f"holds epoch {js.view.epoch:#x} (the root restarted): pull a snapshot")
         if js.bsp:
+            if (not js.round.pushed and js.view.ready
+                    and js.round.round < meta.base_version <= js.view.version):
+                # An empty round behind the held version: reopened after a refusal while the
+                # parent went on (seen after a root kill -9: the zone stayed at round 7 holding
+                # version 8, and every push on 8 was told to retry until the worker gave up).
+                # Nobody can complete it any more; the push opens the round of its version.
+                log.info("%s: round %d of %s is behind version %d; moving to round %d", self.role,
+                         js.round.round, meta.job, js.view.version, meta.base_version)
+                js.round = BspRound(round=meta.base_version, numel=js.layout.numel)
             js.round.check(meta.sender, meta.base_version)
         else:
             js.window.check(meta.sender)

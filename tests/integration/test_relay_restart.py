@@ -54,3 +54,34 @@ def test_a_regional_master_restart_does_not_end_the_job_below_it(tree):
     assert r[1] >= 4
     assert (w.view.version, w.view.checksum) == r[1:3] and same_bits(w.view.values, r[3])
     w.close()
+
+
+def test_a_bsp_push_on_the_held_version_moves_an_empty_round_left_behind(tree):
+    """After a refusal a relay reopens the refused round; if its parent went on meanwhile, the
+    relay holds a newer version than its open round (seen after a root kill -9: a zone at round
+    7 holding version 8). A worker's push on the held version must open that round, not be told
+    to retry forever."""
+    from ps.consistency import BspRound
+
+    tree.add("root", "global")
+    zone = tree.add("eu-a", "zone", parent="root")
+    job = JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    w = ParameterClient(zone, "j", "w0", timeout_s=10)
+    w.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    w.pull(min_version=0)
+    g = np.ones(LAYOUT.numel, np.float32)
+    for _ in range(2):
+        version, _ = w.push(g)
+        w.pull(min_version=version)
+    assert w.view.version == 2
+
+    def leave_round_behind():
+        js = tree.tier("eu-a").jobs["j"]
+        js.round = BspRound(round=1, numel=js.layout.numel)  # empty, behind version 2
+    tree.lt.call(leave_round_behind)
+    version, _ = w.push(g)  # on version 2
+    assert version == 3
+    w.pull(min_version=3)
+    assert (w.view.version, w.view.checksum) == tree.view("root", "j")[1:3]
+    w.close()
