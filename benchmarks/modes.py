@@ -1,7 +1,8 @@
-"""Consistency modes side by side: bsp, ssp(2), ssp(8), async and async with damping on the demo
-model, 4 workers, one of them 2x slower, at an equal number of samples: the demo's workers
-draw their steps from one shared pool of 4 x steps (ps/demo/budget.py), so in bsp each does
-its equal share and in ssp/async the fast ones take what the slow one does not get to.
+"""Consistency modes side by side: bsp, ssp(2), ssp(8), async, async with damping and async with a
+200 ms window at the root (fewer, larger versions) on the demo model, 4 workers, one of them 2x
+slower, at an equal number of samples: the demo's workers draw their steps from one shared pool
+of 4 x steps (ps/demo/budget.py), so in bsp each does its equal share and in ssp/async the
+fast ones take what the slow one does not get to.
 
     python benchmarks/modes.py --steps 80
 
@@ -25,15 +26,25 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
-MODES = [("bsp", 0, False), ("ssp", 2, False), ("ssp", 8, False), ("async", 0, False), ("async", 0, True)]
+# (mode, staleness, damping, the root's flush window in ms or None for the topology's own)
+MODES = [("bsp", 0, False, None), ("ssp", 2, False, None), ("ssp", 8, False, None),
+         ("async", 0, False, None), ("async", 0, True, None), ("async", 0, False, 200.0)]
 
 
-def run(mode: str, staleness: int, damping: bool, steps: int, slow: float) -> dict:
+def run(mode: str, staleness: int, damping: bool, root_flush_ms: float | None, steps: int, slow: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
+        topology = []
+        if root_flush_ms is not None:  # the default topology with a longer window at the root
+            topo = yaml.safe_load((ROOT / "deploy" / "topology.yaml").read_text())
+            topo["root"]["flush_ms"] = root_flush_ms
+            Path(tmp, "topology.yaml").write_text(yaml.safe_dump(topo))
+            topology = ["--topology", str(Path(tmp, "topology.yaml"))]
         r = subprocess.run([sys.executable, "-m", "ps.cli", "demo", "--steps", str(steps), "--mode", mode,
                             "--staleness", str(staleness), "--slow", str(slow), "--out", tmp,
-                            *(["--damping"] if damping else [])],
+                            *(["--damping"] if damping else []), *topology],
                            cwd=ROOT, capture_output=True, text=True, timeout=3600)
         if r.returncode != 0:
             raise RuntimeError(f"{mode} run failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
@@ -56,11 +67,12 @@ def main() -> int:
     args = p.parse_args()
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):  # interleaved: a drift in the machine's speed hits every mode
-        for mode, s, damping in MODES:
-            name = (f"ssp({s})" if mode == "ssp" else mode) + ("+damp" if damping else "")
-            r = run(mode, s, damping, args.steps, args.slow)
+        for mode, s, damping, root_ms in MODES:
+            name = ((f"ssp({s})" if mode == "ssp" else mode) + ("+damp" if damping else "")
+                    + (f"+root{root_ms:g}ms" if root_ms is not None else ""))
+            r = run(mode, s, damping, root_ms, args.steps, args.slow)
             runs.setdefault(name, []).append(r)
-            print(f"{name:10s} train {r['train_s']:6.1f}s (wall {r['wall_s']:5.1f}s)  val loss {r['val_loss']:.4f}  "
+            print(f"{name:16s} train {r['train_s']:6.1f}s (wall {r['wall_s']:5.1f}s)  val loss {r['val_loss']:.4f}  "
                   f"versions {r['root_versions']}  staleness mean {r['staleness_mean']:.1f} max {r['staleness_max']}  "
                   f"steps {r['steps_per_worker']}", flush=True)
     rows = {}
@@ -86,9 +98,9 @@ def main() -> int:
                   modes=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\n{'mode':10s} {'train s':>7s} {'speedup':>8s} {'val loss':>9s} {'vs bsp':>8s}  goal")
+    print(f"\n{'mode':16s} {'train s':>7s} {'speedup':>8s} {'val loss':>9s} {'vs bsp':>8s}  goal")
     for name, r in rows.items():
-        print(f"{name:10s} {r['train_s']:7.1f} {r['speedup_vs_bsp']:7.2f}x {r['val_loss']:9.4f} "
+        print(f"{name:16s} {r['train_s']:7.1f} {r['speedup_vs_bsp']:7.2f}x {r['val_loss']:9.4f} "
               f"{r['val_loss_vs_bsp_pct']:+7.2f}%  {'met' if r['meets_goal'] else 'NOT met'}")
     print(f"wrote {args.out}")
     return 0
