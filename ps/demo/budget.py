@@ -28,8 +28,10 @@ class StepBudget:
 
     @classmethod
     def create(cls, path: str, total: int) -> "StepBudget":
-        with open(path, "w") as f:
-            f.write("0")
+        """A fresh pool (and a fresh start line: a previous run's arrivals do not count)."""
+        for name in (path, path + ".ready"):
+            with open(name, "w") as f:
+                f.write("0")
         return cls(path, total)
 
     def claim(self) -> bool:

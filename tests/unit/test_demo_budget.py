@@ -42,6 +42,14 @@ def test_start_together_waits_for_every_party_and_gives_up_at_its_deadline(tmp_p
     assert budget.start_together(parties=2, timeout_s=0.05)      # the second arrival
 
 
+def test_a_new_pool_in_the_same_place_starts_a_new_start_line(tmp_path):
+    path = str(tmp_path / "steps")
+    first = StepBudget.create(path, total=1)
+    assert first.start_together(parties=1, timeout_s=0.05)
+    again = StepBudget.create(path, total=1)  # the next demo run writes to the same --out
+    assert not again.start_together(parties=2, timeout_s=0.05)  # the old arrival does not count
+
+
 def test_a_negative_pool_is_refused():
     with pytest.raises(ValueError, match="negative"):
         StepBudget("unused", total=-1)
