@@ -4,7 +4,7 @@ slower, at an equal number of samples: the demo's workers draw their steps from 
 of 4 x steps (ps/demo/budget.py), so in bsp each does its equal share and in ssp/async the
 fast ones take what the slow one does not get to.
 
-    python benchmarks/modes.py --steps 80
+    python benchmarks/modes.py --steps 150 --repeats 2
 
 Reports per mode: training time (from all workers up to the last one synced; the wall time
 with the identical start-up is reported beside it), final validation loss (mean over workers,
@@ -59,7 +59,8 @@ def run(mode: str, staleness: int, damping: bool, root_flush_ms: float | None, s
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=80, help="steps per worker (equal samples per mode)")
+    p.add_argument("--steps", type=int, default=150,
+                   help="steps per worker on average: a pool of 4 x steps shared by the workers")
     p.add_argument("--slow", type=float, default=2.0, help="slowdown of the last worker")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per mode (interleaved); times and losses are their means")
