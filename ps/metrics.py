@@ -1,4 +1,4 @@
-"""Prometheus metrics of every tier and of training scripts: one module, registry injected.
+"""Prometheus metrics of every tier, registry injected (a training script's own: worker.metrics).
 
     registry = process_registry()                       # or a bare CollectorRegistry() in tests
     metrics = TierMetrics(tier, registry)               # on the tier's event loop
@@ -7,9 +7,6 @@
     httpd = serve_metrics(registry, 9100, host="0.0.0.0")   # GET /metrics
     ...
     await metrics.stop(); httpd.shutdown()
-
-    train = TrainingMetrics("lm", registry)             # in a training script
-    train.report(loss=2.31, steps=10)                   # feeds the loss-anomaly alert
 
 Names follow the Prometheus conventions: counters end in ``_total``, units are base units in
 the name (``_seconds``, ``_bytes``). Labels are bounded: ``tier`` (global|regional|zone),
@@ -30,7 +27,7 @@ import asyncio
 import time
 from contextlib import contextmanager
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily,
                                     SummaryMetricFamily)
 from prometheus_client.gc_collector import GCCollector
@@ -39,7 +36,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from ps.health import synced
 
-__all__ = ["TierMetrics", "RpcMetrics", "TrainingMetrics", "LinkWatch", "NO_RPC_METRICS",
+__all__ = ["TierMetrics", "RpcMetrics", "LinkWatch", "NO_RPC_METRICS",
            "process_labels", "process_registry", "serve_metrics"]
 
 # RPC latencies span a decoded push (ms) to a BSP barrier or a pull's long-poll (seconds).
@@ -367,51 +364,3 @@ class TierMetrics:
     async def stop(self) -> None:
         if self.link is not None:
             await self.link.stop()
-
-
-# -- training scripts ----------------------------------------------------------------------------
-_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-class TrainingMetrics:
-    """What a training script reports about its job: loss, steps and step time.
-
-        registry = CollectorRegistry()
-        train = TrainingMetrics("lm", registry)
-        serve_metrics(registry, 9200, host="0.0.0.0")
-        t0 = time.perf_counter()
-        for step, batch in enumerate(batches):
-            loss = ...; opt.step()
-            if step % 10 == 9:
-                train.report(loss=running_mean, steps=10, seconds=time.perf_counter() - t0)
-                t0 = time.perf_counter()
-
-    The ``HpsTrainingLossRising`` alert (deploy/prometheus/rules/hps.rules.yml) watches these:
-    each evaluation of its group is one report. The worker id is the scrape target (instance),
-    never a label. Workers using ``HpsOptimizer`` also report loss and step time with their
-    pushes, and every tier exports them as ``hps_worker_loss`` / ``hps_worker_step_seconds``
-    (the root: job-wide); this class is for scripts that want their own series too.
-    """
-
-    def __init__(self, job: str, registry: CollectorRegistry) -> None:
-        self._loss = Gauge("hps_training_loss", "Training loss at the latest report (a running "
-                           "mean over the steps since the previous one)", ["job"],
-                           registry=registry).labels(job=job)
-        self._steps = Counter("hps_training_steps_total", "Training steps (optimizer steps) taken",
-                              ["job"], registry=registry).labels(job=job)
-        self._step_s = Histogram("hps_training_step_duration_seconds", "Wall time of one training "
-                                 "step (compute, push and pull), averaged over each report",
-                                 ["job"], registry=registry, buckets=_STEP_BUCKETS).labels(job=job)
-
-    def report(self, loss: float, steps: int = 1, seconds: float | None = None) -> None:
-        """Record the loss now, ``steps`` more steps, and the ``seconds`` they took (if known)."""
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
-        if seconds is not None and (seconds < 0 or (seconds > 0 and steps == 0)):
-            raise ValueError(f"seconds must be >= 0 and cover at least one step, got {seconds} "
-                             f"for {steps} steps")
-        self._loss.set(loss)
-        self._steps.inc(steps)
-        if seconds is not None and steps:
-            for _ in range(steps):  # one observation per step, so _count counts steps
-                self._step_s.observe(seconds / steps)

@@ -28,11 +28,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ps.config import JobConfig, OptimizerConfig, ServerConfig
 from ps.health import LIVENESS, Health
-from ps.metrics import TrainingMetrics, serve_metrics
+from ps.metrics import serve_metrics
 from ps.server import create_server
 from ps.status import print_tree
 from ps.store import KeySpec, Layout
 from tests.conftest import FAST, LoopThread, Tree
+from worker.metrics import TrainingMetrics
 from worker import ParameterClient
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ps.metrics import LinkWatch, RpcMetrics, TrainingMetrics, _families, _lag
+from ps.metrics import LinkWatch, RpcMetrics, _families, _lag
+from worker.metrics import TrainingMetrics
 
 
 def _job(**kw) -> dict:
