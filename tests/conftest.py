@@ -102,3 +102,23 @@ def reap():
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def bsp_rounds(clients, steps: int, grad, report=None) -> None:
+    """BSP with ParameterClients: each pushes ``grad(i, step)`` once per round (one thread per
+    client: a round waits for all), then pulls the new version. ``report(step)``: telemetry."""
+    errors = []
+
+    def run(i, c):
+        try:
+            for s in range(steps):
+                extra = {} if report is None else {"report": report(s)}
+                v, _ = c.push(grad(i, s), clock=s, **extra)
+                c.pull(min_version=v)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    assert not errors, errors

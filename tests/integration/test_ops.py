@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -32,9 +31,9 @@ from ps.metrics import serve_metrics
 from ps.server import create_server
 from ps.status import print_tree
 from ps.store import KeySpec, Layout
-from tests.conftest import FAST, LoopThread, Tree
-from worker.metrics import TrainingMetrics
+from tests.conftest import FAST, LoopThread, Tree, bsp_rounds
 from worker import ParameterClient
+from worker.metrics import TrainingMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = Layout([KeySpec("w", (32, 16)), KeySpec("b", (16,))])
@@ -99,22 +98,8 @@ def _grad(seed: int) -> np.ndarray:
 
 
 def train(clients, steps: int) -> None:
-    """BSP: every client pushes once per round (threads), then pulls the new version."""
-    errors = []
-
-    def run(i, c):
-        try:
-            for s in range(steps):
-                # training telemetry rides along: loss 1 + s, 50 ms per step
-                v, _ = c.push(_grad(100 * i + s), clock=s, report=(1.0 + s, 1, 0.05))
-                c.pull(min_version=v)
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
-
-    ts = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
-    [t.start() for t in ts]
-    [t.join(60) for t in ts]
-    assert not errors, errors
+    """BSP rounds; training telemetry rides along: loss 1 + step, 50 ms per step."""
+    bsp_rounds(clients, steps, lambda i, s: _grad(100 * i + s), report=lambda s: (1.0 + s, 1, 0.05))
 
 
 def wait_for(fn, what: str, tries: int = 100, pause_s: float = 0.05):

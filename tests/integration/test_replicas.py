@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
 
 from ps.config import JobConfig, OptimizerConfig
 from ps.store import KeySpec, Layout
-from tests.conftest import same_bits
+from tests.conftest import bsp_rounds, same_bits
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (64, 33)), KeySpec("b", (33,))])
@@ -19,22 +18,8 @@ def _grad(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(LAYOUT.numel).astype(np.float32)
 
 
-def _train(clients, steps, on_version=None):
-    """Every client pushes once per round (threads: BSP waits for all), then pulls."""
-    errors = []
-
-    def run(i, c):
-        try:
-            for s in range(steps):
-                v, _ = c.push(_grad(1000 * i + s), clock=s)
-                c.pull(min_version=v)
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
-
-    ts = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
-    [t.start() for t in ts]
-    [t.join(60) for t in ts]
-    assert not errors, errors
+def _train(clients, steps):
+    bsp_rounds(clients, steps, lambda i, s: _grad(1000 * i + s))
 
 
 @pytest.mark.parametrize("delta_codec", ["fp32", "fp32+zstd", "fp16", "int8", "topk"])
