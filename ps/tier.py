@@ -297,15 +297,14 @@ class Tier:
         v = js.view.version
         if view_epoch == js.view.epoch:
             entries = js.log.since(since, v)
-            if entries is not None and len(entries) > 1 and self._is_worker(js, member):
-                # A worker keeps no log, so it may take the view itself when that is smaller
-                # than the deltas (dense deltas: any two). ssp/async workers fall several versions
-                # behind between pulls: measured 8 dense deltas per pull on the demo, 8x the bytes.
-                if sum(e.nbytes for e in entries) > 4 * js.layout.numel:
-                    entries = None
-            if entries is not None:
+            nbytes = sum(e.nbytes for e in entries) if entries else 0
+            # A worker keeps no log, so it takes the view itself when that is smaller than the
+            # deltas (dense deltas: any two). ssp/async workers fall several versions behind
+            # between pulls: measured 8 dense deltas per pull on the demo, 8x the bytes.
+            if entries is not None and (len(entries) <= 1 or nbytes <= 4 * js.layout.numel
+                                        or not self._is_worker(js, member)):
                 js.stats.deltas_served += len(entries)
-                js.stats.bytes_pulled_out += sum(e.nbytes for e in entries)
+                js.stats.bytes_pulled_out += nbytes
                 versions = [(VersionMeta(e.version, e.checksum, e.clock_min, e.contributors), list(e.chunks))
                             for e in entries]
                 return PullMeta(js.view.epoch, since, v, False, self.epoch), versions
