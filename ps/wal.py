@@ -138,8 +138,9 @@ class _Scan(NamedTuple):
     entries: list[_Entry]
     end: int   # where the valid records end
     size: int
-    why: str   # why the bytes at ``end`` are not a record ("" when end == size)
-    old: bool  # they are a record of the older format
+    why: str     # why the bytes at ``end`` are not a record ("" when end == size)
+    old: bool    # they are a record of the older format
+    beyond: int  # bytes after a damaged record whose lengths fit the file
 
 
 def _check_head(head: bytes, pos: int, size: int) -> tuple[str, tuple | None]:
@@ -166,7 +167,7 @@ def _scan(path: Path) -> _Scan:
             head = f.read(_HEAD)
             why, fields = _check_head(head, pos, size)
             if why:
-                return _Scan(entries, pos, size, why, head[:4] == _OLD_MAGIC)
+                return _Scan(entries, pos, size, why, head[:4] == _OLD_MAGIC, 0)
             h = xxhash.xxh3_64(head[:_FIELDS.size])
             left = fields[5] + fields[6]
             while left:
@@ -176,12 +177,12 @@ def _scan(path: Path) -> _Scan:
                 h.update(buf[:n])
                 left -= n
             (checksum,) = _SUM.unpack_from(head, _FIELDS.size)
-            if left or h.intdigest() != checksum:
-                return _Scan(entries, pos, size, "a checksum mismatch", False)
             n = _HEAD + fields[5] + fields[6]
+            if left or h.intdigest() != checksum:
+                return _Scan(entries, pos, size, "a checksum mismatch", False, max(0, size - pos - n))
             entries.append(_Entry(fields[1], pos, n, checksum))
             pos += n
-    return _Scan(entries, pos, size, "", False)
+    return _Scan(entries, pos, size, "", False, 0)
 
 
 def _cut(path: Path, size: int) -> None:
@@ -223,8 +224,11 @@ class WriteAheadLog:
             segs, cuts = self._validate(found, [_scan(p) for _, p in found])
             for seg, scan, version, last in cuts:
                 what = ("the tail of the newest segment, torn by a crash during an append: never "
-                        "acknowledged" if last else
-                        "left by a failed append; the next segment continues without it")
+                        "acknowledged" if last else "left by a failed append or an older build; the "
+                        "next segment continues without it")
+                if scan.beyond:  # a crash tears only the last record: this may be disk damage
+                    what += (f"; but {scan.beyond} bytes follow the damaged record: if versions after "
+                             f"{version} were acknowledged, restore {seg.path.name} from a backup")
                 log.warning("write-ahead log %s: %s at offset %d of %s (%d bytes); cutting it there, "
                             "at version %d (%s)", self.dir, scan.why, scan.end, seg.path.name,
                             scan.size - scan.end, version, what)
@@ -298,7 +302,7 @@ class WriteAheadLog:
 
     # -- replay ----------------------------------------------------------------------------
     def records(self, after: int) -> Iterator[WalRecord]:
-        """Every record with version > ``after``, in order (call before appending again).
+        """Every record with version > ``after``, in order (not while an append is in flight).
         Raises ``WalCorrupt`` when the log resumes after ``after + 1``: the versions between the
         state being replayed onto and the log are in neither."""
         with self._lock:
