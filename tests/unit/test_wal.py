@@ -395,6 +395,19 @@ def test_a_failed_first_append_of_a_segment_is_cut_before_its_name_is_reused(tmp
     assert wal.stats.append_failures == 2
 
 
+def test_a_cut_that_fails_at_recovery_is_retried_by_the_next_append(tmp_path, monkeypatch, caplog):
+    good = _write_segment(tmp_path, 1, [1, 2], torn=_encode(_rec(3))[:30])[:-30]
+    _fail_calls(monkeypatch, "ftruncate", {1})  # a read-only moment: replay must not need the cut
+    with caplog.at_level(logging.WARNING, "hps.wal"):
+        wal = WriteAheadLog(tmp_path)
+    assert "could not cut" in caplog.text and wal.stats.recovery_truncations == 0
+    assert [r.version for r in wal.records(after=0)] == [1, 2]
+    wal.append(_rec(3))  # continues the segment, after cutting the remains
+    wal.close()
+    assert _seg(tmp_path, 1).stat().st_size == len(good) + len(_encode(_rec(3)))
+    assert _versions(tmp_path) == [1, 2, 3]
+
+
 def test_counters(tmp_path):
     wal = WriteAheadLog(tmp_path)
     for v in range(1, 4):
