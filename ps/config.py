@@ -9,23 +9,48 @@ file fails at start-up with a sentence rather than mid-run.
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ps.codecs import CODEC_NAMES
-from ps.errors import BadInput
+from ps.errors import BadInput, short
 
-__all__ = ["OptimizerConfig", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS"]
+__all__ = ["OptimizerConfig", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS", "check_name",
+           "check_member"]
 
 MODES = ("bsp", "ssp", "async")
 ROLES = ("global", "regional", "zone")
 OPTIMIZERS = ("sgd", "adam")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_MEMBER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+def check_name(name: str) -> str:
+    """A job name from the wire, or BadInput (the name cut short in the sentence)."""
+    _require(bool(_NAME.match(name)), f"job name {short(name)} must be 1-63 letters, digits, '.', '_' or '-'")
+    return name
+
+
+def check_member(member: str) -> str:
+    """A member id from the wire (a worker id or a relay's name), or BadInput."""
+    _require(bool(_MEMBER.match(member)),
+             f"member id {short(member)} must be 1-128 letters, digits, '.', '_', ':', '@' or '-'")
+    return member
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise BadInput(message)
+
+
+def _finite(obj) -> None:
+    """Every float field of a config is a finite number: ``lr=inf`` passed every range check
+    (inf > 0) and would have made the first step non-finite."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float):
+            _require(math.isfinite(value), f"{f.name} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +68,7 @@ class OptimizerConfig:
     warmup_steps: int = 0
 
     def __post_init__(self) -> None:
+        _finite(self)
         _require(self.kind in OPTIMIZERS, f"optimizer kind {self.kind!r} is not one of {OPTIMIZERS}")
         _require(self.lr > 0, f"learning rate must be positive, got {self.lr}")
         _require(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
@@ -77,8 +103,9 @@ class JobConfig:
     momentum_correction: bool = False
 
     def __post_init__(self) -> None:
-        _require(bool(_NAME.match(self.name)),
-                 f"job name {self.name!r} must be 1-63 letters, digits, '.', '_' or '-'")
+        _finite(self)
+        _require(isinstance(self.name, str) and bool(_NAME.match(self.name)),
+                 f"job name {short(self.name)} must be 1-63 letters, digits, '.', '_' or '-'")
         _require(self.mode in MODES, f"mode {self.mode!r} is not one of {MODES}")
         _require(self.staleness >= 0, f"staleness must be >= 0, got {self.staleness}")
         _require(self.mode == "ssp" or self.staleness == 0,
@@ -124,8 +151,18 @@ class ServerConfig:
     # Codec of this tier's upward edge, overriding the job's relay codec ("": the job decides):
     # a region whose link to the root is thin may send sign while its zones send top-k.
     up_codec: str = ""
+    # Budgets checked before anything is allocated (refusals are RESOURCE_EXHAUSTED or
+    # INVALID_ARGUMENT with a sentence): the largest job this tier holds, in float32
+    # parameters; the bytes of pushes being received and decoded at once; jobs held.
+    max_job_params: int = 1 << 31
+    push_budget_mb: int = 2048
+    max_jobs: int = 1000
+    # The root ends a job that no worker joined within this many seconds of its creation or
+    # declaration (0: never), so jobs created by mistake do not hold memory and files forever.
+    unjoined_job_ttl_s: float = 86400.0
 
     def __post_init__(self) -> None:
+        _finite(self)
         _require(self.role in ROLES, f"role {self.role!r} is not one of {ROLES}")
         _require(":" in self.listen, f"listen address {self.listen!r} must be HOST:PORT")
         if self.role == "global":
@@ -145,6 +182,11 @@ class ServerConfig:
         _require(self.up_codec == "" or self.up_codec in CODEC_NAMES,
                  f"up codec {self.up_codec!r} is not one of {CODEC_NAMES} (or '' for the job's choice)")
         _require(self.role != "global" or not self.up_codec, "the global root has no upward edge to encode")
+        _require(self.max_job_params >= 1, f"max_job_params must be >= 1, got {self.max_job_params}")
+        _require(self.push_budget_mb >= 1, f"push budget must be >= 1 MB, got {self.push_budget_mb}")
+        _require(self.max_jobs >= 1, f"max_jobs must be >= 1, got {self.max_jobs}")
+        _require(self.unjoined_job_ttl_s >= 0, f"unjoined_job_ttl_s must be >= 0, got {self.unjoined_job_ttl_s}")
+        _require(self.round_timeout_s > 0, f"round timeout must be positive, got {self.round_timeout_s}")
 
     @property
     def display_name(self) -> str:

@@ -1,4 +1,4 @@
-"""Membership, BSP rounds, SSP/async windows and exactly-once bookkeeping (pure, time injected).
+"""Membership, BSP rounds and SSP/async windows (pure, time injected; exactly-once: ps.exactly_once).
 
     members = Membership()
     members.join("w0", now=0.0, first_round=0)
@@ -18,20 +18,21 @@ members, and the root stamps it on every version for SSP's wait.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ps.errors import BadInput, NotReady, Stale
+from ps.errors import BadInput, NotMember, NotReady, Stale, short
 
-__all__ = ["Member", "Membership", "BspRound", "Window", "Aggregate", "SeqBook", "MAX_IN_FLIGHT"]
+__all__ = ["Member", "Membership", "BspRound", "Window", "Aggregate", "all_finite", "MAX_CONTRIBUTORS"]
 
-# async: the most pushes one sender (worker or relay) keeps in flight at once. One at a time
-# made a push wait for the previous one's acknowledgement from the root at every tier:
-# measured 0.35-0.73 s per push through zone, region and root on the demo, and gradients
-# applied ~7 versions after the one they were computed on.
-MAX_IN_FLIGHT = 4
+
+def all_finite(x: np.ndarray) -> bool:
+    """True when every value of ``x`` is finite. One sum, not an element-wise pass: a sum is
+    finite only if every value is (NaN and inf propagate), and a finite vector's sum overflows
+    only near float32's limit, which the exact check then settles."""
+    return bool(math.isfinite(float(np.sum(x, dtype=np.float64)))) or bool(np.isfinite(x).all())
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Member:
     pushes: int = 0
     floor: int = 0  # SSP clock floor this member reported with its latest accepted push
     workers: int = 1  # live workers at or below it, as its latest accepted push reported
+    incarnation: int = 0  # the member process's incarnation, as it registered
+    in_flight: int = 0  # its pushes being received or waiting for their batch here
 
 
 class Membership:
@@ -61,19 +64,25 @@ class Membership:
     def __iter__(self):
         return iter(self._m.values())
 
+    def find(self, member: str) -> Member | None:
+        return self._m.get(member)
+
     def get(self, member: str) -> Member:
         try:
             return self._m[member]
         except KeyError:
-            raise NotReady(f"{member!r} is not a registered member of this job here; register first") from None
+            raise NotMember(f"{short(member)} is not a registered member of this job here; register "
+                            "first") from None
 
     def join(self, member: str, now: float, first_round: int, role: str = "worker",
-             address: str = "", floor: int = 0) -> Member:
+             address: str = "", floor: int = 0, incarnation: int = 0) -> Member:
         old = self._m.get(member)
-        if old is not None:  # re-registration keeps the place it had in the rounds
+        if old is not None and old.incarnation == incarnation:
+            # Re-registration keeps the place it had in the rounds.
             old.last_seen, old.role, old.address = now, role, address
             return old
-        m = Member(member, role, address, first_round, now, floor=floor)
+        # New, or a new incarnation replacing a dead one (the caller dropped its contribution).
+        m = Member(member, role, address, first_round, now, floor=floor, incarnation=incarnation)
         self._m[member] = m
         return m
 
@@ -105,6 +114,18 @@ class Membership:
         return min((m.floor for m in self._m.values()), default=default)
 
 
+# The most worker gradients one push or one batch may sum: far beyond any cluster, and far
+# below the u32 a relay's PushHeader carries, so an aggregate can always be forwarded (a count
+# past 2^32-1 once made a zone's forward raise and wedged the round).
+MAX_CONTRIBUTORS = 1 << 24
+
+
+def _check_contributors(pushed: dict[str, int], contributors: int) -> None:
+    if contributors < 0 or sum(pushed.values()) + contributors > MAX_CONTRIBUTORS:
+        raise BadInput(f"a push of {contributors} contributors takes its batch past {MAX_CONTRIBUTORS} "
+                       "worker gradients")
+
+
 @dataclass(frozen=True)
 class Aggregate:
     """A closed round: the summed gradient and who is in it."""
@@ -129,25 +150,28 @@ class BspRound:
     _clock_min: int | None = None
     _clock_max: int | None = None
 
-    def check(self, member: str, base_version: int) -> None:
+    def check(self, member: str, base_version: int, contributors: int = 0) -> None:
         """Raise unless ``member`` may push for this round now (changes nothing)."""
         if base_version < self.round:
             raise Stale(f"gradient computed on version {base_version}, but round {self.round} is "
-                        "open here; the round it belonged to has closed: pull and recompute")
+                        "open here; the round it belonged to has closed: pull and recompute",
+                        wait_version=self.round)
         if base_version > self.round:
             raise NotReady(f"gradient computed on version {base_version}, ahead of this tier's round "
                            f"{self.round}; the tier is still catching up, retry shortly")
         if member in self.pushed:
-            raise BadInput(f"{member!r} already pushed for round {self.round} with another sequence number")
+            raise BadInput(f"{short(member)} already pushed for round {self.round} with another sequence number")
+        _check_contributors(self.pushed, contributors)
 
     def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
             clocks: tuple[int, int]) -> None:
-        self.check(member, base_version)
+        self.check(member, base_version, contributors)
         if grad is not None and contributors > 0:
             if self._sum is None:
                 self._sum = np.array(grad, dtype=np.float32, copy=True)
             else:
-                self._sum += grad
+                with np.errstate(over="ignore"):  # an overflow is refused when the batch closes
+                    self._sum += grad
             lo, hi = clocks
             self._clock_min = lo if self._clock_min is None else min(self._clock_min, lo)
             self._clock_max = hi if self._clock_max is None else max(self._clock_max, hi)
@@ -185,21 +209,23 @@ class Window:
     # order (a later push's floor must never overtake an earlier push's gradients).
     repeats: bool = False
 
-    def check(self, member: str) -> None:
+    def check(self, member: str, contributors: int = 0) -> None:
         if member in self.pushed and not self.repeats:
-            raise BadInput(f"{member!r} pushed twice into one aggregation window; an ssp sender keeps "
+            raise BadInput(f"{short(member)} pushed twice into one aggregation window; an ssp sender keeps "
                            "one push in flight and sums gradients meanwhile")
+        _check_contributors(self.pushed, contributors)
 
     def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
             clocks: tuple[int, int], nbytes: int, now: float) -> None:
-        self.check(member)
+        self.check(member, contributors)
         if self.opened is None:
             self.opened = now
         if grad is not None and contributors > 0:
             if self._sum is None:
                 self._sum = np.array(grad, dtype=np.float32, copy=True)
             else:
-                self._sum += grad
+                with np.errstate(over="ignore"):  # an overflow is refused when the batch closes
+                    self._sum += grad
             self.base_min = base_version if self.base_min is None else min(self.base_min, base_version)
             lo, hi = clocks
             self._clock_min = lo if self._clock_min is None else min(self._clock_min, lo)
@@ -216,42 +242,3 @@ class Window:
         base = self.base_min if self.base_min is not None else default_base
         return Aggregate(base, grad, total, self._clock_min or 0, self._clock_max or 0,
                          tuple(self.pushed), self.nbytes)
-
-
-@dataclass
-class SeqBook:
-    """Exactly-once bookkeeping for one sender (invariant 4).
-
-    ``classify(seq)`` says whether a push is a duplicate of an acknowledged one (answer with
-    the recorded ack, apply nothing), "seen" (accepted before but never acknowledged: pending,
-    or refused and never applied, so it may be processed again), or new. A sender reuses a
-    number until it is acknowledged; an async sender may have up to MAX_IN_FLIGHT numbers out
-    at once, which can arrive out of order (an overtaken one is "seen", never applied yet, so
-    processed as it comes). A number further ahead than that is a bug or an attack.
-    """
-
-    highest: int = 0
-    acks: OrderedDict = field(default_factory=OrderedDict)  # seq -> recorded ack
-    keep: int = 64
-
-    def classify(self, seq: int) -> str:
-        if seq == 0:
-            raise BadInput("push sequence numbers start at 1; got 0")
-        if seq in self.acks:
-            return "duplicate"
-        # Slack beyond MAX_IN_FLIGHT: windows aborted by a reset still retry while new ones go.
-        if seq > self.highest + 4 * MAX_IN_FLIGHT:
-            raise BadInput(f"push sequence {seq} is from the future: the last one seen from this "
-                           f"sender is {self.highest}; sequences increase by one, with at most "
-                           f"{MAX_IN_FLIGHT} pushes in flight at a time")
-        if seq <= self.highest:
-            return "seen"
-        return "new"
-
-    def accept(self, seq: int) -> None:
-        self.highest = max(self.highest, seq)
-
-    def record(self, seq: int, ack: object) -> None:
-        self.acks[seq] = ack
-        while len(self.acks) > self.keep:
-            self.acks.popitem(last=False)

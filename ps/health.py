@@ -1,7 +1,7 @@
 """The standard gRPC health service (``grpc.health.v1.Health``) of a tier: what probes ask.
 
     health = Health(tier)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_generic_rpc_handlers([health_handler(health)])
     ...
     health.drain()        # on SIGTERM, before the server stops: every service NOT_SERVING
 
@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps.wire import SERVICE
 
-__all__ = ["Health", "LIVENESS", "synced"]
+__all__ = ["Health", "LIVENESS", "synced", "health_handler"]
 
 LIVENESS = "hps.liveness"
 _READINESS = ("", SERVICE)
@@ -84,3 +85,26 @@ class Health(health_pb2_grpc.HealthServicer):
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 last = status
             await asyncio.sleep(self.poll_s)
+
+
+def health_handler(health: Health) -> grpc.GenericRpcHandler:
+    """``grpc.health.v1.Health`` with requests parsed here: a request that does not parse gets
+    INVALID_ARGUMENT with a sentence (the generated servicer answered UNKNOWN and logged a
+    traceback for each)."""
+    async def parsed(data: bytes, context) -> health_pb2.HealthCheckRequest:
+        try:
+            return health_pb2.HealthCheckRequest.FromString(data)
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the HealthCheckRequest does not parse")
+
+    async def check(data, context):
+        return await health.Check(await parsed(data, context), context)
+
+    async def watch(data, context):
+        await health.Watch(await parsed(data, context), context)
+
+    serialize = health_pb2.HealthCheckResponse.SerializeToString
+    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
+        "Check": grpc.unary_unary_rpc_method_handler(check, None, serialize),
+        "Watch": grpc.unary_stream_rpc_method_handler(watch, None, serialize),
+    })

@@ -7,21 +7,16 @@
 
 from __future__ import annotations
 
-import grpc
-
 from ps.config import JobConfig
-from ps.errors import from_rpc_error
-from ps.wire import GRPC_OPTIONS, encode_create_job, job_from_pb, pb, stubs
+from ps.rpc import Caller
+from ps.wire import encode_create_job, jobs_from_pb, pb
 
 __all__ = ["declare", "list_jobs", "end", "format_jobs"]
 
 
 def _rpc(address: str, name: str, request, timeout_s: float = 10.0):
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as ch:
-        try:
-            return stubs(ch)[name](request, timeout=timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+    with Caller(address) as rpc:
+        return rpc.call(name, request, timeout_s)
 
 
 def declare(address: str, config: JobConfig) -> bool:
@@ -30,9 +25,7 @@ def declare(address: str, config: JobConfig) -> bool:
 
 
 def list_jobs(address: str) -> list[dict]:
-    reply = _rpc(address, "ListJobs", pb.ListJobsRequest())
-    return [dict(config=job_from_pb(j.config), state=j.state, version=j.version, members=j.members,
-                 parameters=j.parameters) for j in reply.jobs]
+    return jobs_from_pb(_rpc(address, "ListJobs", pb.ListJobsRequest()))
 
 
 def end(address: str, job: str) -> int:

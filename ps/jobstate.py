@@ -1,4 +1,4 @@
-"""One job's state at one tier, and what a tier answers (plain data for the async shell).
+"""One job's state at one tier (plain data for the async shell).
 
     js = JobState(config, layout)        # view, delta log, members, the open round or window
     js.notify()                          # wakes every pull waiting for a newer version
@@ -11,36 +11,25 @@ pushes and pulls wait on.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ps.codecs import get_codec
 from ps.config import JobConfig
-from ps.consistency import BspRound, Membership, SeqBook, Window
+from ps.consistency import BspRound, Membership, Window
 from ps.deltas import DeltaLog
 from ps.encoder import Encoder
-from ps.errors import Stale, UnknownJob
+from ps.errors import HpsError, Stale, UnknownJob
+from ps.exactly_once import AppliedBook, SeqBook
 from ps.store import Layout, View
 from ps.tensors import Chunk, split
+from ps.types import Ack, PushKey, Registration
 
 __all__ = ["Ack", "Registration", "JobStats", "JobState"]
 
-
-@dataclass(frozen=True)
-class Ack:
-    applied_version: int
-    view_epoch: int
-    duplicate: bool = False
-
-
-@dataclass(frozen=True)
-class Registration:
-    config: JobConfig
-    layout: Layout
-    start_version: int
-    server_epoch: int
-    start_clock: int = 0
+_DEPARTED_BOOKS = 4096  # sequence books kept for members that left or timed out
 
 
 @dataclass
@@ -54,6 +43,12 @@ class JobStats:
     deltas_served: int = 0
     rounds: int = 0
     aborted_rounds: int = 0
+    restarted_rounds: int = 0    # open rounds restarted without a member that left with its push
+    refused_rounds: int = 0      # closed rounds refused whole (non-finite sum, failed write, ...)
+    duplicates: int = 0          # retries answered with the recorded acknowledgement
+    resolved: int = 0            # retries whose outcome had to be asked of the parent or root
+    durable_failures: int = 0    # root: versions refused because the log write failed
+    checkpoint_failures: int = 0  # root: checkpoints that failed to write
     staleness_count: int = 0
     staleness_sum: int = 0
     staleness_max: int = 0
@@ -79,20 +74,36 @@ class JobState:
     log: DeltaLog = None
     members: Membership = field(default_factory=Membership)
     books: dict[str, SeqBook] = field(default_factory=dict)
+    # Books of members that left or timed out, so a retry after a short absence is still
+    # recognised (bounded: oldest first out).
+    departed: OrderedDict = field(default_factory=OrderedDict)
     round: BspRound = None               # bsp: the open round
     window: Window = None                # ssp/async: the open aggregation window
     futs: dict[int, asyncio.Future] = field(default_factory=dict)  # open/in-flight batches
     serial: int = 0                      # the open batch's key in futs
+    # The worker pushes each open or in-flight batch sums (what a relay forwards as sources,
+    # what the root records as applied), and where each one is.
+    sources: dict[int, list[PushKey]] = field(default_factory=dict)
+    where: dict[tuple[str, int, int], int] = field(default_factory=dict)
     inflight: int = 0                    # ssp/async: closed windows being applied / sent up
     timer: asyncio.TimerHandle | None = None
     reported_floor: int = 0              # the clock floor last sent up (relay) or stamped (root)
-    pending: dict[tuple[str, int], asyncio.Future] = field(default_factory=dict)
+    pending: dict[tuple[str, int, int], asyncio.Future] = field(default_factory=dict)
     stats: JobStats = field(default_factory=JobStats)
     parent_version: int = 0
     synced_at: float = 0.0
+    created_at: float = 0.0
+    joined: bool = False                 # a member ever registered (the root reaps jobs nobody joins)
     encoder: Encoder | None = None       # relay: the upward edge's codec and residuals
     unsent_report: tuple[float, int, float] = (0.0, 0, 0.0)  # relay: telemetry not yet sent up
-    scratch: np.ndarray | None = None    # root: reused buffer for params - view
+    # The root's own (a relay leaves them unset; the layering issue types them apart):
+    applied: AppliedBook = field(default_factory=AppliedBook)  # worker pushes applied
+    params: np.ndarray | None = None     # authoritative parameters
+    optimizer: object = None             # ps.optim.ServerOptimizer over ``params``
+    wal: object = None                   # ps.wal.WriteAheadLog, when durable
+    apply_lock: asyncio.Lock | None = None  # one version applied at a time
+    last_checkpoint: tuple[float, float, int] | None = None  # (unix time, seconds, version)
+    scratch: np.ndarray | None = None    # reused buffer for params - view
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _snapshot: tuple[int, int, list[Chunk]] | None = None
 
@@ -120,32 +131,84 @@ class JobState:
         except asyncio.TimeoutError:
             pass
 
+    # -- members' sequence books -------------------------------------------------------------
+    def book(self, member: str, incarnation: int) -> SeqBook:
+        """The sequence book of this member incarnation; a new incarnation starts a new one."""
+        book = self.books.get(member)
+        if book is None or book.incarnation != incarnation:
+            old = self.departed.pop(member, None)
+            book = old if old is not None and old.incarnation == incarnation else SeqBook(incarnation)
+            self.books[member] = book
+        return book
+
+    def retire(self, member: str) -> None:
+        """The member left or timed out: keep its book a while for late retries."""
+        book = self.books.pop(member, None)
+        if book is not None:
+            self.departed[member] = book
+            self.departed.move_to_end(member)
+            while len(self.departed) > _DEPARTED_BOOKS:
+                self.departed.popitem(last=False)
+
+    # -- batches -----------------------------------------------------------------------------
     def open_future(self) -> asyncio.Future:
         """The outcome of the open batch (round or window), shared by every push in it."""
         fut = self.futs.get(self.serial)
         if fut is None:
             fut = self.futs[self.serial] = asyncio.get_running_loop().create_future()
             key = self.serial
-            fut.add_done_callback(lambda _: self.futs.pop(key, None))
+            fut.add_done_callback(lambda f: self.futs.pop(key) if self.futs.get(key) is f else None)
         return fut
 
-    def close_batch(self) -> asyncio.Future:
-        fut = self.open_future()
+    def add_sources(self, keys: tuple[PushKey, ...]) -> None:
+        """The open batch now sums these worker pushes."""
+        self.sources.setdefault(self.serial, []).extend(keys)
+        for k in keys:
+            self.where[(k.member, k.incarnation, k.seq)] = self.serial
+
+    def close_batch(self) -> tuple[asyncio.Future, tuple[PushKey, ...]]:
+        """Close the open batch: its future and the worker pushes it sums."""
+        fut, serial = self.open_future(), self.serial
+        keys = tuple(self.sources.get(serial, ()))
+        fut.add_done_callback(lambda _: self._forget_sources(serial))
         self.serial += 1
-        return fut
+        return fut, keys
 
-    def reset_round(self, round_: int, why: str) -> None:
-        """Abort every pending push (they were not applied) and open ``round_``."""
-        for fut in list(self.futs.values()):
-            if not fut.done():
-                fut.set_exception(Stale(f"the batch was aborted ({why}); pull the latest version"))
-                self.stats.aborted_rounds += 1
-        self.futs.clear()
-        self.round = BspRound(round=round_, numel=self.layout.numel)
+    def _forget_sources(self, serial: int) -> None:
+        for k in self.sources.pop(serial, ()):
+            if self.where.get((k.member, k.incarnation, k.seq)) == serial:
+                del self.where[(k.member, k.incarnation, k.seq)]
+
+    def batch_of(self, key: PushKey) -> asyncio.Future | None:
+        """The future of the open or in-flight batch that holds worker push ``key``, if any."""
+        serial = self.where.get((key.member, key.incarnation, key.seq))
+        return None if serial is None else self.futs.get(serial)
+
+    def fail_open(self, exc: HpsError) -> int:
+        """Fail the open batch's pushes with ``exc`` (not applied) and start a fresh batch with
+        the same round number; returns how many pushes were failed."""
+        n = len(self.round.pushed if self.bsp else self.window.pushed)
+        fut = self.futs.get(self.serial)
+        self._forget_sources(self.serial)
+        self.serial += 1
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: nobody may be waiting any more
+        self.round = BspRound(round=self.round.round, numel=self.layout.numel)
         self.window = self.new_window()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        return n
+
+    def reset_round(self, round_: int, why: str) -> None:
+        """Open ``round_``, failing the open batch's pushes as Stale (they were never sent on, so
+        never applied). Closed batches in flight are left to whoever finishes them: their
+        outcome is still to come."""
+        if self.fail_open(Stale(f"the round was abandoned ({why}); pull version {round_} and "
+                                "compute again", wait_version=round_)):
+            self.stats.aborted_rounds += 1
+        self.round = BspRound(round=round_, numel=self.layout.numel)
         for m in self.members:
             m.first_round = min(m.first_round, round_)
 
@@ -154,6 +217,7 @@ class JobState:
         for fut in list(self.futs.values()):
             if not fut.done():
                 fut.set_exception(UnknownJob(why))
+                fut.exception()
         self.futs.clear()
         if self.timer is not None:
             self.timer.cancel()

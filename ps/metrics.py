@@ -27,7 +27,7 @@ import asyncio
 import time
 from contextlib import contextmanager
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily,
                                     SummaryMetricFamily)
 from prometheus_client.gc_collector import GCCollector
@@ -100,6 +100,12 @@ class RpcMetrics:
         names = [*self._base, "job"]
         self._hist = {m: Histogram(f"hps_{m}_duration_seconds", doc, names, registry=registry,
                                    buckets=_BUCKETS) for m, doc in _RPCS.items()}
+        # By method and status code only: both sets are small and fixed (no job, no caller).
+        self._errors = Counter("hps_rpc_errors_total", "RPCs this tier refused or failed, by method "
+                               "and gRPC status code", [*self._base, "method", "code"], registry=registry)
+
+    def error(self, method: str, code: str) -> None:
+        self._errors.labels(**self._base, method=method, code=code).inc()
 
     @contextmanager
     def timed(self, rpc: str):
@@ -117,6 +123,9 @@ class _NoRpcMetrics:
     @contextmanager
     def timed(self, rpc: str):
         yield _Timing()
+
+    def error(self, method: str, code: str) -> None:
+        pass
 
 
 NO_RPC_METRICS = _NoRpcMetrics()
@@ -276,6 +285,15 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
     rounds = counter("hps_rounds_total", "BSP rounds (or ssp/async windows) closed at this tier")
     aborted = counter("hps_aborted_rounds_total", "Rounds aborted before they were applied (a tier "
                                                   "or the root restarted)")
+    restarted = counter("hps_restarted_rounds_total", "Open rounds restarted because a member left, "
+                                                      "timed out or was replaced with its push in them "
+                                                      "(their other pushers resend)")
+    refused = counter("hps_refused_rounds_total", "Closed rounds refused whole (a non-finite sum, a "
+                                                  "failed durable write, a refusal from the parent)")
+    dups = counter("hps_duplicate_pushes_total", "Retried pushes answered with the recorded "
+                                                 "acknowledgement (applied once)")
+    resolved = counter("hps_resolved_pushes_total", "Retries that could not be placed and whose outcome "
+                                                    "was asked up the tree before answering")
     wait = SummaryMetricFamily("hps_barrier_wait_seconds", "Time accepted pushes waited for their "
                                                            "round (BSP barrier) or window to be "
                                                            "applied", labels=jl)
@@ -288,7 +306,8 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
     w_step = SummaryMetricFamily("hps_worker_step_seconds", "Wall time of the workers' steps "
                                  "(compute, push and pull) as they reported them", labels=jl)
     out += [version, lag_v, lag_s, members, open_round, pushes, push_bytes, pull_bytes, push_raw,
-            pull_raw, hits, fallbacks, rounds, aborted, wait, bound, w_loss, w_step]
+            pull_raw, hits, fallbacks, rounds, aborted, restarted, refused, dups, resolved, wait, bound,
+            w_loss, w_step]
     staleness = stale_max = None
     if s["role"] == "global":
         # A summary, not a histogram: the root keeps only the count, sum and maximum.
@@ -322,6 +341,10 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
         fallbacks.add_metric(lv, j["snapshots_served"])
         rounds.add_metric(lv, j["rounds"])
         aborted.add_metric(lv, j["aborted_rounds"])
+        restarted.add_metric(lv, j["restarted_rounds"])
+        refused.add_metric(lv, j["refused_rounds"])
+        dups.add_metric(lv, j["duplicates"])
+        resolved.add_metric(lv, j["resolved"])
         wait.add_metric(lv, count_value=j["pushes"], sum_value=j["round_wait_ms_sum"] / 1000.0)
         w_loss.add_metric(lv, count_value=j["loss_count"], sum_value=j["loss_sum"])
         w_step.add_metric(lv, count_value=j["loss_count"], sum_value=j["step_seconds_sum"])

@@ -9,7 +9,10 @@ What it does with what passes through:
 - downward: follows the parent's versions with long-polling pulls, verifies every checksum,
   and keeps the deltas verbatim in its own log, so its children are served without going
   upstream and a region pulls each delta across the WAN once.
-A relay holds no durable state: after a restart it rebuilds from its parent.
+A relay holds no durable state: after a restart it rebuilds from its parent. Its member id
+at the parent is its name, stable across restarts, with its epoch as the incarnation: a
+restarted relay replaces its dead self there (whose push leaves the parent's open round), and
+its children's retries of pushes the dead one forwarded are resolved up the tree.
 """
 
 from __future__ import annotations
@@ -17,15 +20,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ps.config import ServerConfig
-from ps.consistency import MAX_IN_FLIGHT, Aggregate, BspRound
+import numpy as np
+
+from ps.config import JobConfig, ServerConfig
+from ps.consistency import Aggregate
 from ps.deltas import DeltaEntry
-from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, UnknownJob
 from ps.encoder import Encoder
+from ps.errors import (BadInput, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable,
+                       UnknownJob, short)
+from ps.exactly_once import MAX_IN_FLIGHT
+from ps.store import Layout
 from ps.tensors import assemble, payload_bytes
 from ps.tier import JobState, Tier
+from ps.types import PullMeta, PushKey, PushMeta
 from ps.upstream import Upstream
-from ps.wire import PullMeta, PushMeta, encode_push
+from ps.wire import encode_push
 
 __all__ = ["Relay"]
 
@@ -39,8 +48,8 @@ class Relay(Tier):
     def __init__(self, config: ServerConfig, **kw) -> None:
         super().__init__(config, **kw)
         self.role = config.role
-        self.member_id = f"{config.display_name}-{self.epoch:x}"
-        self.up = Upstream(config.parent, self.member_id, config.role,
+        self.member_id = config.display_name
+        self.up = Upstream(config.parent, self.member_id, config.role, incarnation=self.epoch,
                            timeout_s=config.upstream_timeout_s)
         self.attached: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -51,6 +60,15 @@ class Relay(Tier):
 
     def set_address(self, address: str) -> None:
         self.up.own_address = address
+
+    def job(self, name: str) -> JobState:
+        js = self.jobs.get(name)
+        if js is not None or name in self.ended:
+            return super().job(name)
+        # A relay learns jobs from its children's registrations; after a restart it holds
+        # none. The caller must register (which asks the root), not end its training.
+        raise NotMember(f"job {short(name)} is not held at this {self.role} tier (it restarted, or no "
+                        "member registered here yet); register again")
 
     async def start(self) -> None:
         await super().start()
@@ -67,22 +85,33 @@ class Relay(Tier):
 
     # -- joining the parent ----------------------------------------------------------------
     async def _job_for_register(self, job: str) -> JobState:
-        async with self._locks.setdefault(job, asyncio.Lock()):
-            js = self.jobs.get(job)
-            if js is not None and job in self.attached:
-                return js
-            reg = await self.up.register(job, last_seq=max(self._up_acked.get(job, 0),
-                                                           self._up_issued.get(job, 0)))
-            if js is None or js.layout != reg.layout:
-                js = JobState(reg.config, reg.layout)
-                self.jobs[job] = js
-                self._tasks.append(asyncio.create_task(self._follow(job), name=f"follow-{job}"))
-            self.attached.add(job)
-            if js.round.round != reg.start_version:
-                js.reset_round(reg.start_version, "joined the parent's round")
-            log.info("%s: attached to job %s at parent %s, round %d", self.role, job,
-                     self.config.parent, reg.start_version)
+        lock = self._locks.setdefault(job, asyncio.Lock())
+        try:
+            async with lock:
+                return await self._attach(job)
+        finally:
+            # A lock per job name asked for: a caller naming random jobs must not grow this.
+            if job not in self.jobs and not lock.locked() and self._locks.get(job) is lock:
+                del self._locks[job]
+
+    async def _attach(self, job: str) -> JobState:
+        if job in self.ended:
+            return super().job(job)  # UnknownJob: ended
+        js = self.jobs.get(job)
+        if js is not None and job in self.attached:
             return js
+        reg = await self.up.register(job, last_seq=max(self._up_acked.get(job, 0),
+                                                       self._up_issued.get(job, 0)))
+        if js is None or js.layout != reg.layout:
+            js = JobState(reg.config, reg.layout)
+            self.jobs[job] = js
+            self._tasks.append(asyncio.create_task(self._follow(job), name=f"follow-{job}"))
+        self.attached.add(job)
+        if js.round.round != reg.start_version:
+            js.reset_round(reg.start_version, "joined the parent's round")
+        log.info("%s: attached to job %s at parent %s, round %d", self.role, job,
+                 self.config.parent, reg.start_version)
+        return js
 
     async def _members_changed(self, js: JobState) -> None:
         await super()._members_changed(js)
@@ -121,8 +150,9 @@ class Relay(Tier):
                         log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
 
     # -- upward ----------------------------------------------------------------------------
-    def _finish_round(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
-        task = asyncio.create_task(self._forward(js, agg, floor, fut))
+    def _finish_round(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                      fut: asyncio.Future) -> None:
+        task = asyncio.create_task(self._forward(js, agg, keys, floor, fut))
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
@@ -131,21 +161,30 @@ class Relay(Tier):
         # comes only once the root applied it (a whole tree's round trip, or an ocean's).
         return MAX_IN_FLIGHT if js.config.mode == "async" else 1
 
-    async def _forward(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
+    async def _forward(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                       fut: asyncio.Future) -> None:
         job = js.config.name
-        if js.config.mode == "async":
-            # Each window in flight has its own sequence number, reused by its own retries.
-            seq = self._up_issued[job] = max(self._up_issued.get(job, 0), self._up_acked.get(job, 0)) + 1
-            await self._forward_one(js, agg, floor, fut, seq)
-            return
-        # bsp/ssp: one forward per job at a time, its number reused until acknowledged (a
-        # refused round is sent again under it). A second forward started while the first
-        # retries would carry the same number and get the first one's recorded ack --
-        # acknowledged, never applied (invariant 4).
-        async with self._fwd_locks.setdefault(job, asyncio.Lock()):
-            await self._forward_one(js, agg, floor, fut, self._up_acked.get(job, 0) + 1)
+        try:
+            if js.config.mode == "async":
+                # Each window in flight has its own sequence number, reused by its own retries.
+                seq = self._up_issued[job] = max(self._up_issued.get(job, 0), self._up_acked.get(job, 0)) + 1
+                await self._forward_one(js, agg, keys, floor, fut, seq)
+                return
+            # bsp/ssp: one forward per job at a time, its number reused until acknowledged (a
+            # refused round is sent again under it). A second forward started while the first
+            # retries would carry the same number and get the first one's recorded ack --
+            # acknowledged, never applied (invariant 4).
+            async with self._fwd_locks.setdefault(job, asyncio.Lock()):
+                await self._forward_one(js, agg, keys, floor, fut, self._up_acked.get(job, 0) + 1)
+        except Exception as exc:  # never leave the children of a closed batch waiting
+            if not isinstance(exc, HpsError):
+                log.exception("%s: forwarding round %d of %s failed", self.role, agg.round, job)
+                exc = Unavailable(f"this {self.role} tier failed to forward the round "
+                                  f"({type(exc).__name__}); push again")
+            self._refuse(js, agg, fut, exc)
 
-    async def _forward_one(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future, seq: int) -> None:
+    async def _forward_one(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                           fut: asyncio.Future, seq: int) -> None:
         job = js.config.name
         # Re-encode the sum with this relay's own residual: sums of top-k vectors get denser
         # at every level, so re-sparsify (DGC; design invariant 6). Off the event loop: a large
@@ -155,7 +194,7 @@ class Relay(Tier):
         (loss, n, secs), js.unsent_report = js.unsent_report, (0.0, 0, 0.0)
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
                                       agg.contributors, agg.clock_min, agg.clock_max, floor,
-                                      loss, n, secs, js.members.workers()), chunks)
+                                      loss, n, secs, js.members.workers(), self.epoch, keys), chunks)
         js.reported_floor = max(js.reported_floor, floor)
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]
@@ -163,50 +202,73 @@ class Relay(Tier):
             try:
                 ack = await self.up.push(frames, timeout=max(1.0, deadline - self.clock()))
                 break
-            except (Unavailable, TimedOut) as exc:
-                # Outcome unknown: retry with the same sequence number; the parent
-                # answers a retry of an applied push with its recorded ack (invariant 4).
-                if self.clock() + delay > deadline:
-                    self._refused(js, agg, fut, exc)
-                    return
-                log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
-                            agg.round, job, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_S[1])
+            except NotMember as exc:
+                # The parent does not know us (it restarted, or timed us out): register again
+                # and resend the very same push. The parent then places it, or -- if its round
+                # moved on -- asks the root whether it was applied before answering.
+                log.warning("%s: parent forgot us while pushing round %d of %s (%s); registering "
+                            "again", self.role, agg.round, job, exc)
+                self.attached.discard(job)
+                failure: HpsError = exc
+                try:
+                    await self._job_for_register(job)
+                    delay = _BACKOFF_S[0]  # registered again: resend soon
+                except UnknownJob as gone:
+                    self._drop_job(job, str(gone))
+                    raise
+                except HpsError as again:
+                    failure = again
             except UnknownJob as exc:
-                gone = await self._job_gone(job)
-                self._refused(js, agg, fut, exc if gone else Stale(
-                    f"the parent lost this round ({exc}); pull the latest version and push again"))
-                return
-            except HpsError as exc:
-                log.warning("%s: parent refused round %d of %s: %s", self.role, agg.round, job, exc)
-                if isinstance(exc, NotReady):
-                    self.attached.discard(job)  # dropped upstream: the heartbeat loop re-registers
-                self._refused(js, agg, fut, Stale(f"the parent refused this round: {exc}"))
-                return
+                if await self._job_gone(job):
+                    raise
+                failure, delay = exc, _BACKOFF_S[0]
+            except (Unavailable, TimedOut, Exhausted, NotReady) as exc:
+                # Outcome unknown, or the parent is catching up: retry with the same sequence
+                # number; the parent answers a retry of an applied push with its ack.
+                failure = exc
+            # Anything else (Stale: not applied and it will not be; BadInput; Conflict) is the
+            # parent's answer to the children, passed on as it is (_forward refuses the batch).
+            if self.clock() + delay > deadline:
+                raise failure
+            log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
+                        agg.round, job, failure)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _BACKOFF_S[1])
         self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
         js.stats.bytes_pushed_up += payload_bytes(chunks)
         if not fut.done():
             fut.set_result(ack)
 
-    @staticmethod
-    def _refused(js: JobState, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
-        """The parent did not apply a closed batch: fail its pushers, and in BSP open that round
-        again. The children pull, find the same version, and push on it once more; were the
-        next round left open, every such push would be refused as stale until a new version
-        came (seen as a worker spinning through refused steps after a root restart)."""
-        if (js.bsp and js.round.round == agg.round + 1 and not js.round.pushed
-                and js.view.version <= agg.round):
-            js.round = BspRound(round=agg.round, numel=js.layout.numel)
+    def _refuse(self, js: JobState, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
         if js.encoder is not None and not js.encoder.lossless:
             # The refused aggregate's unsent part is in the residual, and its children will
             # send the same gradients again: drop it rather than count it twice.
             js.encoder.reset()
-        if not fut.done():
-            fut.set_exception(exc)
+        super()._refuse(js, agg, fut, exc)
+
+    async def _resolve_here(self, js: JobState, keys: tuple[PushKey, ...], wait_s: float
+                            ) -> tuple[str, int, int]:
+        """Nothing in flight here holds these pushes: the parent (and above it the root) knows."""
+        return await self.up.resolve(js.config.name, keys, wait_s)
 
     def parent_reachable(self) -> bool:
         return self.up.reachable
+
+    # -- jobs: the root decides; a relay passes the calls on --------------------------------
+    def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> None:
+        if layout is not None and layout.numel > self.config.max_job_params:
+            raise BadInput(f"job has {layout.numel} parameters; this {self.role} tier holds jobs of at "
+                           f"most {self.config.max_job_params} (--max-job-params)")
+
+    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, values: np.ndarray | None
+                         ) -> tuple[bool, int, int]:
+        return await self.up.create_job(cfg, layout, values)
+
+    async def list_jobs(self) -> list[dict]:
+        return await self.up.list_jobs()
+
+    async def end_job(self, name: str) -> int:
+        return await self.up.end_job(name)
 
     def encoder(self, js: JobState) -> Encoder:
         """The job's upward codec at this tier: --up-codec, else the job's relay codec, else
@@ -269,6 +331,9 @@ class Relay(Tier):
         log.warning("%s: dropping job %s: %s", self.role, job, why)
         self.ended[job] = js.view.version
         self.attached.discard(job)
+        for per_job in (self._up_acked, self._up_issued, self._fwd_locks, self._locks):
+            per_job.pop(job, None)
+        self._force_snapshot.discard(job)
         js.abort(why)
 
     def apply_pulled(self, js: JobState, meta: PullMeta, versions: list) -> None:

@@ -6,6 +6,12 @@
 A closed round becomes one optimizer step on the averaged sum, then a new published version:
 d_v = encode(params_v - view_{v-1}); view_v = view_{v-1} + decode(d_v). Whatever the codec
 drops stays in params - view and goes out with the next delta (error feedback, invariant 6).
+
+A version is applied whole or not at all (invariants 7, 8): the optimizer steps, its output
+is checked (finite), the record is made durable in the write-ahead log, and only then is the
+version published and acknowledged. If the output is not finite or the write fails, the job
+goes back to version v exactly (from its checkpoint and log, or an in-memory copy when it
+keeps none), the round's pushers hear why, and the round opens again.
 """
 
 from __future__ import annotations
@@ -15,25 +21,30 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
 from ps import checkpoint
 from ps.codecs import get_codec
-from ps.config import JobConfig, OptimizerConfig, ServerConfig
-from ps.consistency import Aggregate
+from ps.config import JobConfig, OptimizerConfig, ServerConfig, check_name
+from ps.consistency import Aggregate, all_finite
 from ps.deltas import DeltaEntry
-from ps.errors import Conflict, UnknownJob
+from ps.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
+from ps.exactly_once import decode_keys, encode_keys
 from ps.optim import ServerOptimizer
 from ps.store import KeySpec, Layout, checksum
-from ps.tensors import Chunk, assemble, split
-from ps.tier import Ack, JobState, Tier
-from ps.wal import WalRecord, WriteAheadLog
+from ps.tensors import assemble, split
+from ps.tier import APPLIED, NOT_APPLIED, UNKNOWN, Ack, JobState, Tier
+from ps.types import PushKey
+from ps.wal import WalCorrupt, WalRecord, WalWriteError, WriteAheadLog
 
 __all__ = ["Root"]
 
 log = logging.getLogger("hps.root")
+
+_CKPT_APPLIED_VERSIONS = 64  # versions of applied-push records a checkpoint carries
 
 
 class Root(Tier):
@@ -43,21 +54,55 @@ class Root(Tier):
         super().__init__(config, **kw)
         self._ckpt_tasks: set[asyncio.Task] = set()
         self.declared: dict[str, JobConfig] = {}   # configured, waiting for parameters
+        self.declared_at: dict[str, float] = {}
         self.ended_configs: dict[str, tuple[JobConfig, int]] = {}
+        self.damaged: dict[str, str] = {}  # jobs whose log could not be replayed: why
         if config.checkpoint_dir:
             self._restore_all()
 
+    def job(self, name: str) -> JobState:
+        if name in self.damaged:
+            raise Unavailable(f"job {short(name)} is not served: {self.damaged[name]}")
+        return super().job(name)
+
     # -- jobs ------------------------------------------------------------------------------
-    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, chunks: list[Chunk]
+    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, values: np.ndarray | None
                          ) -> tuple[bool, int, int]:
         """Declare (no layout), initialise (a name only: adopt the declared config) or both.
 
         Returns (created, version, epoch); an existing job with the same config and keys is not
-        an error (every worker of a job may call this; the first one's values win).
+        an error (every worker of a job may call this; the first one's values win). ``values``:
+        the initial parameters, every element checked (``check_create`` ran before they came).
         """
-        name = cfg if isinstance(cfg, str) else cfg.name
+        head = self.check_create(cfg, layout)
+        if head is None:
+            js = self.jobs[cfg if isinstance(cfg, str) else cfg.name]
+            return False, js.view.version, js.view.epoch
+        cfg, created = head
+        if layout is None:
+            self.declared[cfg.name] = cfg
+            self.declared_at[cfg.name] = self.clock()
+            self._persist_declared(cfg)
+            log.info("declared job %s: mode %s", cfg.name, cfg.mode)
+            return created, 0, self.epoch
+        if values is None or values.shape != (layout.numel,):
+            raise BadInput(f"job {cfg.name!r} needs initial values for its {layout.numel} parameters")
+        js = self._install(cfg, layout, values, version=0)
+        self.declared.pop(cfg.name, None)
+        self.declared_at.pop(cfg.name, None)
+        log.info("created job %s: %d keys, %d parameters, mode %s", cfg.name, len(layout.specs),
+                 layout.numel, cfg.mode)
+        self._checkpoint(js)
+        return True, 0, self.epoch
+
+    def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> tuple[JobConfig, bool] | None:
+        """Everything a CreateJob can be refused for, checked before its values arrive. None: the
+        job exists as asked (nothing to do); else the config to use and whether it is new."""
+        name = check_name(cfg if isinstance(cfg, str) else cfg.name)
         if name in self.ended:
             raise Conflict(f"job {name!r} has ended; its name cannot be reused (choose another)")
+        if name in self.damaged:
+            raise Unavailable(f"job {name!r} is not served: {self.damaged[name]}")
         existing = self.jobs.get(name)
         known = existing.config if existing is not None else self.declared.get(name)
         if isinstance(cfg, str):
@@ -72,22 +117,15 @@ class Root(Tier):
             if layout is not None and existing.layout != layout:
                 raise Conflict(f"job {name!r} already exists with other parameters; choose another "
                                "name or end the old job")
-            return False, existing.view.version, existing.view.epoch
-        if layout is None:
-            created = name not in self.declared
-            self.declared[name] = cfg
-            self._persist_declared(cfg)
-            log.info("declared job %s: mode %s", name, cfg.mode)
-            return created, 0, self.epoch
-        values = assemble(layout, chunks, what=f"initial values of job {name!r}", require_all=True)
-        js = self._install(cfg, layout, values, version=0)
-        self.declared.pop(name, None)
-        log.info("created job %s: %d keys, %d parameters, mode %s", name, len(layout.specs),
-                 layout.numel, cfg.mode)
-        self._checkpoint(js)
-        return True, 0, self.epoch
+            return None
+        if layout is not None and layout.numel > self.config.max_job_params:
+            raise BadInput(f"job {name!r} has {layout.numel} parameters; this root holds jobs of at most "
+                           f"{self.config.max_job_params} (--max-job-params)")
+        if name not in self.declared and len(self.jobs) + len(self.declared) >= self.config.max_jobs:
+            raise Exhausted(f"this root holds {self.config.max_jobs} jobs already (--max-jobs); end one first")
+        return cfg, name not in self.declared
 
-    def list_jobs(self) -> list[dict]:
+    async def list_jobs(self) -> list[dict]:
         out = [dict(config=cfg, state="declared", version=0, members=0, parameters=0)
                for cfg in self.declared.values()]
         out += [dict(config=js.config, state="running", version=js.view.version, members=len(js.members),
@@ -96,22 +134,35 @@ class Root(Tier):
                 for cfg, v in self.ended_configs.values()]
         return out
 
-    async def end_job(self, name: str) -> int:
+    async def end_job(self, name: str, why: str = "") -> int:
         if name in self.declared:
             cfg, version = self.declared.pop(name), 0
+            self.declared_at.pop(name, None)
         else:
             js = self.job(name)
             cfg, version = js.config, js.view.version
+            await self._quiesce(js)
             self._checkpoint(js)
-            js.abort(f"job {name!r} was ended")
+            js.abort(f"job {name!r} was ended" + (f" ({why})" if why else ""))
             del self.jobs[name]
+            if js.wal is not None:
+                js.wal.close()
         self.ended[name] = version
         self.ended_configs[name] = (cfg, version)
         if self.config.checkpoint_dir:
             Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
-            _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version)))
-        log.info("ended job %s at version %d", name, version)
+            _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=why)))
+        log.info("ended job %s at version %d%s", name, version, f" ({why})" if why else "")
         return version
+
+    async def _housekeeping(self, now: float) -> None:
+        ttl = self.config.unjoined_job_ttl_s
+        if not ttl:
+            return
+        stale = [n for n, js in self.jobs.items() if not js.joined and now - js.created_at > ttl]
+        stale += [n for n, t in self.declared_at.items() if now - t > ttl]
+        for name in stale:
+            await self.end_job(name, why=f"reaped: no worker joined within {ttl:.0f}s")
 
     def _persist_declared(self, cfg: JobConfig) -> None:
         if self.config.checkpoint_dir:
@@ -119,25 +170,33 @@ class Root(Tier):
             _write_atomic(Path(self._job_dir(cfg.name)) / "declared.json", json.dumps(dataclasses.asdict(cfg)))
 
     def _install(self, cfg: JobConfig, layout: Layout, values: np.ndarray, version: int,
-                 view_values: np.ndarray | None = None) -> JobState:
+                 view_values: np.ndarray | None = None, register: bool = True) -> JobState:
         js = JobState(cfg, layout)
+        js.created_at = self.clock()
         js.params = np.array(values, dtype=np.float32, copy=True)
-        opt = cfg.optimizer
-        if cfg.momentum_correction:  # the workers hold the momentum (DGC); it must not apply twice
-            opt = dataclasses.replace(opt, momentum=0.0)
-        js.optimizer = ServerOptimizer(opt, js.params)
+        js.optimizer = self._optimizer(cfg, js.params)
+        js.apply_lock = asyncio.Lock()
         view = js.params.copy() if view_values is None else np.array(view_values, np.float32)
         js.view.load_snapshot(self.epoch, version, view, checksum(view))
         js.wal = WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None
         js.reset_round(version, "job installed")
-        self.jobs[cfg.name] = js
+        if register:
+            self.jobs[cfg.name] = js
         return js
+
+    @staticmethod
+    def _optimizer(cfg: JobConfig, params: np.ndarray) -> ServerOptimizer:
+        opt = cfg.optimizer
+        if cfg.momentum_correction:  # the workers hold the momentum (DGC); it must not apply twice
+            opt = dataclasses.replace(opt, momentum=0.0)
+        return ServerOptimizer(opt, params)
 
     def _job_dir(self, job: str) -> str:
         return f"{self.config.checkpoint_dir}/{job}"
 
     # -- rounds ----------------------------------------------------------------------------
-    def _finish_round(self, js: JobState, agg: Aggregate, floor: int, fut: asyncio.Future) -> None:
+    def _finish_round(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                      fut: asyncio.Future) -> None:
         # Average over contributors: the same gradient as one process on the concatenated
         # batch when each worker's loss is a mean (invariant 2).
         # In place: the closed batch's sum is this round's own buffer (a fresh 400 MB array per
@@ -157,29 +216,74 @@ class Root(Tier):
                 # Never more than one step: a fast sender that summed many queued gradients into
                 # one push would otherwise take an Adam step many times lr (measured: diverged).
                 scale *= min(1.0, agg.contributors / js.members.workers())
-        rec = WalRecord(js.view.version + 1, agg.contributors, floor, grad, scale)
-        task = asyncio.ensure_future(self._apply_durably(js, rec, fut))
+        rec = WalRecord(js.view.version + 1, agg.contributors, floor, grad, scale, encode_keys(keys))
+        task = asyncio.ensure_future(self._apply_durably(js, agg, rec, keys, fut))
         self._ckpt_tasks.add(task)
         task.add_done_callback(self._ckpt_tasks.discard)
 
-    async def _apply_durably(self, js: JobState, rec: WalRecord, fut: asyncio.Future) -> None:
-        try:
-            if js.wal is not None:  # durable before applied and acknowledged
-                await asyncio.to_thread(js.wal.append, rec)
-            self._apply(js, rec)
-        except Exception as exc:  # never leave pushers hanging on a failed apply
-            log.exception("applying version %d of job %s failed", rec.version, js.config.name)
+    async def _apply_durably(self, js: JobState, agg: Aggregate, rec: WalRecord,
+                             keys: tuple[PushKey, ...], fut: asyncio.Future) -> None:
+        async with js.apply_lock:
+            undo = None if js.wal is not None else (js.params.copy(), js.optimizer.state_dict())
+            try:
+                if rec.grad is not None:
+                    js.optimizer.step(rec.grad, rec.scale)
+                    if not all_finite(js.params):
+                        raise BadInput(f"the optimizer's step for version {rec.version} of job "
+                                       f"{js.config.name} made parameters non-finite; nothing was "
+                                       "applied. Lower the learning rate")
+                if js.wal is not None:  # durable before published and acknowledged
+                    await asyncio.to_thread(js.wal.append, rec)
+            except Exception as exc:
+                try:
+                    await self._roll_back(js, undo)
+                except Exception:
+                    log.critical("job %s: rolling back version %d failed", js.config.name, rec.version,
+                                 exc_info=True)
+                if isinstance(exc, WalWriteError):
+                    js.stats.durable_failures += 1
+                    log.error("job %s: %s; refusing the round until a write succeeds", js.config.name, exc)
+                    exc = Unavailable(f"the root could not make version {rec.version} of job "
+                                      f"{js.config.name} durable ({exc}); nothing was applied; retry")
+                elif not isinstance(exc, HpsError):
+                    log.exception("applying version %d of job %s failed", rec.version, js.config.name)
+                    exc = Unavailable(f"the root failed to apply version {rec.version} "
+                                      f"({type(exc).__name__}); nothing was applied; retry")
+                self._refuse(js, agg, fut, exc)
+                return
+            self._publish(js, rec.clock_min, rec.contributors)
+            js.applied.add(js.view.version, keys)
             if not fut.done():
-                fut.set_exception(exc)
+                fut.set_result(Ack(js.view.version, js.view.epoch))
+            if js.view.version % self.config.checkpoint_every == 0:
+                self._checkpoint(js)
+
+    async def _roll_back(self, js: JobState, undo) -> None:
+        """Put the job's parameters and optimizer back to its published version, exactly."""
+        if undo is not None:
+            params, state = undo
+            js.params[:] = params
+            js.optimizer.load_state_dict(state)
             return
-        fut.set_result(Ack(js.view.version, js.view.epoch))
-        if js.view.version % self.config.checkpoint_every == 0:
-            self._checkpoint(js)
+        await self._quiesce(js, apply=False)
+        fresh = self._load(Path(self._job_dir(js.config.name)), register=False)
+        if fresh is None or (fresh.view.version, fresh.view.checksum) != (js.view.version, js.view.checksum):
+            # Cannot happen while every published version is in the checkpoint or the log.
+            log.critical("job %s: rolling back to version %d from disk gave %s; the job's state is "
+                         "suspect", js.config.name, js.view.version,
+                         None if fresh is None else (fresh.view.version, hex(fresh.view.checksum)))
+            if fresh is None:
+                return
+        js.params, js.optimizer, js.scratch = fresh.params, fresh.optimizer, None
+        log.warning("job %s: rolled back to version %d from its checkpoint and log", js.config.name,
+                    js.view.version)
 
     def _apply(self, js: JobState, rec: WalRecord) -> None:
+        """Replay one logged version (restore): the same arithmetic as when it was made."""
         if rec.grad is not None:
             js.optimizer.step(rec.grad, rec.scale)
         self._publish(js, rec.clock_min, rec.contributors)
+        js.applied.add(rec.version, decode_keys(rec.keys))
 
     def _publish(self, js: JobState, clock_min: int, contributors: int) -> None:
         # No separate residual: params - view is exactly what earlier deltas did not carry.
@@ -205,11 +309,33 @@ class Root(Tier):
         js.log.append(DeltaEntry(version, crc, tuple(chunks), js.view.clock_min, contributors))
         js.notify()
 
+    # -- resolve ---------------------------------------------------------------------------
+    async def _resolve_here(self, js: JobState, keys: tuple[PushKey, ...], wait_s: float
+                            ) -> tuple[str, int, int]:
+        found = {js.applied.lookup(k) for k in keys}
+        if found == {None}:
+            return NOT_APPLIED, 0, 0
+        if None in found or len(found) > 1:
+            log.warning("job %s: a push's worker gradients were applied in different versions %s",
+                        js.config.name, sorted(v for v in found if v is not None))
+            return UNKNOWN, 0, 0
+        return APPLIED, found.pop(), js.view.epoch
+
     # -- checkpoints -----------------------------------------------------------------------
+    async def _quiesce(self, js: JobState, apply: bool = True) -> None:
+        """Wait for the job's version being applied (``apply``) and checkpoints being written."""
+        if apply:
+            async with js.apply_lock:
+                pass
+        mine = [t for t in self._ckpt_tasks if getattr(t, "job", None) == js.config.name]
+        if mine:
+            await asyncio.gather(*mine, return_exceptions=True)
+
     def _checkpoint(self, js: JobState) -> None:
         if not self.config.checkpoint_dir:
             return
-        arrays = {"params": js.params.copy(), "view": js.view.values.copy()}
+        arrays = {"params": js.params.copy(), "view": js.view.values.copy(),
+                  "applied": np.frombuffer(js.applied.dump(_CKPT_APPLIED_VERSIONS), np.uint8)}
         for k, v in js.optimizer.state_dict().items():
             if isinstance(v, np.ndarray):
                 arrays[f"opt.{k}"] = v
@@ -217,23 +343,28 @@ class Root(Tier):
                     clock_min=js.view.clock_min,
                     config=dataclasses.asdict(js.config),
                     keys=[[s.key, list(s.shape), s.dtype] for s in js.layout])
-        version, wal = js.view.version, js.wal
+        version, wal, name = js.view.version, js.wal, js.config.name
         # Records after this checkpoint go to a new segment; the old ones are deleted once
         # the checkpoint is durable (if it fails, replay still has everything).
-        wal.rotate(version + 1)
+        wal.rotate(version + 1)  # lazy: opens nothing, so it cannot fail
 
         def write() -> None:
-            checkpoint.save(self._job_dir(js.config.name), version, arrays, meta, self.config.checkpoint_keep)
+            t0 = time.perf_counter()
+            checkpoint.save(self._job_dir(name), version, arrays, meta, self.config.checkpoint_keep)
             wal.drop_upto(version)
+            js.last_checkpoint = (time.time(), time.perf_counter() - t0, version)
 
         task = asyncio.ensure_future(asyncio.to_thread(write))
+        task.job = name
         self._ckpt_tasks.add(task)
-        task.add_done_callback(self._ckpt_done)
+        task.add_done_callback(lambda t: self._ckpt_done(js, t))
 
-    def _ckpt_done(self, task: asyncio.Task) -> None:
+    def _ckpt_done(self, js: JobState, task: asyncio.Task) -> None:
         self._ckpt_tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("checkpoint failed (the write-ahead log still covers it): %s", task.exception())
+            js.stats.checkpoint_failures += 1
+            log.error("checkpoint of job %s failed (the write-ahead log still covers it): %s",
+                      js.config.name, task.exception())
 
     def _restore_all(self) -> None:
         for d in sorted(Path(self.config.checkpoint_dir).glob("*/")):
@@ -243,37 +374,52 @@ class Root(Tier):
                 if (d / "declared.json").exists():
                     self.ended_configs[d.name] = (_config(json.loads((d / "declared.json").read_text())), version)
                 continue
-            loaded = checkpoint.load_latest(d)
-            if loaded is None:
-                if (d / "declared.json").exists():
-                    cfg = _config(json.loads((d / "declared.json").read_text()))
-                    self.declared[cfg.name] = cfg
+            try:
+                js = self._load(d)
+            except (WalCorrupt, HpsError, OSError, ValueError, KeyError) as exc:
+                self.damaged[d.name] = f"its checkpoint and write-ahead log could not be restored: {exc}"
+                log.critical("job %s is not served: %s", d.name, exc)
                 continue
-            arrays, meta = loaded
-            cfg = _config(meta["config"])
-            layout = Layout([KeySpec(k, tuple(s), dt) for k, s, dt in meta["keys"]])
-            js = self._install(cfg, layout, arrays["params"], meta["version"], arrays["view"])
-            state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
-            js.optimizer.load_state_dict({"steps": meta["steps"], **state})
-            js.view.clock_min = js.reported_floor = meta.get("clock_min", 0)
-            replayed = 0
-            for rec in js.wal.records(after=js.view.version):
-                if rec.version != js.view.version + 1:
-                    log.error("write-ahead log of %s skips from %d to %d; stopping replay there",
-                              cfg.name, js.view.version, rec.version)
-                    break
-                self._apply(js, rec)
-                replayed += 1
-            js.reset_round(js.view.version, "restored")
-            js.wal.rotate(js.view.version + 1)
+            if js is None and (d / "declared.json").exists():
+                cfg = _config(json.loads((d / "declared.json").read_text()))
+                self.declared[cfg.name] = cfg
+                self.declared_at[cfg.name] = self.clock()
+
+    def _load(self, d: Path, register: bool = True) -> JobState | None:
+        """A job from its newest checkpoint plus every logged version after it."""
+        loaded = checkpoint.load_latest(d)
+        if loaded is None:
+            return None
+        arrays, meta = loaded
+        cfg = _config(meta["config"])
+        layout = Layout([KeySpec(k, tuple(s), dt) for k, s, dt in meta["keys"]])
+        js = self._install(cfg, layout, arrays["params"], meta["version"], arrays["view"], register=False)
+        state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
+        js.optimizer.load_state_dict({"steps": meta["steps"], **state})
+        js.view.clock_min = js.reported_floor = meta.get("clock_min", 0)
+        if "applied" in arrays:
+            js.applied.load(arrays["applied"].tobytes())
+        replayed = 0
+        for rec in js.wal.records(after=js.view.version):
+            self._apply(js, rec)
+            replayed += 1
+        js.reset_round(js.view.version, "restored")
+        js.wal.rotate(js.view.version + 1)
+        if register:
+            self.jobs[cfg.name] = js
             log.info("restored job %s: checkpoint version %d + %d replayed from the write-ahead log "
                      "= version %d, checksum %#010x", cfg.name, meta["version"], replayed,
                      js.view.version, js.view.checksum)
+        else:
+            js.wal.close()
+        return js
 
     async def stop(self) -> None:
+        while self._ckpt_tasks:  # in-flight applies and checkpoints finish first
+            await asyncio.gather(*list(self._ckpt_tasks), return_exceptions=True)
         for js in self.jobs.values():
             self._checkpoint(js)
-        while self._ckpt_tasks:  # in-flight applies and checkpoints finish first
+        while self._ckpt_tasks:
             await asyncio.gather(*list(self._ckpt_tasks), return_exceptions=True)
         for js in self.jobs.values():
             if js.wal is not None:

@@ -18,16 +18,15 @@ import sys
 import weakref
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from ps.config import ServerConfig
-from ps.health import Health
+from ps.health import Health, health_handler
 from ps.metrics import TierMetrics, process_registry, serve_metrics
 from ps.relay import Relay
 from ps.service import handler
 from ps.tier import Tier
-from ps.wire import GRPC_OPTIONS
+from ps.rpc import SERVER_OPTIONS
 
 __all__ = ["create_server", "shutdown", "serve"]
 
@@ -46,11 +45,11 @@ async def create_server(config: ServerConfig, registry: CollectorRegistry | None
         tier: Tier = Root(config)
     else:
         tier = Relay(config)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     metrics = TierMetrics(tier, registry if registry is not None else CollectorRegistry())
     health = Health(tier)
     server.add_generic_rpc_handlers([handler(tier, metrics.rpc)])
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)  # grpc.health.v1: probes
+    server.add_generic_rpc_handlers([health_handler(health)])  # grpc.health.v1: probes
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")

@@ -11,23 +11,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps.demo.report import human_bytes
-from ps.errors import from_rpc_error, HpsError
-from ps.wire import GRPC_OPTIONS, ROLE_NAME, pb, stubs
+from ps.errors import HpsError
+from ps.rpc import CHANNEL_OPTIONS, Caller
+from ps.wire import ROLE_NAME, pb
 
 __all__ = ["fetch_status", "fetch_ready", "print_tree", "walk"]
 
 
 def fetch_status(address: str, timeout_s: float = 5.0) -> pb.StatusReply:
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as ch:
-        try:
-            return stubs(ch)["Status"](pb.StatusRequest(), timeout=timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+    with Caller(address) as rpc:
+        return rpc.call("Status", pb.StatusRequest(), timeout_s)
 
 
 def fetch_ready(address: str, timeout_s: float = 5.0) -> str:
     """What the tier's readiness probe would see: "ready", "NOT READY" or "ready ?" (no answer)."""
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:

@@ -17,11 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ps.errors import BadInput, Stale
+from ps.errors import BadInput, Stale, short
 
-__all__ = ["KeySpec", "Layout", "View", "checksum", "DTYPES"]
+__all__ = ["KeySpec", "Layout", "View", "checksum", "DTYPES", "MAX_ELEMENTS"]
 
 DTYPES = ("float32",)
+# Sanity bounds checked before anything is allocated; a tier's own budget is tighter
+# (ServerConfig.max_job_params).
+MAX_KEYS = 100_000
+MAX_KEY_LENGTH = 256
+MAX_DIMS = 8
+MAX_ELEMENTS = 1 << 40
 
 
 def checksum(values: np.ndarray) -> int:
@@ -51,17 +57,24 @@ class Layout:
     def __init__(self, specs: list[KeySpec] | tuple[KeySpec, ...]) -> None:
         if not specs:
             raise BadInput("a job needs at least one parameter key")
+        if len(specs) > MAX_KEYS:
+            raise BadInput(f"a job has at most {MAX_KEYS} parameter keys, got {len(specs)}")
         self.specs = tuple(specs)
         self._offset: dict[str, int] = {}
         self._by_key: dict[str, KeySpec] = {}
         off = 0
         for s in self.specs:
-            if not s.key or s.key in self._by_key:
-                raise BadInput(f"parameter key {s.key!r} is empty or repeated")
+            if (not s.key or len(s.key) > MAX_KEY_LENGTH or not s.key.isprintable()
+                    or s.key in self._by_key):
+                raise BadInput(f"parameter key {short(s.key)} is empty, repeated, longer than "
+                               f"{MAX_KEY_LENGTH} characters or not printable")
             if s.dtype not in DTYPES:
-                raise BadInput(f"key {s.key!r} has dtype {s.dtype}; parameters are held as {DTYPES}")
-            if any(d < 0 for d in s.shape):
-                raise BadInput(f"key {s.key!r} has a negative dimension in shape {s.shape}")
+                raise BadInput(f"key {short(s.key)} has dtype {s.dtype}; parameters are held as {DTYPES}")
+            if len(s.shape) > MAX_DIMS or any(d < 0 or d > MAX_ELEMENTS for d in s.shape):
+                raise BadInput(f"key {short(s.key)} has shape {s.shape[:MAX_DIMS + 1]}: at most {MAX_DIMS} "
+                               f"dimensions, each in [0, {MAX_ELEMENTS}]")
+            if s.numel > MAX_ELEMENTS or off + s.numel > MAX_ELEMENTS:
+                raise BadInput(f"job holds more than {MAX_ELEMENTS} parameters (key {short(s.key)})")
             self._by_key[s.key] = s
             self._offset[s.key] = off
             off += s.numel
@@ -80,7 +93,7 @@ class Layout:
         try:
             return self._by_key[key]
         except KeyError:
-            raise BadInput(f"key {key!r} is not a parameter of this job") from None
+            raise BadInput(f"key {short(key)} is not a parameter of this job") from None
 
     def offset(self, key: str) -> int:
         return self._offset[key]
@@ -89,9 +102,10 @@ class Layout:
         """The key's spec, or BadInput naming what differs."""
         spec = self.spec(key)
         if dtype != spec.dtype:
-            raise BadInput(f"key {key!r} arrived as {dtype}; the job holds it as {spec.dtype}")
+            raise BadInput(f"key {short(key)} arrived as {dtype}; the job holds it as {spec.dtype}")
         if tuple(shape) != spec.shape:
-            raise BadInput(f"key {key!r} arrived with shape {tuple(shape)}; the job holds {spec.shape}")
+            raise BadInput(f"key {short(key)} arrived with shape {tuple(shape)[:MAX_DIMS + 1]}; the job "
+                           f"holds {spec.shape}")
         return spec
 
 

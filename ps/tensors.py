@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from ps.codecs import Codec, get_codec
-from ps.errors import BadInput
+from ps.errors import BadInput, short
 from ps.store import Layout
 
-__all__ = ["Chunk", "split", "assemble", "CHUNK_ELEMS", "payload_bytes", "row_width"]
+__all__ = ["Chunk", "split", "Assembler", "assemble", "CHUNK_ELEMS", "payload_bytes", "row_width"]
 
 CHUNK_ELEMS = 1 << 20  # 4 MiB of float32: the wire's per-frame payload limit
 
@@ -71,38 +71,67 @@ def row_width(spec) -> int:
     return spec.numel // spec.shape[0] if len(spec.shape) > 1 and spec.shape[0] else 1
 
 
+class Assembler:
+    """Decodes chunks into one flat vector as they arrive, checking each before it lands.
+
+        a = Assembler(layout, what="push 3 from 'w0'")
+        for chunk in chunks_as_they_arrive:
+            a.add(chunk)                 # BadInput on an unknown key, a bad slice, NaN, ...
+        grad = a.finish()                # overlaps (and, if asked, gaps) checked
+
+    The vector is the assembler's own, so a stream refused halfway changes nothing else.
+    """
+
+    def __init__(self, layout: Layout, what: str, check_finite: bool = True) -> None:
+        self.layout, self.what, self.check_finite = layout, what, check_finite
+        self.out = np.zeros(layout.numel, dtype=np.float32)
+        self.chunks = 0
+        self._covered: dict[str, list[tuple[int, int]]] = {}
+
+    def add(self, c: Chunk) -> None:
+        what, i = self.what, self.chunks
+        spec = self.layout.check(c.key, c.dtype, c.shape)
+        if c.numel == 0 or c.offset + c.numel > spec.numel:
+            raise BadInput(f"{what}: chunk {i} of key {short(c.key)} covers [{c.offset}, {c.offset + c.numel}) "
+                           f"outside the key's {spec.numel} elements")
+        self.chunks += 1
+        if self.chunks > self.layout.numel:  # each chunk covers at least one element once
+            raise BadInput(f"{what}: more chunks than the job has elements ({self.layout.numel})")
+        values = get_codec(c.codec).decode(c.payload, c.numel)
+        if self.check_finite and not np.isfinite(values).all():
+            bad = int(values.size - np.isfinite(values).sum())
+            raise BadInput(f"{what}: key {short(c.key)} holds {bad} non-finite values (NaN/Inf); "
+                           "nothing was applied")
+        base = self.layout.offset(c.key)
+        self.out[base + c.offset: base + c.offset + c.numel] = values
+        self._covered.setdefault(c.key, []).append((c.offset, c.offset + c.numel))
+
+    def finish(self, require_all: bool = False) -> np.ndarray:
+        """The assembled vector (keys left out are zero); ``require_all``: every element once."""
+        for key, spans in self._covered.items():
+            spans.sort()
+            for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+                if b0 < a1:
+                    raise BadInput(f"{self.what}: key {short(key)} has overlapping chunks [{a0}, {a1}) "
+                                   f"and [{b0}, {b1})")
+        if require_all:
+            for spec in self.layout:
+                have = sum(b - a for a, b in self._covered.get(spec.key, []))
+                if have != spec.numel:
+                    raise BadInput(f"{self.what}: key {short(spec.key)} has {have} of its {spec.numel} elements")
+        return self.out
+
+
 def assemble(layout: Layout, chunks: list[Chunk], what: str, check_finite: bool = True,
              require_all: bool = False) -> np.ndarray:
     """Decode chunks into a fresh flat vector; keys a sender left out are zero.
 
     ``require_all`` demands every element be covered (snapshots, initial values).
     """
-    out = np.zeros(layout.numel, dtype=np.float32)
-    covered: dict[str, list[tuple[int, int]]] = {}
-    for i, c in enumerate(chunks):
-        spec = layout.check(c.key, c.dtype, c.shape)
-        if c.numel == 0 or c.offset + c.numel > spec.numel:
-            raise BadInput(f"{what}: chunk {i} of key {c.key!r} covers [{c.offset}, {c.offset + c.numel}) "
-                           f"outside the key's {spec.numel} elements")
-        values = get_codec(c.codec).decode(c.payload, c.numel)
-        if check_finite and not np.isfinite(values).all():
-            bad = int(values.size - np.isfinite(values).sum())
-            raise BadInput(f"{what}: key {c.key!r} holds {bad} non-finite values (NaN/Inf); "
-                           "nothing was applied")
-        base = layout.offset(c.key)
-        out[base + c.offset: base + c.offset + c.numel] = values
-        covered.setdefault(c.key, []).append((c.offset, c.offset + c.numel))
-    for key, spans in covered.items():
-        spans.sort()
-        for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
-            if b0 < a1:
-                raise BadInput(f"{what}: key {key!r} has overlapping chunks [{a0}, {a1}) and [{b0}, {b1})")
-    if require_all:
-        for spec in layout:
-            have = sum(b - a for a, b in covered.get(spec.key, []))
-            if have != spec.numel:
-                raise BadInput(f"{what}: key {spec.key!r} has {have} of its {spec.numel} elements")
-    return out
+    a = Assembler(layout, what, check_finite)
+    for c in chunks:
+        a.add(c)
+    return a.finish(require_all)
 
 
 def payload_bytes(chunks: list[Chunk]) -> int:

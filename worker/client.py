@@ -9,29 +9,37 @@
 The client keeps its own replica (``ps.store.View``) and verifies every version's checksum,
 so what a training script sees is the root's published view bit for bit (invariant 1). A
 background thread heart-beats; transient faults are retried with backoff and logged.
+
+Each client is one incarnation (a random id it registers with): a restarted process is a new
+incarnation of its worker id, so none of its pushes is ever taken for the old one's. A retry
+resends the very same bytes (same sequence number and digest), so a tier that already applied
+it answers with the recorded acknowledgement. Faults a tier's restart causes (unavailable,
+"register again", "budget full, retry") are retried for ``retry_s`` seconds (one log line per
+retry window), so the training loop does not see them.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import torch
 
 from ps.codecs import get_codec
 from ps.config import JobConfig
-from ps.deltas import DeltaEntry  # noqa: F401  (documented type of what pull applies)
-from ps.errors import HpsError, NotReady, Stale, TimedOut, Unavailable, from_rpc_error
-from ps.store import Layout, View
 from ps.encoder import Encoder
+from ps.errors import BadInput, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable
+from ps.rpc import Caller
+from ps.store import Layout, View
 from ps.tensors import assemble, payload_bytes, split
-from ps.wire import (GRPC_OPTIONS, ROLE, PushMeta, decode_pull_reply, encode_create_job,
-                     encode_push, job_from_pb, layout_from_pb, pb, stubs)
+from ps.types import PushMeta
+from ps.wire import (ROLE, decode_pull_reply, encode_create_job, encode_push, job_from_pb,
+                     layout_from_pb, pb)
 
 __all__ = ["ParameterClient", "StepResult"]
 
@@ -48,12 +56,14 @@ class StepResult:
 
 class ParameterClient:
     def __init__(self, address: str, job: str, worker_id: str | None = None,
-                 timeout_s: float = 30.0, round_timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, retry_s: float = 60.0) -> None:
         self.address = address
         self.job = job
         self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
+        self.incarnation = secrets.randbits(62) | 1  # this process's, fresh per client
         self.timeout_s = timeout_s
         self.round_timeout_s = round_timeout_s
+        self.retry_s = retry_s
         self.config: JobConfig | None = None
         self.layout: Layout | None = None
         self.view: View | None = None
@@ -67,8 +77,7 @@ class ParameterClient:
         self.bytes_up = 0
         self.bytes_down = 0
         self.lost_steps = 0
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self._rpc = stubs(self._channel)
+        self._rpc = Caller(address)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._heartbeat_s = 0.5
@@ -76,24 +85,31 @@ class ParameterClient:
 
     # -- plumbing --------------------------------------------------------------------------
     def _call(self, name: str, request, timeout: float | None = None):
-        try:
-            return self._rpc[name](request, timeout=timeout or self.timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        return self._rpc.call(name, request, timeout or self.timeout_s)
 
-    def _retrying(self, what: str, fn, attempts: int = 20):
-        delay = 0.05
-        for i in range(attempts):
+    def _retrying(self, what: str, fn, register_again: bool = True):
+        """``fn()``, retried with backoff through the faults a tier's restart or a full budget
+        causes, for ``retry_s`` seconds; NotMember registers again first."""
+        deadline = time.monotonic() + self.retry_s
+        delay, logged = 0.05, 0.0
+        while True:
             try:
                 return fn()
-            except (Unavailable, NotReady) as exc:
-                if i == attempts - 1:
+            except (Unavailable, Exhausted, NotReady) as exc:
+                now = time.monotonic()
+                if now + delay > deadline:
                     raise
-                log.warning("%s: %s failed (%s); retrying in %.2fs", self.worker_id, what, exc, delay)
-                if isinstance(exc, NotReady) and "not a registered member" in str(exc):
-                    self.register()
+                if now - logged > 5.0:  # one line per retry window, not one per attempt
+                    log.warning("%s: %s failed (%s); retrying for up to %.0fs", self.worker_id, what,
+                                exc, deadline - now)
+                    logged = now
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+                if isinstance(exc, NotMember) and register_again:
+                    try:
+                        self.register()
+                    except (Unavailable, Exhausted, NotReady):
+                        pass  # the next attempt says so again
 
     def close(self) -> None:
         self._hb_stop.set()
@@ -104,7 +120,7 @@ class ParameterClient:
                 self._call("Leave", pb.LeaveRequest(job=self.job, member=self.worker_id), timeout=2)
             except HpsError:
                 pass
-        self._channel.close()
+        self._rpc.close()
 
     # -- jobs and membership ---------------------------------------------------------------
     def create_job(self, config: JobConfig, layout: Layout, values: np.ndarray) -> bool:
@@ -115,7 +131,8 @@ class ParameterClient:
 
     def register(self) -> None:
         r = self._retrying("register", lambda: self._call("Register", pb.RegisterRequest(
-            job=self.job, member=self.worker_id, role=ROLE["worker"], last_seq=self.last_seq)))
+            job=self.job, member=self.worker_id, role=ROLE["worker"], last_seq=self.last_seq,
+            incarnation=self.incarnation)), register_again=False)
         self.config, self.start_version, self.start_clock = job_from_pb(r.config), r.start_version, r.start_clock
         layout = layout_from_pb(r.keys)
         if self.layout is None or self.layout != layout:
@@ -154,19 +171,14 @@ class ParameterClient:
         start_epoch = self.view.epoch
         while True:
             view = self.view
-            req = pb.PullRequest(job=self.job, member=self.worker_id, view_epoch=view.epoch,
-                                 since_version=view.version, min_version=min_version,
-                                 wait_ms=int(min(5.0, max(0.0, deadline - time.monotonic())) * 1000),
-                                 min_clock=min_clock)
-            try:
-                frames = list(self._rpc["Pull"](req, timeout=self.timeout_s + 5.0))
-            except grpc.RpcError as err:
-                exc = from_rpc_error(err)
-                if not isinstance(exc, (Unavailable, NotReady)) or time.monotonic() > deadline:
-                    raise exc from None
-                time.sleep(0.1)
-                continue
-            meta, versions = decode_pull_reply(frames)
+
+            def one_pull() -> list:
+                req = pb.PullRequest(job=self.job, member=self.worker_id, view_epoch=view.epoch,
+                                     since_version=view.version, min_version=min_version,
+                                     wait_ms=int(min(5.0, max(0.0, deadline - time.monotonic())) * 1000),
+                                     min_clock=min_clock)
+                return self._rpc.stream("Pull", req, self.timeout_s + 5.0)
+            meta, versions = decode_pull_reply(self._retrying("pull", one_pull))
             try:
                 received += self._apply(meta, versions)
             except Stale as exc:
@@ -230,7 +242,6 @@ class ParameterClient:
         clock_max = clock if clock_max is None else clock_max
         finite = torch.isfinite(grad).all() if isinstance(grad, torch.Tensor) else np.isfinite(grad).all()
         if not finite:
-            from ps.errors import BadInput
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
         with self._push_lock:
             # Numbers advance only on acknowledgement: a retry (lost ack) or a refused push
@@ -246,7 +257,7 @@ class ParameterClient:
             frames = encode_push(PushMeta(
                 self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
                 self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
-                clock_max + 1, *report), chunks)
+                clock_max + 1, *report, incarnation=self.incarnation), chunks)
         nbytes = payload_bytes(chunks)
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
         reply = self._retrying("push", lambda: self._call("Push", iter(frames),

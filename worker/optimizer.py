@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ps.config import JobConfig
-from ps.consistency import MAX_IN_FLIGHT
+from ps.exactly_once import MAX_IN_FLIGHT
 from ps.errors import Conflict, Stale, TimedOut, UnknownJob
 from ps.store import KeySpec, Layout
 from worker.client import ParameterClient, StepResult
@@ -149,11 +149,12 @@ class HpsOptimizer:
         try:
             version, up = self.client.push(grad, clock=self.clock, report=report)
         except Stale as exc:
-            # The round was aborted (a tier or the root restarted): this gradient is not
-            # applied. Catch up and let the loop go on; counted in lost_steps.
+            # Not applied, and it will not be (its round closed while a tier restarted, or the
+            # root restarted): counted in lost_steps. Wait for the version the tier names --
+            # computing again on the view held would only be refused again.
             log.warning("%s: step %d not applied: %s", self.client.worker_id, self.clock, exc)
             self.client.lost_steps += 1
-            applied, version = False, 0  # take whatever is newest: nobody may be ahead
+            applied, version = False, exc.wait_version or 0
         self.client.pull(min_version=version)
         self._load_view()
         self.clock += 1

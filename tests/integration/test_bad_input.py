@@ -8,10 +8,11 @@ import pytest
 
 from ps.codecs import get_codec
 from ps.config import JobConfig, OptimizerConfig
-from ps.consistency import MAX_IN_FLIGHT
+from ps.exactly_once import MAX_IN_FLIGHT
 from ps.store import KeySpec, Layout
 from ps.tensors import Chunk, split
-from ps.wire import PushMeta, encode_create_job, encode_push, pb, stubs
+from ps.types import PushMeta
+from ps.wire import encode_create_job, encode_push, pb, stubs
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
@@ -52,7 +53,7 @@ def _push(rpc, frames):
 
 
 def _meta(w, seq=1, job="j"):
-    return PushMeta(job, "w0", seq, w.view.version, w.view.epoch, 1, 0, 0)
+    return PushMeta(job, "w0", seq, w.view.version, w.view.epoch, 1, 0, 0, incarnation=w.incarnation)
 
 
 def test_each_bad_push_is_refused_with_a_sentence_and_changes_nothing(setup):
@@ -63,7 +64,9 @@ def test_each_bad_push_is_refused_with_a_sentence_and_changes_nothing(setup):
     inf = np.ones(LAYOUT.numel, np.float32)
     inf[-1] = np.inf
     cases = {
-        "unknown job": (encode_push(_meta(w, job="nope"), _chunks()), grpc.StatusCode.NOT_FOUND, "nope"),
+        # A zone knows only the jobs its members registered for: "register" (which asks the root).
+        "unknown job": (encode_push(_meta(w, job="nope"), _chunks()), grpc.StatusCode.FAILED_PRECONDITION,
+                        "'nope' is not held"),
         "wrong shape": (encode_push(_meta(w), _chunks(shape=(3, 4))), grpc.StatusCode.INVALID_ARGUMENT,
                         "shape (3, 4)"),
         "wrong dtype": (encode_push(_meta(w), _chunks(dtype="float16")), grpc.StatusCode.INVALID_ARGUMENT,
@@ -80,9 +83,10 @@ def test_each_bad_push_is_refused_with_a_sentence_and_changes_nothing(setup):
                                      grpc.StatusCode.INVALID_ARGUMENT,
                                      "from the future"),
         "sequence zero": (encode_push(_meta(w, seq=0), _chunks()), grpc.StatusCode.INVALID_ARGUMENT, "start at 1"),
-        "base from the past": (encode_push(PushMeta("j", "w0", 1, 0, 12345, 1, 0, 0), _chunks()),
+        "base from the past": (encode_push(PushMeta("j", "w0", 1, 0, 12345, 1, 0, 0, incarnation=w.incarnation),
+                                           _chunks()),
                                grpc.StatusCode.ABORTED, "epoch"),
-        "not a member": (encode_push(PushMeta("j", "ghost", 1, 0, w.view.epoch, 1, 0, 0), _chunks()),
+        "not a member": (encode_push(PushMeta("j", "ghost", 1, 0, w.view.epoch, 1, 0, 0, incarnation=5), _chunks()),
                          grpc.StatusCode.FAILED_PRECONDITION, "register"),
     }
     for name, (frames, code, words) in cases.items():
@@ -99,6 +103,11 @@ def test_bad_pulls_and_registrations_get_sentences(setup):
     tree, zone, w, rpc = setup
     with pytest.raises(grpc.RpcError) as err:
         list(rpc["Pull"](pb.PullRequest(job="nope"), timeout=5))
+    # A zone holds only its members' jobs: "register again", which asks the root ...
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "register" in err.value.details()
+    # ... whose answer is authoritative.
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["Register"](pb.RegisterRequest(job="nope", member="x", role=pb.ROLE_WORKER, incarnation=3), timeout=5)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "create it first" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         rpc["Register"](pb.RegisterRequest(job="j", member="x"), timeout=5)

@@ -15,7 +15,8 @@ from ps.demo.model import ModelConfig, build_model
 from ps.errors import BadInput
 from ps.store import KeySpec, Layout
 from ps.tensors import Chunk
-from ps.wire import PushMeta, encode_push
+from ps.types import PushMeta
+from ps.wire import encode_push
 from tests.conftest import same_bits
 from worker import HpsOptimizer, ParameterClient
 
@@ -119,7 +120,7 @@ def test_a_malformed_compressed_frame_is_refused_and_changes_nothing(tree):
     (c,) = _job_clients(tree, zone, "j", 1, push_codec="topk")
     good = c.encoder.split(LAYOUT, np.ones(LAYOUT.numel, np.float32))
     bad = [Chunk(**{**good[0].__dict__, "payload": good[0].payload[:-7]}), *good[1:]]
-    frames = encode_push(PushMeta("j", c.worker_id, 1, 0, c.view.epoch, 1, 0, 0, 1), bad)
+    frames = encode_push(PushMeta("j", c.worker_id, 1, 0, c.view.epoch, 1, 0, 0, 1, incarnation=c.incarnation), bad)
     with pytest.raises(BadInput, match="topk"):
         c._call("Push", iter(frames))
     before = tree.view("eu-a", "j")

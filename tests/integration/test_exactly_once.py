@@ -11,7 +11,8 @@ from ps.config import JobConfig, OptimizerConfig
 from ps.errors import TimedOut
 from ps.store import KeySpec, Layout
 from ps.tensors import split
-from ps.wire import PushMeta, encode_push, pb, stubs
+from ps.types import PushMeta
+from ps.wire import encode_push, pb, stubs
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (10,))])
@@ -30,8 +31,8 @@ def _setup(tree, through_zone: bool):
     return addr, a, b
 
 
-def _frames(sender: str, seq: int, grad: np.ndarray, base: int = 0, epoch: int = 0):
-    return encode_push(PushMeta("j", sender, seq, base, epoch, 1, 0, 0),
+def _frames(client, seq: int, grad: np.ndarray, base: int = 0, epoch: int = 0):
+    return encode_push(PushMeta("j", client.worker_id, seq, base, epoch, 1, 0, 0, incarnation=client.incarnation),
                        split(LAYOUT, grad, get_codec("fp32")))
 
 
@@ -43,12 +44,12 @@ def test_retry_after_a_dropped_ack_is_applied_once(tree, through_zone):
     # a's push reaches the tier, but its acknowledgement is lost: the call gives up first
     # (the round cannot close until b pushes).
     with pytest.raises(grpc.RpcError) as err:
-        rpc["Push"](iter(_frames("a", 1, ga, epoch=a.view.epoch)), timeout=0.3)
+        rpc["Push"](iter(_frames(a, 1, ga, epoch=a.view.epoch)), timeout=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     version, _ = b.push(gb)                                # completes the round
     assert version == 1
     # a retries the same (job, worker, sequence): the recorded ack, nothing re-applied.
-    ack = rpc["Push"](iter(_frames("a", 1, ga, epoch=a.view.epoch)), timeout=5)
+    ack = rpc["Push"](iter(_frames(a, 1, ga, epoch=a.view.epoch)), timeout=5)
     assert ack.duplicate and ack.applied_version == 1
     b.pull(min_version=1)
     expected = -LR * (ga + gb) / 2                        # one SGD step on the mean, once
@@ -64,8 +65,8 @@ def test_duplicate_while_the_round_is_still_open_waits_for_the_same_ack(tree):
     addr, a, b = _setup(tree, through_zone=False)
     rpc = stubs(grpc.insecure_channel(addr))
     g = np.ones(10, np.float32)
-    first = rpc["Push"].future(iter(_frames("a", 1, g, epoch=a.view.epoch)), timeout=10)
-    second = rpc["Push"].future(iter(_frames("a", 1, g, epoch=a.view.epoch)), timeout=10)
+    first = rpc["Push"].future(iter(_frames(a, 1, g, epoch=a.view.epoch)), timeout=10)
+    second = rpc["Push"].future(iter(_frames(a, 1, g, epoch=a.view.epoch)), timeout=10)
     b.push(g)
     acks = sorted([first.result(), second.result()], key=lambda r: r.duplicate)
     assert [r.applied_version for r in acks] == [1, 1]

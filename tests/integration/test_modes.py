@@ -14,7 +14,8 @@ from ps.codecs import get_codec
 from ps.config import JobConfig, OptimizerConfig
 from ps.store import KeySpec, Layout
 from ps.tensors import split
-from ps.wire import PushMeta, encode_push, pb, stubs
+from ps.types import PushMeta
+from ps.wire import encode_push, pb, stubs
 from worker import HpsOptimizer, ParameterClient
 
 
@@ -166,7 +167,8 @@ def test_a_worker_of_one_job_cannot_push_to_or_pull_from_another_jobs_keys(tree)
     b = HpsOptimizer(b_model, root, JobConfig(name="jb", mode="async"), worker_id="wb")
     rpc = stubs(grpc.insecure_channel(root))
     grad = np.ones(a.layout.numel, np.float32)
-    frames = encode_push(PushMeta("jb", "wa", 1, 0, b.client.view.epoch), split(a.layout, grad, get_codec("fp32")))
+    frames = encode_push(PushMeta("jb", "wa", 1, 0, b.client.view.epoch, incarnation=a.client.incarnation),
+                         split(a.layout, grad, get_codec("fp32")))
     with pytest.raises(grpc.RpcError) as err:
         rpc["Push"](iter(frames), timeout=5)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "register" in err.value.details()
@@ -174,7 +176,8 @@ def test_a_worker_of_one_job_cannot_push_to_or_pull_from_another_jobs_keys(tree)
         list(rpc["Pull"](pb.PullRequest(job="jb", member="wa"), timeout=5))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not a member of job 'jb'" in err.value.details()
     # Even registered in both, a's keys do not fit b's job: refused, nothing applied.
-    rpc["Register"](pb.RegisterRequest(job="jb", member="wa", role=pb.ROLE_WORKER), timeout=5)
+    rpc["Register"](pb.RegisterRequest(job="jb", member="wa", role=pb.ROLE_WORKER,
+                                       incarnation=a.client.incarnation), timeout=5)
     with pytest.raises(grpc.RpcError) as err:
         rpc["Push"](iter(frames), timeout=5)
     # (both jobs name their keys weight/bias: the shapes give a's gradient away)
@@ -296,18 +299,18 @@ def test_async_pipelines_pushes_through_a_relay_and_applies_each_gradient_once(t
     root = tree.tier("root")
     apply_durably = root._apply_durably
 
-    async def slow_apply(js, rec, fut):
+    async def slow_apply(*args):
         await asyncio.sleep(0.03)
-        await apply_durably(js, rec, fut)
+        await apply_durably(*args)
 
     root._apply_durably = slow_apply
     zone_tier = tree.tier("eu-a")
     peak = [0]
     finish_round = zone_tier._finish_round
 
-    def watch(js, agg, floor, fut):
+    def watch(js, *args):
         peak[0] = max(peak[0], js.inflight)
-        finish_round(js, agg, floor, fut)
+        finish_round(js, *args)
 
     zone_tier._finish_round = watch
     job = JobConfig(name="pipe", mode="async", optimizer=OptimizerConfig(kind="sgd", lr=0.01))

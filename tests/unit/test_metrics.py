@@ -20,7 +20,8 @@ def _job(**kw) -> dict:
     job = dict(name="lm", version=10, parent_version=10, members=[{}, {}], round_pushed=1,
                pushes=8, bytes_pushed_in=800, bytes_pulled_out=400, bytes_pushed_up=200,
                bytes_pulled_in=100, deltas_served=6, snapshots_served=2, rounds=4,
-               aborted_rounds=0, round_wait_ms_sum=1500, loss_sum=6.0, loss_count=3, step_seconds_sum=0.3, staleness_count=3, staleness_sum=6,
+               aborted_rounds=0, restarted_rounds=1, refused_rounds=0, duplicates=2, resolved=1,
+               round_wait_ms_sum=1500, loss_sum=6.0, loss_count=3, step_seconds_sum=0.3, staleness_count=3, staleness_sum=6,
                staleness_max=4)
     return {**job, **kw}
 

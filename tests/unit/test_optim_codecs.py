@@ -358,6 +358,11 @@ def test_valid_configs_construct_and_are_frozen():
     (dict(beta2=-0.2), "-0.2"),
     (dict(eps=0.0), "0.0"),
     (dict(warmup_steps=-3), "-3"),
+    # inf passed every range check (inf > 0) and made the first step non-finite.
+    (dict(lr=float("inf")), "lr must be a finite number, got inf"),
+    (dict(weight_decay=float("inf")), "weight_decay must be a finite number"),
+    (dict(eps=float("inf")), "eps must be a finite number"),
+    (dict(lr=float("nan")), "lr must be a finite number, got nan"),
 ])
 def test_optimizer_config_rejects_bad_values_naming_them(kwargs, needle):
     with pytest.raises(BadInput) as exc:
@@ -369,12 +374,13 @@ def test_optimizer_config_rejects_bad_values_naming_them(kwargs, needle):
     (dict(mode="bsq"), "'bsq'"),
     (dict(name="bad name!"), "'bad name!'"),
     (dict(name=""), "''"),
-    (dict(name="x" * 64), "x" * 64),
+    (dict(name="x" * 64), "x" * 60),  # named, cut short: sentences echo at most 64 characters
     (dict(staleness=-1), "-1"),
     (dict(push_codec="gzip"), "'gzip'"),
     (dict(delta_codec="lz4"), "'lz4'"),
     (dict(delta_log_length=0), "0"),
     (dict(delta_log_length=100_001), "100001"),
+    (dict(topk=float("nan")), "topk must be a finite number"),
 ])
 def test_job_config_rejects_bad_values_naming_them(kwargs, needle):
     with pytest.raises(BadInput) as exc:

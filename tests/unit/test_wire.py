@@ -17,17 +17,19 @@ from ps.config import JobConfig, OptimizerConfig
 from ps.errors import BadInput
 from ps.store import KeySpec, Layout
 from ps.tensors import assemble, split
+from ps.types import PullMeta, PushKey, PushMeta, VersionMeta
 from ps.wire import (
-    PullMeta, PushMeta, VersionMeta, decode_create_job, decode_frame, decode_pull_reply,
-    decode_push, encode_create_job, encode_frame, encode_pull_reply, encode_push, job_from_pb,
-    job_to_pb, layout_from_pb, layout_to_pb, pb,
+    BodyReader, decode_create_job, decode_frame, decode_pull_reply, decode_push, encode_create_job,
+    encode_frame, encode_pull_reply, encode_push, job_from_pb, job_to_pb, layout_from_pb,
+    layout_to_pb, pb,
 )
 
 __all__: list[str] = []
 
 LAYOUT = Layout([KeySpec("enc.w", (20, 7)), KeySpec("enc.b", (7,)), KeySpec("head", (3, 3))])
 META = PushMeta(job="lm", sender="zone-a", seq=42, base_version=1 << 40, view_epoch=0xABCDEF12345,
-                contributors=5, clock_min=3, clock_max=9)
+                contributors=5, clock_min=3, clock_max=9, incarnation=0x5EED,
+                sources=(PushKey("w0", 7, 3, b"d" * 16), PushKey("w1", 8, 4, b"e" * 16)))
 
 
 def _grad(seed: int = 0) -> np.ndarray:
@@ -145,9 +147,10 @@ def test_random_bytes_only_ever_raise_bad_input():
 def test_push_round_trip(codec):
     chunks = _chunks(codec, chunk_elems=50)
     frames = encode_push(META, chunks)
-    # Small chunks are packed: one header frame plus one frame for all of them.
-    assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
-    meta, got = decode_push(frames)
+    # Small chunks are packed: one header frame, one frame for all of them, the end marker.
+    assert len(frames) == 3 and all(isinstance(f, bytes) for f in frames)
+    meta, got, digest = decode_push(frames)
+    assert len(digest) == 16
     assert meta == META
     assert len(got) == len(chunks)
     for a, b in zip(chunks, got):
@@ -163,7 +166,7 @@ def test_push_round_trip(codec):
 def test_a_relay_re_encodes_decoded_chunks_verbatim(codec):
     """Relays forward what they received: decode then encode gives the same bytes."""
     frames = encode_push(META, _chunks(codec, chunk_elems=40, seed=3))
-    meta, chunks = decode_push(frames)
+    meta, chunks, _ = decode_push(frames)
     assert encode_push(meta, chunks) == frames
     pull = PullMeta(9, 1, 2, False, 9)
     reply = list(encode_pull_reply(pull, [(VersionMeta(2, 5), chunks)]))
@@ -172,7 +175,7 @@ def test_a_relay_re_encodes_decoded_chunks_verbatim(codec):
 
 
 def test_push_with_no_chunks():
-    meta, chunks = decode_push(encode_push(META, []))
+    meta, chunks, _ = decode_push(encode_push(META, []))
     assert meta == META and chunks == []
 
 
@@ -186,10 +189,51 @@ def test_decode_push_rejects_a_stream_not_opened_by_a_push_header():
 
 
 def test_decode_push_rejects_an_empty_stream():
-    with pytest.raises(BadInput, match="no frames"):
+    with pytest.raises(BadInput, match="after 0 frames without its end marker"):
         decode_push([])
-    with pytest.raises(BadInput, match="no frames"):
+    with pytest.raises(BadInput, match="after 0 frames without its end marker"):
         decode_push(iter(()))
+
+
+@pytest.fixture
+def small_frames(monkeypatch):
+    """Frames of at most 64 payload bytes, so a small push spans many."""
+    import ps.wire
+    monkeypatch.setattr(ps.wire, "MAX_FRAME_PAYLOAD", 64)
+
+
+def test_a_push_cut_anywhere_before_its_end_marker_is_refused(small_frames):
+    """Invariant 7: grpc.aio ends a cancelled, timed-out or disconnected stream like a finished
+    one; without the end marker, a prefix of a push would pass for a whole push."""
+    frames = encode_push(META, _chunks(chunk_elems=8))
+    assert len(frames) > 3
+    for k in range(len(frames)):
+        with pytest.raises(BadInput, match=f"after {k} frames without its end marker"):
+            decode_push(frames[:k])
+    decode_push(frames)  # whole: fine
+
+
+def test_an_end_marker_that_does_not_match_what_arrived_is_refused(small_frames):
+    frames = encode_push(META, _chunks(chunk_elems=8))
+    with pytest.raises(BadInput, match="end marker counts"):
+        decode_push(frames[:2] + frames[3:])  # a chunk frame lost in the middle
+    other = encode_push(META, _chunks(chunk_elems=8, seed=1))
+    with pytest.raises(BadInput, match="digest differs"):
+        decode_push(frames[:-1] + other[-1:])  # same counts, another body
+    with pytest.raises(BadInput, match="after the stream's end marker"):
+        decode_push(frames + frames[1:2])
+
+
+def test_the_digest_identifies_the_body():
+    a = decode_push(encode_push(META, _chunks(seed=1)))[2]
+    assert decode_push(encode_push(META, _chunks(seed=1)))[2] == a  # a retry: the same bytes
+    assert decode_push(encode_push(META, _chunks(seed=2)))[2] != a
+    from dataclasses import replace
+    assert decode_push(encode_push(replace(META, seq=43), _chunks(seed=1)))[2] != a
+    reader = BodyReader("push", "push")
+    for f in encode_push(META, _chunks(seed=1)):
+        reader.feed(f)
+    assert reader.finish() == a
 
 
 def test_decode_push_rejects_a_second_header_and_bad_frames():
@@ -204,11 +248,17 @@ def test_unknown_enum_values_in_a_chunk_are_bad_input():
     h = _chunk_header()
     h.chunks.chunks[0].codec = 99  # a codec from a newer peer
     with pytest.raises(BadInput, match="codec enum value 99"):
-        decode_push(encode_push(META, []) + [encode_frame(h, b"\x00" * 36)])
+        decode_push(_with_chunk_frame(h))
     h = _chunk_header()
     h.chunks.chunks[0].dtype = pb.DTYPE_UNSPECIFIED
     with pytest.raises(BadInput, match="dtype"):
-        decode_push(encode_push(META, []) + [encode_frame(h, b"\x00" * 36)])
+        decode_push(_with_chunk_frame(h))
+
+
+def _with_chunk_frame(h) -> list[bytes]:
+    """A push stream with one hand-made chunk frame before its end marker."""
+    head, end = encode_push(META, [])
+    return [head, encode_frame(h, b"\x00" * 36), end]
 
 
 def test_a_chunk_frame_truncated_at_its_header_is_refused():
@@ -225,9 +275,9 @@ def test_large_chunks_are_spread_over_frames_of_at_most_4_mib():
     big = Layout([KeySpec("a", (3 << 20,)), KeySpec("b", (5,))])
     flat = np.arange(big.numel, dtype=np.float32)
     frames = encode_push(META, split(big, flat, get_codec("fp32")))
-    assert len(frames) == 5  # header, three full 4 MiB frames of a, then b (it would overflow)
+    assert len(frames) == 6  # header, three full 4 MiB frames of a, then b (it would overflow), end
     assert all(len(pb.Frame.FromString(f).payload) <= MAX_FRAME_PAYLOAD for f in frames)
-    _, chunks = decode_push(frames)
+    _, chunks, _ = decode_push(frames)
     assert assemble(big, chunks, what="push", require_all=True).tobytes() == flat.tobytes()
 
 
@@ -242,7 +292,7 @@ def test_mutated_push_streams_only_ever_raise_bad_input():
         buf[j] = int(rng.integers(0, 256))
         mutated[i] = bytes(buf)
         try:
-            _, chunks = decode_push(mutated)
+            _, chunks, _ = decode_push(mutated)
             assemble(LAYOUT, chunks, what="push")
         except BadInput:
             pass
