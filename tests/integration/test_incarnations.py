@@ -1,0 +1,186 @@
+"""Exactly once across incarnations (invariant 4) on real tiers: a worker or a relay that
+restarts is a new incarnation of its member id. Its predecessor's unacknowledged push leaves
+the open round (the round restarts, the others resend), its own pushes are never taken for the
+old one's, and a retry its restart left unplaceable is resolved at the root before anyone is
+told "not applied"."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ps.config import JobConfig, OptimizerConfig
+from ps.launch import Cluster
+from ps.status import fetch_status
+from ps.store import KeySpec, Layout
+from worker import ParameterClient
+
+LAYOUT = Layout([KeySpec("w", (8,))])
+FAST = {"heartbeat_s": 0.2, "member_timeout_s": 1.5}
+
+
+def _clients(addrs: list[str], ids: list[str], lr: float = 1.0, **kw) -> list[ParameterClient]:
+    out = [ParameterClient(a, "j", i, timeout_s=10, **kw) for a, i in zip(addrs, ids)]
+    out[0].create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=lr)), LAYOUT,
+                      np.zeros(LAYOUT.numel, np.float32))
+    for c in out:
+        c.register()
+        c.pull()
+    return out
+
+
+def _in_thread(fn, *args) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = fn(*args)
+        except Exception as exc:  # asserted on by the caller
+            out["error"] = exc
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_restarted_worker_is_not_answered_with_its_old_incarnations_acks(tree):
+    """Its previous push still waits in the round when it comes back with the same id: that
+    push leaves the round, and the new process's pushes 1, 2, ... are applied, not answered as
+    duplicates of the old ones (which left them acknowledged and never applied)."""
+    root = tree.add("root", "global")
+    old, b = _clients([root, root], ["a", "b"])
+    t, pending = _in_thread(old.push, np.full(LAYOUT.numel, 100.0, np.float32))
+    _until(lambda: tree.lt.call(lambda: "a" in tree.tier("root").jobs["j"].round.pushed), "a's push")
+    old._hb_stop.set()  # the old process is gone (it stops heart-beating) ...
+    new = ParameterClient(root, "j", "a", timeout_s=10)  # ... and a new one takes its id
+    new.register()
+    new.pull()
+    t.join(10)
+    assert "error" in pending  # the old push was taken out of the round, never applied
+    results = {}
+    tb, rb = _in_thread(b.push, np.full(LAYOUT.numel, 2.0, np.float32))
+    results["a"] = new.push(np.full(LAYOUT.numel, 4.0, np.float32))
+    tb.join(30)
+    assert results["a"][0] == rb["result"][0] == 1
+    new.pull(min_version=1)
+    np.testing.assert_array_equal(new.view.values, np.full(LAYOUT.numel, -3.0, np.float32))  # (4+2)/2
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.restarted_rounds) == 1
+    for c in (new, b):
+        c.close()
+
+
+def test_a_retry_after_a_relay_restart_is_resolved_as_applied_not_stale(tree):
+    """The zone forwarded round 0 and the root applied it, but the zone died before it told its
+    worker. The worker's retry reaches a new zone whose round is 1: before saying "not
+    applied", the zone asks the root, which knows the push was applied in version 1."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    (w,) = _clients([zone], ["w0"])
+    z = tree.tier("z")
+    forward = z._forward_one
+
+    async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never reaches the worker
+        import asyncio
+        await forward(js, agg, keys, floor, asyncio.get_running_loop().create_future(), seq)
+        await asyncio.sleep(3600)
+    z._forward_one = forward_then_die
+    t, out = _in_thread(w.push, np.ones(LAYOUT.numel, np.float32))
+    _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply version 1")
+    port = tree.servers["z"][1]
+    tree.stop("z")
+    tree.add("z", "zone", parent="root", listen=f"127.0.0.1:{port}")  # a new incarnation
+    t.join(60)
+    assert out.get("result", (None,))[0] == 1, out  # acknowledged as applied in version 1, once
+    assert w.lost_steps == 0
+    root = tree.tier("root")
+    assert tree.view("root", "j")[1] == 1
+    assert tree.lt.call(lambda: tree.tier("z").jobs["j"].stats.resolved) == 1
+    assert tree.lt.call(lambda: root.jobs["j"].stats.duplicates + root.jobs["j"].stats.pushes) >= 1
+    w.pull(min_version=1)
+    v, _ = w.push(np.ones(LAYOUT.numel, np.float32), clock=1)  # and training goes on
+    assert v == 2
+    w.close()
+
+
+def _topology() -> dict:
+    # A member timeout longer than a restart: the new eu replaces the old one while the root's
+    # round still waits for it (with a shorter one the root drops eu and moves on without its
+    # push, which is then honestly "not applied").
+    slow = {"heartbeat_s": 0.2, "member_timeout_s": 8.0}
+    return {"host": "127.0.0.1", "settings": slow, "root": {"name": "root", "port": 0},
+            "regions": [{"name": "eu", "zones": [{"name": "eu-a"}]},
+                        {"name": "us", "zones": [{"name": "us-a"}]}]}
+
+
+def test_kill_9_of_a_regional_master_with_a_push_in_the_roots_open_round_applies_it_once(tmp_path):
+    """The root holds eu's aggregate in its open round when eu is killed. eu comes back as a new
+    incarnation; its zone resends the same gradient. Tagged gradients (1 from eu, 10 from us)
+    show what the root applied: (1 + 10) / 2 once, not (1 + 1 + 10) / 3."""
+    with Cluster.start(_topology(), tmp_path / "logs") as cluster:
+        ce, cu = _clients([cluster.address("eu-a"), cluster.address("us-a")], ["we", "wu"])
+        te, oe = _in_thread(ce.push, np.ones(LAYOUT.numel, np.float32))
+        _until(lambda: fetch_status(cluster.address("root")).jobs[0].round_pushed == 1,
+               "eu's aggregate to reach the root's open round")
+        cluster.restart("eu", signal.SIGKILL)
+        # The new eu registers (its zone's resend brings it) and replaces the dead one, whose
+        # aggregate leaves the root's open round; only then does us push.
+        log = tmp_path / "logs" / "root.log"
+        _until(lambda: "restarted without 'eu' (was replaced by a new incarnation" in log.read_text(),
+               "the root to take the dead eu's aggregate out of its open round")
+        tu, ou = _in_thread(cu.push, np.full(LAYOUT.numel, 10.0, np.float32))
+        te.join(60)
+        tu.join(60)
+        assert oe.get("result", (None,))[0] == 1 and ou.get("result", (None,))[0] == 1, (oe, ou)
+        root = fetch_status(cluster.address("root")).jobs[0]
+        assert root.version == 1
+        for c in (ce, cu):
+            c.pull(min_version=1)
+            np.testing.assert_array_equal(c.view.values, np.full(LAYOUT.numel, -5.5, np.float32))
+        # Training goes on through the new regional master.
+        tu, ou = _in_thread(cu.push, np.ones(LAYOUT.numel, np.float32), 1)
+        assert ce.push(np.ones(LAYOUT.numel, np.float32), clock=1)[0] == 2
+        tu.join(30)
+        assert ou.get("result", (None,))[0] == 2, ou
+        for c in (ce, cu):
+            c.close()
+
+
+def test_a_zone_restart_does_not_end_the_training_loop_and_loses_nothing(tmp_path, reap):
+    """kill -9 and restart a zone while its worker trains: the loop runs to its end without an
+    exception, and every step the worker was told was applied is in the root's versions once
+    (a single worker makes one version per applied step)."""
+    topo = {"host": "127.0.0.1", "settings": FAST, "root": {"name": "root", "port": 0},
+            "regions": [{"name": "eu", "zones": [{"name": "eu-a"}]}]}
+    with Cluster.start(topo, tmp_path / "logs") as cluster:
+        log = open(tmp_path / "w0.log", "wb")
+        w = subprocess.Popen([sys.executable, "-m", "tests.integration._worker", "--address",
+                              cluster.address("eu-a"), "--worker-id", "w0", "--steps", "40", "--sleep",
+                              "0.05"], stdout=subprocess.PIPE, stderr=log, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        reap(w)
+        lines = [json.loads(w.stdout.readline()) for _ in range(8)]
+        cluster.restart("eu-a", signal.SIGKILL)
+        lines += [json.loads(line) for line in w.stdout]
+        assert w.wait(timeout=60) == 0, Path(tmp_path / "w0.log").read_text()[-3000:]
+        assert len(lines) == 40
+        applied = sum(e["applied"] for e in lines)
+        root = fetch_status(cluster.address("root")).jobs[0]
+        assert root.version == applied, (root.version, applied)
+        assert lines[-1]["version"] == root.version and lines[-1]["crc"] == root.checksum
+
