@@ -104,19 +104,25 @@ class AppliedBook:
     def __len__(self) -> int:
         return len(self._where)
 
-    def add(self, version: int, keys: Iterable[PushKey]) -> None:
+    def add(self, version: int, keys: Iterable[PushKey]) -> int:
+        """Record what ``version`` applied; returns how many of ``keys`` an earlier version had
+        applied already (a double application: it must always be 0, and the root exports it)."""
         keys = tuple(keys)
         if not keys:
-            return
+            return 0
         self._versions[version] = keys
+        doubles = 0
         for k in keys:
-            self._where[(k.member, k.incarnation, k.seq)] = (k.digest, version)
+            where = (k.member, k.incarnation, k.seq)
+            doubles += where in self._where and self._where[where][1] != version
+            self._where[where] = (k.digest, version)
         while self._versions and next(iter(self._versions)) <= version - self.horizon:
             old_version, old = self._versions.popitem(last=False)
             for k in old:
                 where = (k.member, k.incarnation, k.seq)
                 if self._where.get(where, (b"", None))[1] == old_version:
                     del self._where[where]
+        return doubles
 
     def lookup(self, key: PushKey) -> int | None:
         """The version that applied ``key``, None if none in the horizon did; Conflict if one

@@ -48,6 +48,10 @@ class JobStats:
     duplicates: int = 0          # retries answered with the recorded acknowledgement
     resolved: int = 0            # retries whose outcome had to be asked of the parent or root
     durable_failures: int = 0    # root: versions refused because the log write failed
+    double_applied: int = 0      # root: worker pushes applied by a second version (must stay 0)
+    members_expired: int = 0     # members dropped after member_timeout of silence
+    members_left: int = 0        # members that said goodbye
+    members_replaced: int = 0    # members replaced by a new incarnation (a restarted process)
     checkpoint_failures: int = 0  # root: checkpoints that failed to write
     staleness_count: int = 0
     staleness_sum: int = 0

@@ -294,6 +294,10 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
                                                  "acknowledgement (applied once)")
     resolved = counter("hps_resolved_pushes_total", "Retries that could not be placed and whose outcome "
                                                     "was asked up the tree before answering")
+    departures = counter("hps_member_departures_total", "Members that left the job at this tier, by "
+                         "reason: left (said goodbye), expired (silent past the member timeout: a "
+                         "dead or cut-off child, its round shrinks), replaced (restarted as a new "
+                         "incarnation)", [*jl, "reason"])
     wait = SummaryMetricFamily("hps_barrier_wait_seconds", "Time accepted pushes waited for their "
                                                            "round (BSP barrier) or window to be "
                                                            "applied", labels=jl)
@@ -306,8 +310,8 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
     w_step = SummaryMetricFamily("hps_worker_step_seconds", "Wall time of the workers' steps "
                                  "(compute, push and pull) as they reported them", labels=jl)
     out += [version, lag_v, lag_s, members, open_round, pushes, push_bytes, pull_bytes, push_raw,
-            pull_raw, hits, fallbacks, rounds, aborted, restarted, refused, dups, resolved, wait, bound,
-            w_loss, w_step]
+            pull_raw, hits, fallbacks, rounds, aborted, restarted, refused, dups, resolved, departures,
+            wait, bound, w_loss, w_step]
     staleness = stale_max = None
     if s["role"] == "global":
         # A summary, not a histogram: the root keeps only the count, sum and maximum.
@@ -316,7 +320,13 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
                                         labels=jl)
         stale_max = gauge("hps_update_staleness_max_versions", "The largest staleness observed "
                                                                "since the root started")
-        out += [staleness, stale_max]
+        doubled = counter("hps_double_applied_pushes_total", "Worker pushes the root applied in a second "
+                          "version (exactly-once broken: must stay 0; logged CRITICAL)")
+        not_durable = counter("hps_durable_write_failures_total", "Versions refused because their "
+                              "write-ahead-log record could not be made durable (disk full, I/O error)")
+        ckpt_failed = counter("hps_checkpoint_failures_total", "Checkpoints that failed to write (the log "
+                              "still covers them)")
+        out += [staleness, stale_max, doubled, not_durable, ckpt_failed]
 
     for j in s["jobs"]:
         lv = [*base, j["name"]]
@@ -345,12 +355,17 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
         refused.add_metric(lv, j["refused_rounds"])
         dups.add_metric(lv, j["duplicates"])
         resolved.add_metric(lv, j["resolved"])
+        for reason in ("left", "expired", "replaced"):
+            departures.add_metric([*lv, reason], j[f"members_{reason}"])
         wait.add_metric(lv, count_value=j["pushes"], sum_value=j["round_wait_ms_sum"] / 1000.0)
         w_loss.add_metric(lv, count_value=j["loss_count"], sum_value=j["loss_sum"])
         w_step.add_metric(lv, count_value=j["loss_count"], sum_value=j["step_seconds_sum"])
         if staleness is not None:
             staleness.add_metric(lv, count_value=j["staleness_count"], sum_value=j["staleness_sum"])
             stale_max.add_metric(lv, j["staleness_max"])
+            doubled.add_metric(lv, j["double_applied"])
+            not_durable.add_metric(lv, j["durable_failures"])
+            ckpt_failed.add_metric(lv, j["checkpoint_failures"])
 
     if is_relay:
         link = snap["link"]

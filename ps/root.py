@@ -252,7 +252,11 @@ class Root(Tier):
                 self._refuse(js, agg, fut, exc)
                 return
             self._publish(js, rec.clock_min, rec.contributors)
-            js.applied.add(js.view.version, keys)
+            doubles = js.applied.add(js.view.version, keys)
+            if doubles:  # invariant 4 broken: loud, counted, never silent
+                js.stats.double_applied += doubles
+                log.critical("job %s: version %d applied %d worker push(es) an earlier version had "
+                             "applied already", js.config.name, js.view.version, doubles)
             if not fut.done():
                 fut.set_result(Ack(js.view.version, js.view.epoch))
             if js.view.version % self.config.checkpoint_every == 0:

@@ -100,6 +100,7 @@ class Tier:
                 if gone:
                     log.warning("%s: job %s dropped members %s after %.1fs of silence",
                                 self.role, js.config.name, gone, self.config.member_timeout_s)
+                    js.stats.members_expired += len(gone)
                     for member in gone:
                         self._drop_member(js, member, "timed out")
                     await self._members_changed(js)
@@ -145,6 +146,7 @@ class Tier:
             kept.append(old.incarnation)
             del kept[:-_REPLACED_KEPT]
             js.members.leave(member)
+            js.stats.members_replaced += 1
             self._drop_member(js, member, "was replaced by a new incarnation (it restarted)")
             log.info("%s: %r in job %s is a new incarnation %#x (was %#x)", self.role, member, job,
                      incarnation, old.incarnation)
@@ -173,6 +175,7 @@ class Tier:
         js = self.job(job)
         if js.members.leave(member):
             log.info("%s: %r left job %s", self.role, member, job)
+            js.stats.members_left += 1
             self._drop_member(js, member, "left")
             await self._members_changed(js)
 

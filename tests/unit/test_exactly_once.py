@@ -97,6 +97,14 @@ def test_applied_book_answers_by_key_and_body_within_its_horizon():
     assert len(book) == 6
 
 
+def test_applied_book_counts_a_push_applied_by_a_second_version():
+    book = AppliedBook()
+    k = PushKey("w0", 9, 1, A)
+    assert book.add(1, [k]) == 0
+    assert book.add(2, [PushKey("w1", 9, 1, B)]) == 0
+    assert book.add(3, [k, PushKey("w1", 9, 2, B)]) == 1  # the root logs it CRITICAL and counts it
+
+
 def test_applied_book_survives_a_dump_and_load():
     book = AppliedBook()
     for v in range(1, 80):

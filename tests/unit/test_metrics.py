@@ -21,6 +21,8 @@ def _job(**kw) -> dict:
                pushes=8, bytes_pushed_in=800, bytes_pulled_out=400, bytes_pushed_up=200,
                bytes_pulled_in=100, deltas_served=6, snapshots_served=2, rounds=4,
                aborted_rounds=0, restarted_rounds=1, refused_rounds=0, duplicates=2, resolved=1,
+               members_left=1, members_expired=0, members_replaced=0, double_applied=0,
+               durable_failures=0, checkpoint_failures=0,
                round_wait_ms_sum=1500, loss_sum=6.0, loss_count=3, step_seconds_sum=0.3, staleness_count=3, staleness_sum=6,
                staleness_max=4)
     return {**job, **kw}
@@ -81,7 +83,8 @@ def test_families_render_state_with_bounded_labels():
     assert _value(text, "hps_job_staleness_bound", **lz) == 2
     assert _value(text, "hps_upstream_reachable", tier="zone", zone="eu-a") == 1
     labels = {k for f in text_string_to_metric_families(text) for s in f.samples for k in s.labels}
-    assert labels <= {"tier", "region", "zone", "job", "edge", "name", "parent", "quantile"}
+    # reason: left | expired | replaced (member departures), a fixed set like edge's.
+    assert labels <= {"tier", "region", "zone", "job", "edge", "reason", "name", "parent", "quantile"}
     # The root: staleness, no parent edge, no link.
     text = _render(_families(_snap("global", None), {"tier": "global"}))
     assert _value(text, "hps_update_staleness_versions_sum", job="lm") == 6
