@@ -48,7 +48,9 @@ def _serve(args) -> int:
             metrics_port=int(args.metrics_port), heartbeat_s=float(args.heartbeat_s),
             member_timeout_s=float(args.member_timeout_s), checkpoint_dir=args.checkpoint_dir or "",
             checkpoint_every=int(args.checkpoint_every), round_timeout_s=float(args.round_timeout_s),
-            flush_ms=float(args.flush_ms), flush_bytes=int(args.flush_bytes), up_codec=args.up_codec or "")
+            flush_ms=float(args.flush_ms), flush_bytes=int(args.flush_bytes), up_codec=args.up_codec or "",
+            max_job_params=int(args.max_job_params), push_budget_mb=int(args.push_budget_mb),
+            max_jobs=int(args.max_jobs), unjoined_job_ttl_s=float(args.unjoined_job_ttl_s))
     except (BadInput, ValueError) as exc:
         print(f"hps serve: {exc}", file=sys.stderr)
         return 2
@@ -142,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ssp/async: ... or once this many payload bytes are waiting")
     s.add_argument("--up-codec", action=_EnvDefault, default="",
                    help="relays: codec of this tier's upward edge, overriding the job's relay codec")
+    s.add_argument("--max-job-params", action=_EnvDefault, default=str(1 << 31),
+                   help="the largest job this tier holds, in float32 parameters (larger ones are refused)")
+    s.add_argument("--push-budget-mb", action=_EnvDefault, default="2048",
+                   help="memory for pushes being received at once; past it pushes wait (RESOURCE_EXHAUSTED)")
+    s.add_argument("--max-jobs", action=_EnvDefault, default="1000", help="root: jobs held at once")
+    s.add_argument("--unjoined-job-ttl-s", action=_EnvDefault, default="86400",
+                   help="root: end a job no worker joined within this many seconds (0: never)")
     s.add_argument("--loop", action=_EnvDefault, default="asyncio", choices=["asyncio", "uvloop"],
                    help="event loop (benchmarks/bsp_step.py --loops compares them)")
     s.set_defaults(fn=_serve)

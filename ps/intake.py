@@ -93,8 +93,14 @@ class PushIntake:
         assert self._asm is not None, "a push that was only counted has no gradient"
         return self._asm.finish()
 
+    def decoded_into_batch(self) -> None:
+        """The gradient was added to its batch's sum: its buffer no longer needs the budget (a
+        push waiting for its round must not keep others from being received)."""
+        self._budget.release(self._reserved)
+        self._reserved = 0
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._budget.release(self._reserved)
+            self.decoded_into_batch()
             self._release()

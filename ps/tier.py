@@ -242,6 +242,7 @@ class Tier:
         else:
             js.window.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, nbytes, self.clock())
         js.add_sources(keys)
+        intake.decoded_into_batch()
         member.pushes += 1
         member.floor = max(member.floor, meta.clock_floor)
         member.workers = meta.workers

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -135,3 +137,120 @@ def test_recreating_a_job_with_other_keys_is_refused(setup):
         rpc["CreateJob"](iter(encode_create_job(JobConfig(name="k"), LAYOUT, [])), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "elements" in err.value.details()
     assert "k" not in tree.lt.call(lambda: list(tree.tier("root").jobs))
+
+
+def test_requests_that_do_not_parse_get_invalid_argument_not_unknown(tree, caplog):
+    """Every unary method and the health service parse their own requests: bytes that are no
+    message get INVALID_ARGUMENT with a sentence, one debug line each, no traceback."""
+    import logging
+
+    from ps.wire import METHODS, SERVICE
+
+    tree.add("root", "global")
+    channel = grpc.insecure_channel(tree.addr("root"))
+    garbage = b"\xff\xff\xff\xff"  # a field number 0x1fffffff with a bogus wire type
+    paths = [f"/{SERVICE}/{name}" for name, (kind, _, _) in METHODS.items() if kind == "unary_unary"]
+    paths.append("/grpc.health.v1.Health/Check")
+    with caplog.at_level(logging.DEBUG, logger="hps"):
+        for path in paths:
+            with pytest.raises(grpc.RpcError) as err:
+                channel.unary_unary(path)(garbage, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, err.value.code())
+            assert "does not parse" in err.value.details(), (path, err.value.details())
+        with pytest.raises(grpc.RpcError) as err:  # a server-streaming method too
+            list(channel.unary_stream(f"/{SERVICE}/Pull")(garbage, timeout=5))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Traceback" not in caplog.text
+
+
+def test_refusals_are_counted_by_method_and_code(tree):
+    from prometheus_client import CollectorRegistry
+
+    from ps.config import ServerConfig
+    from ps.server import create_server, shutdown
+
+    registry = CollectorRegistry()
+    server, port, tier = tree.lt.run(create_server(ServerConfig(role="global"), registry))
+    try:
+        rpc = stubs(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError):
+                rpc["EndJob"](pb.EndJobRequest(job="nope"), timeout=5)
+        with pytest.raises(grpc.RpcError):
+            rpc["Register"](pb.RegisterRequest(job="bad name!", member="w", role=pb.ROLE_WORKER,
+                                               incarnation=1), timeout=5)
+        value = registry.get_sample_value
+        assert value("hps_rpc_errors_total", {"tier": "global", "method": "EndJob", "code": "NOT_FOUND"}) == 3
+        assert value("hps_rpc_errors_total", {"tier": "global", "method": "Register",
+                                              "code": "INVALID_ARGUMENT"}) == 1
+    finally:
+        tree.lt.run(shutdown(server, tier, grace=0.5))
+
+
+def test_a_job_too_large_is_refused_before_anything_is_allocated(tree):
+    """CreateJob with a key of 2^40 elements once allocated (MemoryError, UNKNOWN) before any check."""
+    tree.add("root", "global", max_job_params=1 << 20)
+    zone = tree.add("z", "zone", parent="root", max_job_params=1 << 20)
+    huge = Layout([KeySpec("w", (1 << 20, 1 << 20))])
+    for addr in (tree.addr("root"), zone):
+        frames = encode_create_job(JobConfig(name="big"), huge, [])
+        with pytest.raises(grpc.RpcError) as err:
+            stubs(grpc.insecure_channel(addr))["CreateJob"](iter(frames), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max-job-params" in err.value.details()
+    assert tree.lt.call(lambda: list(tree.tier("root").jobs)) == []
+
+
+def test_values_without_keys_are_refused(tree):
+    tree.add("root", "global")
+    values = split(LAYOUT, np.zeros(LAYOUT.numel, np.float32), get_codec("fp32"))
+    frames = encode_create_job(JobConfig(name="k"), None, values)
+    with pytest.raises(grpc.RpcError) as err:
+        stubs(grpc.insecure_channel(tree.addr("root")))["CreateJob"](iter(frames), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "keys" in err.value.details()
+    assert tree.lt.call(lambda: dict(tree.tier("root").declared)) == {}
+
+
+def test_a_push_past_the_tiers_budget_waits_and_then_goes_through(tree):
+    """Memory for pushes being received is reserved from a budget; past it a push is refused
+    with RESOURCE_EXHAUSTED, which the worker retries, so it goes through once room is free."""
+    import threading
+
+    big = Layout([KeySpec("w", (300_000,))])  # 1.2 MB to decode per push
+    tree.add("root", "global", push_budget_mb=1)
+    a, b = ParameterClient(tree.addr("root"), "j", "a"), ParameterClient(tree.addr("root"), "j", "b")
+    a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(lr=0.1)), big, np.zeros(big.numel, np.float32))
+    for c in (a, b):
+        c.register()
+        c.pull()
+    budget = tree.lt.call(lambda: tree.tier("root").budget)
+    budget.reserve(budget.limit)  # something else holds the whole budget ...
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("a", a.push(np.ones(big.numel, np.float32))))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and tree.view("root", "j")[1] == 0  # ... so a's push waits, retrying
+    tree.lt.call(lambda: budget.release(budget.limit))
+    assert b.push(np.ones(big.numel, np.float32))[0] == 1
+    t.join(30)
+    assert out["a"][0] == 1
+    for c in (a, b):
+        c.close()
+
+
+def test_a_job_nobody_joins_is_reaped(tree):
+    tree.add("root", "global", unjoined_job_ttl_s=0.5)
+    root = tree.tier("root")
+    rpc = stubs(grpc.insecure_channel(tree.addr("root")))
+    rpc["CreateJob"](iter(encode_create_job(JobConfig(name="declared"), None, [])), timeout=5)
+    c = ParameterClient(tree.addr("root"), "used", "w0")
+    c.create_job(JobConfig(name="used"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    c.register()
+    rpc["CreateJob"](iter(encode_create_job(JobConfig(name="garbage"), LAYOUT, split(
+        LAYOUT, np.zeros(LAYOUT.numel, np.float32), get_codec("fp32")))), timeout=5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and tree.lt.call(lambda: "garbage" in root.jobs or "declared" in root.declared):
+        time.sleep(0.1)
+    assert tree.lt.call(lambda: sorted(root.jobs)) == ["used"]
+    assert tree.lt.call(lambda: sorted(root.ended)) == ["declared", "garbage"]
+    c.close()
