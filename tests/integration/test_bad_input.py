@@ -254,3 +254,21 @@ def test_a_job_nobody_joins_is_reaped(tree):
     assert tree.lt.call(lambda: sorted(root.jobs)) == ["used"]
     assert tree.lt.call(lambda: sorted(root.ended)) == ["declared", "garbage"]
     c.close()
+
+
+def test_stale_names_the_version_to_wait_for(setup):
+    """A push whose round closed is told which version to pull before computing again, so a
+    worker does not recompute on the view it holds and get refused again (1,470 refusals for
+    40 real losses were seen when it pulled "anything newer" instead)."""
+    from ps.errors import Stale
+
+    tree, zone, w, rpc = setup
+    g = np.ones(LAYOUT.numel, np.float32)
+    for s in range(2):
+        v, _ = w.push(g, clock=s)
+        w.pull(min_version=v)
+    stale = encode_push(PushMeta("j", "w0", w.acked_seq + 1, 0, w.view.epoch, 1, 0, 0,
+                                 incarnation=w.incarnation), _chunks())
+    with pytest.raises(Stale) as err:
+        w._call("Push", iter(stale))
+    assert err.value.wait_version == 2 and "round 2 is open" in str(err.value)
