@@ -203,7 +203,8 @@ def test_rule_unit_tests_cover_the_alerts_the_issue_names():
     fired = {c["alertname"] for t in tests["tests"] for c in t.get("alert_rule_test", [])
              if c.get("exp_alerts")}
     assert {"HpsTrainingLossRising", "HpsReplicaLagVersions", "HpsReplicaLagSeconds",
-            "HpsMembersLost", "HpsParentUnreachable", "HpsStalenessOverBound"} <= fired
+            "HpsMembersLost", "HpsParentUnreachable", "HpsStalenessOverBound",
+            "HpsRootCannotWriteLog", "HpsPushAppliedTwice"} <= fired
 
 
 def test_local_scrape_config_passes_promtool_and_matches_its_topology():
