@@ -36,6 +36,8 @@ class ServerOptimizer:
         self.steps = 0
         self._p = torch.from_numpy(params)  # shares memory: params change in place
         self._p.grad = torch.zeros_like(self._p)
+        self._saved: dict[str, torch.Tensor] | None = None  # save_point's buffers
+        self._saved_steps = 0
         if cfg.kind == "sgd":
             self._opt = torch.optim.SGD([self._p], lr=cfg.lr, momentum=cfg.momentum,
                                         nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
@@ -52,6 +54,33 @@ class ServerOptimizer:
             group["lr"] = lr_at(self.cfg, self.steps) * lr_scale
         self._opt.step()
         self.steps += 1
+
+    def save_point(self) -> None:
+        """Remember the parameters and the optimizer's state, so ``roll_back`` can undo the next
+        step exactly (a root that keeps no log refuses a step whose output is not finite). The
+        buffers are kept and reused: allocating them per step faulted every page in again."""
+        state = self._opt.state.get(self._p, {})
+        saved = self._saved
+        if saved is None or saved.keys() != {"params", *state}:
+            saved = self._saved = {"params": self._p.detach().clone(),
+                                   **{k: v.detach().clone() for k, v in state.items()}}
+        else:
+            saved["params"].copy_(self._p.detach())
+            for k, v in state.items():
+                saved[k].copy_(v)
+        self._saved_steps = self.steps
+
+    def roll_back(self) -> None:
+        """Undo every step since ``save_point``."""
+        assert self._saved is not None, "roll_back without a save_point"
+        with torch.no_grad():
+            self._p.copy_(self._saved["params"])
+        state = {k: v.clone() for k, v in self._saved.items() if k != "params"}
+        if state:
+            self._opt.state[self._p] = state
+        else:
+            self._opt.state.pop(self._p, None)
+        self.steps = self._saved_steps
 
     def state_dict(self) -> dict[str, np.ndarray | int]:
         out: dict[str, np.ndarray | int] = {"steps": self.steps}

@@ -224,7 +224,8 @@ class Root(Tier):
     async def _apply_durably(self, js: JobState, agg: Aggregate, rec: WalRecord,
                              keys: tuple[PushKey, ...], fut: asyncio.Future) -> None:
         async with js.apply_lock:
-            undo = None if js.wal is not None else (js.params.copy(), js.optimizer.state_dict())
+            if js.wal is None:  # no log to roll back from: keep an in-memory copy of this step's start
+                js.optimizer.save_point()
             try:
                 if rec.grad is not None:
                     js.optimizer.step(rec.grad, rec.scale)
@@ -236,7 +237,7 @@ class Root(Tier):
                     await asyncio.to_thread(js.wal.append, rec)
             except Exception as exc:
                 try:
-                    await self._roll_back(js, undo)
+                    await self._roll_back(js)
                 except Exception:
                     log.critical("job %s: rolling back version %d failed", js.config.name, rec.version,
                                  exc_info=True)
@@ -262,12 +263,10 @@ class Root(Tier):
             if js.view.version % self.config.checkpoint_every == 0:
                 self._checkpoint(js)
 
-    async def _roll_back(self, js: JobState, undo) -> None:
+    async def _roll_back(self, js: JobState) -> None:
         """Put the job's parameters and optimizer back to its published version, exactly."""
-        if undo is not None:
-            params, state = undo
-            js.params[:] = params
-            js.optimizer.load_state_dict(state)
+        if js.wal is None:
+            js.optimizer.roll_back()
             return
         await self._quiesce(js, apply=False)
         fresh = self._load(Path(self._job_dir(js.config.name)), register=False)

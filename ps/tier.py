@@ -194,12 +194,11 @@ class Tier:
             raise Exhausted(f"{meta.sender!r} has {member.in_flight} pushes in flight here (at most "
                             f"{MAX_IN_FLIGHT}); wait for their acknowledgements")
         decode = kind in ("new", "retry") and meta.contributors > 0
-        intake = PushIntake(js.layout, meta, decode, self.budget)
-        member.in_flight += 1
 
         def done() -> None:
             member.in_flight -= 1
-        intake._release = done
+        intake = PushIntake(js.layout, meta, decode, self.budget, release=done)
+        member.in_flight += 1
         return intake
 
     async def commit_push(self, intake: PushIntake, digest: bytes) -> Ack:
@@ -299,9 +298,13 @@ class Tier:
         """A push that cannot be placed may have been applied already (its ack was lost in a
         restart): ask before saying Stale, which means "not applied, and it will not be"."""
         js.stats.resolved += 1
-        outcome, version, epoch = await self.resolve(js.config.name, keys, _RESOLVE_WAIT_S)
+        try:
+            outcome, version, epoch = await self.resolve(js.config.name, keys, _RESOLVE_WAIT_S)
+        except NotReady as exc:  # the parent restarted and knows nothing yet: not the pusher's doing
+            raise Unavailable(f"cannot tell yet whether push {meta.seq} from {meta.sender!r} was applied "
+                              f"({exc}); retry shortly") from None
         if outcome == APPLIED:
-            ack = Ack(version, js.view.epoch or epoch, duplicate=True)
+            ack = Ack(version, epoch or js.view.epoch, duplicate=True)  # the root's lineage
             book.accept(meta.seq, digest)
             book.settle(meta.seq, ack)
             return ack

@@ -408,3 +408,29 @@ def test_server_config_rejects_bad_values_naming_them(kwargs, needles):
         ServerConfig(**kwargs)
     for needle in needles:
         assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("cfg", [OptimizerConfig(kind="adam", lr=1e-2, weight_decay=0.01),
+                                 OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9, nesterov=True),
+                                 OptimizerConfig(kind="sgd", lr=0.1)], ids=["adam", "sgd-nesterov", "sgd"])
+def test_a_rolled_back_step_leaves_no_trace(cfg):
+    """A root without a log undoes a step whose output is not finite: the next step must be the
+    one it would have taken had the refused step never happened, bit for bit."""
+    from ps.optim import ServerOptimizer
+
+    rng = np.random.default_rng(3)
+    g1, g2, bad = (rng.standard_normal(64).astype(np.float32) for _ in range(3))
+    a, b = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    oa, ob = ServerOptimizer(cfg, a), ServerOptimizer(cfg, b)
+    oa.step(g1)
+    ob.step(g1)
+    for _ in range(2):  # the buffers are reused on the second save
+        oa.save_point()
+        oa.step(bad * 1e3)
+        oa.roll_back()
+    assert a.tobytes() == b.tobytes() and oa.steps == ob.steps == 1
+    oa.step(g2)
+    ob.step(g2)
+    assert a.tobytes() == b.tobytes()
+    for (k, va), (_, vb) in zip(sorted(oa.state_dict().items()), sorted(ob.state_dict().items())):
+        assert np.array_equal(va, vb), k
