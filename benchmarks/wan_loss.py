@@ -86,9 +86,9 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
             tiers = {}
             for name, t in cluster.tiers.items():
                 for j in fetch_status(t.address).jobs:
-                    tiers[name] = dict(role=t.role, version=j.version, push_in=j.bytes_pushed_in,
-                                       push_up=j.bytes_pushed_up, pull_in=j.bytes_pulled_in,
-                                       pull_out=j.bytes_pulled_out)
+                    tiers[name] = dict(role=t.role, version=j.version, push_in=j.stats.bytes_pushed_in,
+                                       push_up=j.stats.bytes_pushed_up, pull_in=j.stats.bytes_pulled_in,
+                                       pull_out=j.stats.bytes_pulled_out)
         finally:
             for p in procs:
                 if p.poll() is None:

@@ -26,23 +26,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps.wire import SERVICE
 
-__all__ = ["Health", "LIVENESS", "synced", "health_handler"]
+__all__ = ["Health", "LIVENESS", "health_handler"]
 
 LIVENESS = "hps.liveness"
 _READINESS = ("", SERVICE)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def synced(tier) -> bool:
-    """True once the tier has synced with its parent (always for the root, which has none):
-    the parent has answered, and every job this relay holds has a view from it."""
-    up = getattr(tier, "up", None)
-    if up is None:
-        return True
-    # server_epoch is set by the first answered heartbeat or register, and never cleared.
-    answered = bool(up.reachable or up.server_epoch)
-    return answered and all(js.view.ready for js in tier.jobs.values())
 
 
 class Health(health_pb2_grpc.HealthServicer):
@@ -61,7 +50,7 @@ class Health(health_pb2_grpc.HealthServicer):
             return None
         if self.draining:
             return _NOT_SERVING
-        if service == LIVENESS or synced(self.tier):
+        if service == LIVENESS or self.tier.synced():
             return _SERVING
         return _NOT_SERVING
 

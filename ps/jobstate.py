@@ -1,6 +1,7 @@
-"""One job's state at one tier (plain data for the async shell).
+"""One job's state at one tier (plain data for the async shell): what every tier keeps
+(``JobState``), and what only the root (``RootJob``) or a relay (``RelayJob``) adds.
 
-    js = JobState(config, layout)        # view, delta log, members, the open round or window
+    js = RelayJob(config, layout)        # view, delta log, members, the open round or window
     js.notify()                          # wakes every pull waiting for a newer version
     ack = await asyncio.shield(js.open_future())
 
@@ -21,51 +22,17 @@ from ps.config import JobConfig
 from ps.consistency import BspRound, Membership, Window
 from ps.deltas import DeltaLog
 from ps.encoder import Encoder
+from ps.optim import ServerOptimizer
+from ps.wal import WriteAheadLog
 from ps.errors import HpsError, Stale, UnknownJob
 from ps.exactly_once import AppliedBook, SeqBook
 from ps.store import Layout, View
 from ps.tensors import Chunk, split
-from ps.types import Ack, PushKey, Registration
+from ps.types import JobStats, PushKey
 
-__all__ = ["Ack", "Registration", "JobStats", "JobState"]
+__all__ = ["JobState", "RootJob", "RelayJob"]
 
 _DEPARTED_BOOKS = 4096  # sequence books kept for members that left or timed out
-
-
-@dataclass
-class JobStats:
-    pushes: int = 0
-    bytes_pushed_in: int = 0
-    bytes_pushed_up: int = 0
-    bytes_pulled_out: int = 0
-    bytes_pulled_in: int = 0
-    snapshots_served: int = 0
-    deltas_served: int = 0
-    rounds: int = 0
-    aborted_rounds: int = 0
-    restarted_rounds: int = 0    # open rounds restarted without a member that left with its push
-    refused_rounds: int = 0      # closed rounds refused whole (non-finite sum, failed write, ...)
-    duplicates: int = 0          # retries answered with the recorded acknowledgement
-    resolved: int = 0            # retries whose outcome had to be asked of the parent or root
-    durable_failures: int = 0    # root: versions refused because the log write failed
-    double_applied: int = 0      # root: worker pushes applied by a second version (must stay 0)
-    members_expired: int = 0     # members dropped after member_timeout of silence
-    members_left: int = 0        # members that said goodbye
-    members_replaced: int = 0    # members replaced by a new incarnation (a restarted process)
-    checkpoint_failures: int = 0  # root: checkpoints that failed to write
-    staleness_count: int = 0
-    staleness_sum: int = 0
-    staleness_max: int = 0
-    round_wait_ms_sum: int = 0
-    # What the workers below reported about their training (PushMeta telemetry), for metrics.
-    loss_sum: float = 0.0
-    loss_count: int = 0
-    step_seconds_sum: float = 0.0
-
-    def staleness(self, s: int) -> None:
-        self.staleness_count += 1
-        self.staleness_sum += s
-        self.staleness_max = max(self.staleness_max, s)
 
 
 @dataclass
@@ -94,20 +61,8 @@ class JobState:
     reported_floor: int = 0              # the clock floor last sent up (relay) or stamped (root)
     pending: dict[tuple[str, int, int], asyncio.Future] = field(default_factory=dict)
     stats: JobStats = field(default_factory=JobStats)
-    parent_version: int = 0
-    synced_at: float = 0.0
     created_at: float = 0.0
     joined: bool = False                 # a member ever registered (the root reaps jobs nobody joins)
-    encoder: Encoder | None = None       # relay: the upward edge's codec and residuals
-    unsent_report: tuple[float, int, float] = (0.0, 0, 0.0)  # relay: telemetry not yet sent up
-    # The root's own (a relay leaves them unset; the layering issue types them apart):
-    applied: AppliedBook = field(default_factory=AppliedBook)  # worker pushes applied
-    params: np.ndarray | None = None     # authoritative parameters
-    optimizer: object = None             # ps.optim.ServerOptimizer over ``params``
-    wal: object = None                   # ps.wal.WriteAheadLog, when durable
-    apply_lock: asyncio.Lock | None = None  # one version applied at a time
-    last_checkpoint: tuple[float, float, int] | None = None  # (unix time, seconds, version)
-    scratch: np.ndarray | None = None    # reused buffer for params - view
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _snapshot: tuple[int, int, list[Chunk]] | None = None
 
@@ -234,3 +189,28 @@ class JobState:
             codec = get_codec("fp32+zstd" if self.config.delta_codec == "fp32+zstd" else "fp32")
             self._snapshot = (*key, split(self.layout, self.view.values, codec))
         return self._snapshot[2]
+
+
+@dataclass
+class RootJob(JobState):
+    """The root's job: the authoritative parameters, their optimizer, the log that makes each
+    version durable, and the record of which worker pushes each version applied."""
+
+    params: np.ndarray = None            # authoritative parameters (float32, flat)
+    optimizer: ServerOptimizer = None    # steps ``params`` in place
+    wal: WriteAheadLog | None = None     # None: a root that keeps no checkpoints
+    applied: AppliedBook = field(default_factory=AppliedBook)
+    apply_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one version at a time
+    last_checkpoint: tuple[float, float, int] | None = None  # (unix time, seconds, version)
+    scratch: np.ndarray | None = None    # reused buffer for params - view
+
+
+@dataclass
+class RelayJob(JobState):
+    """A relay's job: its upward edge (codec and residuals, telemetry not yet sent) and how far
+    it trails its parent."""
+
+    encoder: Encoder | None = None       # the upward edge's codec and residuals (made on first use)
+    unsent_report: tuple[float, int, float] = (0.0, 0, 0.0)  # telemetry not yet sent up
+    parent_version: int = 0              # the newest version the parent has announced
+    synced_at: float = 0.0               # when this tier last held the parent's newest version

@@ -34,7 +34,6 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from ps.health import synced
 
 __all__ = ["TierMetrics", "RpcMetrics", "LinkWatch", "NO_RPC_METRICS",
            "process_labels", "process_registry", "serve_metrics"]
@@ -183,15 +182,11 @@ class _TierCollector:
 
     def _read(self) -> dict:
         """One consistent snapshot; runs on the tier's loop."""
-        tier = self.tier
-        snap = dict(status=tier.status(), now=tier.clock(), ready=synced(tier), link=None,
-                    synced_at={name: js.synced_at for name, js in tier.jobs.items()},
-                    numel={name: js.layout.numel for name, js in tier.jobs.items()},
-                    bound={name: js.config.staleness for name, js in tier.jobs.items()
-                           if js.config.mode == "ssp"})
+        snap = dict(status=self.tier.status(), link=None)
         if self.link is not None:
             self.link.poll()
-            snap["link"] = dict(reachable=bool(tier.up.reachable), errors=tier.up.failures,
+            up = self.link.up
+            snap["link"] = dict(reachable=bool(up.reachable), errors=up.failures,
                                 reconnects=self.link.reconnects)
         return snap
 
@@ -216,17 +211,6 @@ class _TierCollector:
         return _families(self._snapshot(), self.labels)
 
 
-def _lag(job: dict, synced_at: float, now: float, link: dict | None) -> tuple[int, float]:
-    """(versions, seconds) this replica trails its parent; 0 at the root, the reference."""
-    if link is None:
-        return 0, 0.0
-    versions = max(0, job["parent_version"] - job["version"])
-    # Behind, or cut off from the parent (so unable to tell): the lag is the time since the
-    # replica last confirmed it held the parent's latest version (every answered long-poll does).
-    behind = versions > 0 or not link["reachable"]
-    return versions, (now - synced_at) if behind and synced_at else 0.0
-
-
 def _families(snap: dict, labels: dict[str, str]) -> list:
     """Every scrape-time family from one snapshot (pure: unit-testable without a server)."""
     s = snap["status"]
@@ -242,15 +226,15 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
 
     info = InfoMetricFamily("hps_tier", "This tier: its name and its parent's address",
                             labels=base_names)
-    info.add_metric(base, {"name": s["name"], "parent": s["parent"] or ""})
+    info.add_metric(base, {"name": s.name, "parent": s.parent or ""})
     jobs = gauge("hps_jobs", "Training jobs this tier holds", base_names)
-    jobs.add_metric(base, len(s["jobs"]))
+    jobs.add_metric(base, len(s.jobs))
     children = gauge("hps_children", "Relay children that announced themselves by heartbeat "
                                      "within the member timeout", base_names)
-    children.add_metric(base, len(s["children"]))
+    children.add_metric(base, len(s.children))
     ready = gauge("hps_ready", "1 once this tier has synced with its parent (the health "
                                "service's readiness answer), else 0", base_names)
-    ready.add_metric(base, 1 if snap["ready"] else 0)
+    ready.add_metric(base, 1 if s.ready else 0)
     out = [info, jobs, children, ready]
 
     version = gauge("hps_version", "Published-view version this tier holds")
@@ -313,7 +297,7 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
             pull_raw, hits, fallbacks, rounds, aborted, restarted, refused, dups, resolved, departures,
             wait, bound, w_loss, w_step]
     staleness = stale_max = None
-    if s["role"] == "global":
+    if s.role == "global":
         # A summary, not a histogram: the root keeps only the count, sum and maximum.
         staleness = SummaryMetricFamily("hps_update_staleness_versions", "Versions between the view "
                                         "an update was computed on and the one it was applied to",
@@ -328,44 +312,43 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
                               "still covers them)")
         out += [staleness, stale_max, doubled, not_durable, ckpt_failed]
 
-    for j in s["jobs"]:
-        lv = [*base, j["name"]]
-        v, secs = _lag(j, snap["synced_at"].get(j["name"], 0.0), snap["now"], snap["link"])
-        version.add_metric(lv, j["version"])
-        lag_v.add_metric(lv, v)
-        lag_s.add_metric(lv, secs)
-        members.add_metric(lv, len(j["members"]))
-        open_round.add_metric(lv, j["round_pushed"])
-        pushes.add_metric(lv, j["pushes"])
-        push_bytes.add_metric([*lv, "children"], j["bytes_pushed_in"])
-        pull_bytes.add_metric([*lv, "children"], j["bytes_pulled_out"])
-        size = 4 * snap["numel"].get(j["name"], 0)
-        push_raw.add_metric([*lv, "children"], j["pushes"] * size)
-        pull_raw.add_metric([*lv, "children"], (j["deltas_served"] + j["snapshots_served"]) * size)
-        if j["name"] in snap["bound"]:
-            bound.add_metric(lv, snap["bound"][j["name"]])
+    for j in s.jobs:
+        lv, st = [*base, j.name], j.stats
+        version.add_metric(lv, j.version)
+        lag_v.add_metric(lv, j.lag_versions)
+        lag_s.add_metric(lv, j.lag_s)
+        members.add_metric(lv, len(j.members))
+        open_round.add_metric(lv, j.round_pushed)
+        pushes.add_metric(lv, st.pushes)
+        push_bytes.add_metric([*lv, "children"], st.bytes_pushed_in)
+        pull_bytes.add_metric([*lv, "children"], st.bytes_pulled_out)
+        size = 4 * j.parameters
+        push_raw.add_metric([*lv, "children"], st.pushes * size)
+        pull_raw.add_metric([*lv, "children"], (st.deltas_served + st.snapshots_served) * size)
+        if j.mode == "ssp":
+            bound.add_metric(lv, j.staleness)
         if is_relay:
-            push_bytes.add_metric([*lv, "parent"], j["bytes_pushed_up"])
-            pull_bytes.add_metric([*lv, "parent"], j["bytes_pulled_in"])
-        hits.add_metric(lv, j["deltas_served"])
-        fallbacks.add_metric(lv, j["snapshots_served"])
-        rounds.add_metric(lv, j["rounds"])
-        aborted.add_metric(lv, j["aborted_rounds"])
-        restarted.add_metric(lv, j["restarted_rounds"])
-        refused.add_metric(lv, j["refused_rounds"])
-        dups.add_metric(lv, j["duplicates"])
-        resolved.add_metric(lv, j["resolved"])
+            push_bytes.add_metric([*lv, "parent"], st.bytes_pushed_up)
+            pull_bytes.add_metric([*lv, "parent"], st.bytes_pulled_in)
+        hits.add_metric(lv, st.deltas_served)
+        fallbacks.add_metric(lv, st.snapshots_served)
+        rounds.add_metric(lv, st.rounds)
+        aborted.add_metric(lv, st.aborted_rounds)
+        restarted.add_metric(lv, st.restarted_rounds)
+        refused.add_metric(lv, st.refused_rounds)
+        dups.add_metric(lv, st.duplicates)
+        resolved.add_metric(lv, st.resolved)
         for reason in ("left", "expired", "replaced"):
-            departures.add_metric([*lv, reason], j[f"members_{reason}"])
-        wait.add_metric(lv, count_value=j["pushes"], sum_value=j["round_wait_ms_sum"] / 1000.0)
-        w_loss.add_metric(lv, count_value=j["loss_count"], sum_value=j["loss_sum"])
-        w_step.add_metric(lv, count_value=j["loss_count"], sum_value=j["step_seconds_sum"])
+            departures.add_metric([*lv, reason], getattr(st, f"members_{reason}"))
+        wait.add_metric(lv, count_value=st.pushes, sum_value=st.round_wait_ms_sum / 1000.0)
+        w_loss.add_metric(lv, count_value=st.loss_count, sum_value=st.loss_sum)
+        w_step.add_metric(lv, count_value=st.loss_count, sum_value=st.step_seconds_sum)
         if staleness is not None:
-            staleness.add_metric(lv, count_value=j["staleness_count"], sum_value=j["staleness_sum"])
-            stale_max.add_metric(lv, j["staleness_max"])
-            doubled.add_metric(lv, j["double_applied"])
-            not_durable.add_metric(lv, j["durable_failures"])
-            ckpt_failed.add_metric(lv, j["checkpoint_failures"])
+            staleness.add_metric(lv, count_value=st.staleness_count, sum_value=st.staleness_sum)
+            stale_max.add_metric(lv, st.staleness_max)
+            doubled.add_metric(lv, st.double_applied)
+            not_durable.add_metric(lv, st.durable_failures)
+            ckpt_failed.add_metric(lv, st.checkpoint_failures)
 
     if is_relay:
         link = snap["link"]
@@ -389,7 +372,7 @@ class TierMetrics:
         self.tier = tier
         self.registry = registry
         self.labels = process_labels(tier)
-        up = getattr(tier, "up", None)
+        up = tier.parent_link()
         self.link = LinkWatch(up, max(0.02, tier.config.heartbeat_s / 4)) if up is not None else None
         self.rpc = RpcMetrics(registry, self.labels, known_job=lambda job: job in tier.jobs)
         registry.register(_TierCollector(tier, asyncio.get_running_loop(), self.labels, self.link,

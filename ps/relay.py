@@ -31,7 +31,8 @@ from ps.errors import (BadInput, Exhausted, HpsError, NotMember, NotReady, Stale
 from ps.exactly_once import MAX_IN_FLIGHT
 from ps.store import Layout
 from ps.tensors import assemble, payload_bytes
-from ps.tier import JobState, Tier
+from ps.jobstate import RelayJob
+from ps.tier import Tier
 from ps.types import PullMeta, PushKey, PushMeta
 from ps.upstream import Upstream
 from ps.wire import encode_push
@@ -61,7 +62,7 @@ class Relay(Tier):
     def set_address(self, address: str) -> None:
         self.up.own_address = address
 
-    def job(self, name: str) -> JobState:
+    def job(self, name: str) -> RelayJob:
         js = self.jobs.get(name)
         if js is not None or name in self.ended:
             return super().job(name)
@@ -84,7 +85,7 @@ class Relay(Tier):
         await self.up.close()
 
     # -- joining the parent ----------------------------------------------------------------
-    async def _job_for_register(self, job: str) -> JobState:
+    async def _job_for_register(self, job: str) -> RelayJob:
         lock = self._locks.setdefault(job, asyncio.Lock())
         try:
             async with lock:
@@ -94,7 +95,7 @@ class Relay(Tier):
             if job not in self.jobs and not lock.locked() and self._locks.get(job) is lock:
                 del self._locks[job]
 
-    async def _attach(self, job: str) -> JobState:
+    async def _attach(self, job: str) -> RelayJob:
         if job in self.ended:
             return super().job(job)  # UnknownJob: ended
         js = self.jobs.get(job)
@@ -103,7 +104,7 @@ class Relay(Tier):
         reg = await self.up.register(job, last_seq=max(self._up_acked.get(job, 0),
                                                        self._up_issued.get(job, 0)))
         if js is None or js.layout != reg.layout:
-            js = JobState(reg.config, reg.layout)
+            js = RelayJob(reg.config, reg.layout, created_at=self.clock())
             self.jobs[job] = js
             self._tasks.append(asyncio.create_task(self._follow(job), name=f"follow-{job}"))
         self.attached.add(job)
@@ -113,7 +114,7 @@ class Relay(Tier):
                  self.config.parent, reg.start_version)
         return js
 
-    async def _members_changed(self, js: JobState) -> None:
+    async def _members_changed(self, js: RelayJob) -> None:
         await super()._members_changed(js)
         job = js.config.name
         if len(js.members) == 0 and job in self.attached:
@@ -150,18 +151,18 @@ class Relay(Tier):
                         log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
 
     # -- upward ----------------------------------------------------------------------------
-    def _finish_round(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+    def _finish_round(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
                       fut: asyncio.Future) -> None:
         task = asyncio.create_task(self._forward(js, agg, keys, floor, fut))
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
-    def in_flight_limit(self, js: JobState) -> int:
+    def in_flight_limit(self, js: RelayJob) -> int:
         # async: windows go up without waiting for the previous one's acknowledgement, which
         # comes only once the root applied it (a whole tree's round trip, or an ocean's).
         return MAX_IN_FLIGHT if js.config.mode == "async" else 1
 
-    async def _forward(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+    async def _forward(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
                        fut: asyncio.Future) -> None:
         job = js.config.name
         try:
@@ -183,7 +184,7 @@ class Relay(Tier):
                                   f"({type(exc).__name__}); push again")
             self._refuse(js, agg, fut, exc)
 
-    async def _forward_one(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+    async def _forward_one(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
                            fut: asyncio.Future, seq: int) -> None:
         job = js.config.name
         # Re-encode the sum with this relay's own residual: sums of top-k vectors get denser
@@ -239,20 +240,45 @@ class Relay(Tier):
         if not fut.done():
             fut.set_result(ack)
 
-    def _refuse(self, js: JobState, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
+    def _refuse(self, js: RelayJob, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
         if js.encoder is not None and not js.encoder.lossless:
             # The refused aggregate's unsent part is in the residual, and its children will
             # send the same gradients again: drop it rather than count it twice.
             js.encoder.reset()
         super()._refuse(js, agg, fut, exc)
 
-    async def _resolve_here(self, js: JobState, keys: tuple[PushKey, ...], wait_s: float
+    async def _resolve_here(self, js: RelayJob, keys: tuple[PushKey, ...], wait_s: float
                             ) -> tuple[str, int, int]:
         """Nothing in flight here holds these pushes: the parent (and above it the root) knows."""
         return await self.up.resolve(js.config.name, keys, wait_s)
 
     def parent_reachable(self) -> bool:
         return self.up.reachable
+
+    def parent_link(self) -> Upstream:
+        return self.up
+
+    def synced(self) -> bool:
+        """The parent has answered (a heartbeat or a register; ``server_epoch`` is never
+        cleared) and every job held here has a view from it. Readiness stays once lost
+        parents go: the relay still serves the view it holds, and flipping readiness would
+        empty the Kubernetes Services below it on every root restart."""
+        answered = bool(self.up.reachable or self.up.server_epoch)
+        return answered and all(js.view.ready for js in self.jobs.values())
+
+    def _lag(self, js: RelayJob, now: float) -> tuple[int, float]:
+        # Behind the parent, or cut off from it (then it cannot know how far behind): the time
+        # since it last held the parent's newest version (every answered long-poll confirms).
+        behind = js.parent_version > js.view.version or not self.up.reachable
+        return (js.parent_version or js.view.version,
+                (now - js.synced_at) if behind and js.synced_at else 0.0)
+
+    def _telemetry(self, js: RelayJob, meta: PushMeta) -> bool:
+        if not super()._telemetry(js, meta):
+            return False
+        loss, n, secs = js.unsent_report  # goes up with the next aggregate
+        js.unsent_report = (loss + meta.loss_sum, n + meta.loss_count, secs + meta.step_seconds_sum)
+        return True
 
     # -- jobs: the root decides; a relay passes the calls on --------------------------------
     def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> None:
@@ -270,7 +296,7 @@ class Relay(Tier):
     async def end_job(self, name: str) -> int:
         return await self.up.end_job(name)
 
-    def encoder(self, js: JobState) -> Encoder:
+    def encoder(self, js: RelayJob) -> Encoder:
         """The job's upward codec at this tier: --up-codec, else the job's relay codec, else
         its push codec."""
         if js.encoder is None:
@@ -336,7 +362,7 @@ class Relay(Tier):
         self._force_snapshot.discard(job)
         js.abort(why)
 
-    def apply_pulled(self, js: JobState, meta: PullMeta, versions: list) -> None:
+    def apply_pulled(self, js: RelayJob, meta: PullMeta, versions: list) -> None:
         """Bring the view to the parent's: a verified snapshot or verified deltas."""
         js.parent_version = max(meta.to_version, js.view.version) if meta.view_epoch == js.view.epoch \
             else meta.to_version

@@ -36,8 +36,9 @@ from ps.exactly_once import decode_keys, encode_keys
 from ps.optim import ServerOptimizer
 from ps.store import KeySpec, Layout, checksum
 from ps.tensors import assemble, split
-from ps.tier import APPLIED, NOT_APPLIED, UNKNOWN, Ack, JobState, Tier
-from ps.types import PushKey
+from ps.jobstate import RootJob
+from ps.tier import APPLIED, NOT_APPLIED, UNKNOWN, Tier
+from ps.types import Ack, PushKey
 from ps.wal import WalCorrupt, WalRecord, WalWriteError, WriteAheadLog
 
 __all__ = ["Root"]
@@ -60,7 +61,7 @@ class Root(Tier):
         if config.checkpoint_dir:
             self._restore_all()
 
-    def job(self, name: str) -> JobState:
+    def job(self, name: str) -> RootJob:
         if name in self.damaged:
             raise Unavailable(f"job {short(name)} is not served: {self.damaged[name]}")
         return super().job(name)
@@ -170,15 +171,13 @@ class Root(Tier):
             _write_atomic(Path(self._job_dir(cfg.name)) / "declared.json", json.dumps(dataclasses.asdict(cfg)))
 
     def _install(self, cfg: JobConfig, layout: Layout, values: np.ndarray, version: int,
-                 view_values: np.ndarray | None = None, register: bool = True) -> JobState:
-        js = JobState(cfg, layout)
-        js.created_at = self.clock()
-        js.params = np.array(values, dtype=np.float32, copy=True)
-        js.optimizer = self._optimizer(cfg, js.params)
-        js.apply_lock = asyncio.Lock()
-        view = js.params.copy() if view_values is None else np.array(view_values, np.float32)
+                 view_values: np.ndarray | None = None, register: bool = True) -> RootJob:
+        params = np.array(values, dtype=np.float32, copy=True)
+        js = RootJob(cfg, layout, created_at=self.clock(), params=params,
+                     optimizer=self._optimizer(cfg, params),
+                     wal=WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None)
+        view = params.copy() if view_values is None else np.array(view_values, np.float32)
         js.view.load_snapshot(self.epoch, version, view, checksum(view))
-        js.wal = WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None
         js.reset_round(version, "job installed")
         if register:
             self.jobs[cfg.name] = js
@@ -195,7 +194,7 @@ class Root(Tier):
         return f"{self.config.checkpoint_dir}/{job}"
 
     # -- rounds ----------------------------------------------------------------------------
-    def _finish_round(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+    def _finish_round(self, js: RootJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
                       fut: asyncio.Future) -> None:
         # Average over contributors: the same gradient as one process on the concatenated
         # batch when each worker's loss is a mean (invariant 2).
@@ -221,7 +220,7 @@ class Root(Tier):
         self._ckpt_tasks.add(task)
         task.add_done_callback(self._ckpt_tasks.discard)
 
-    async def _apply_durably(self, js: JobState, agg: Aggregate, rec: WalRecord,
+    async def _apply_durably(self, js: RootJob, agg: Aggregate, rec: WalRecord,
                              keys: tuple[PushKey, ...], fut: asyncio.Future) -> None:
         async with js.apply_lock:
             if js.wal is None:  # no log to roll back from: keep an in-memory copy of this step's start
@@ -263,7 +262,7 @@ class Root(Tier):
             if js.view.version % self.config.checkpoint_every == 0:
                 self._checkpoint(js)
 
-    async def _roll_back(self, js: JobState) -> None:
+    async def _roll_back(self, js: RootJob) -> None:
         """Put the job's parameters and optimizer back to its published version, exactly."""
         if js.wal is None:
             js.optimizer.roll_back()
@@ -281,14 +280,14 @@ class Root(Tier):
         log.warning("job %s: rolled back to version %d from its checkpoint and log", js.config.name,
                     js.view.version)
 
-    def _apply(self, js: JobState, rec: WalRecord) -> None:
+    def _apply(self, js: RootJob, rec: WalRecord) -> None:
         """Replay one logged version (restore): the same arithmetic as when it was made."""
         if rec.grad is not None:
             js.optimizer.step(rec.grad, rec.scale)
         self._publish(js, rec.clock_min, rec.contributors)
         js.applied.add(rec.version, decode_keys(rec.keys))
 
-    def _publish(self, js: JobState, clock_min: int, contributors: int) -> None:
+    def _publish(self, js: RootJob, clock_min: int, contributors: int) -> None:
         # No separate residual: params - view is exactly what earlier deltas did not carry.
         # Into buffers the job keeps: fresh 400 MB arrays for the difference, the decoded delta
         # and the new view measured ~40% of a 100M-parameter push at the root (py-spy).
@@ -313,7 +312,7 @@ class Root(Tier):
         js.notify()
 
     # -- resolve ---------------------------------------------------------------------------
-    async def _resolve_here(self, js: JobState, keys: tuple[PushKey, ...], wait_s: float
+    async def _resolve_here(self, js: RootJob, keys: tuple[PushKey, ...], wait_s: float
                             ) -> tuple[str, int, int]:
         found = {js.applied.lookup(k) for k in keys}
         if found == {None}:
@@ -325,7 +324,7 @@ class Root(Tier):
         return APPLIED, found.pop(), js.view.epoch
 
     # -- checkpoints -----------------------------------------------------------------------
-    async def _quiesce(self, js: JobState, apply: bool = True) -> None:
+    async def _quiesce(self, js: RootJob, apply: bool = True) -> None:
         """Wait for the job's version being applied (``apply``) and checkpoints being written."""
         if apply:
             async with js.apply_lock:
@@ -334,7 +333,7 @@ class Root(Tier):
         if mine:
             await asyncio.gather(*mine, return_exceptions=True)
 
-    def _checkpoint(self, js: JobState) -> None:
+    def _checkpoint(self, js: RootJob) -> None:
         if not self.config.checkpoint_dir:
             return
         arrays = {"params": js.params.copy(), "view": js.view.values.copy(),
@@ -362,7 +361,7 @@ class Root(Tier):
         self._ckpt_tasks.add(task)
         task.add_done_callback(lambda t: self._ckpt_done(js, t))
 
-    def _ckpt_done(self, js: JobState, task: asyncio.Task) -> None:
+    def _ckpt_done(self, js: RootJob, task: asyncio.Task) -> None:
         self._ckpt_tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             js.stats.checkpoint_failures += 1
@@ -388,7 +387,7 @@ class Root(Tier):
                 self.declared[cfg.name] = cfg
                 self.declared_at[cfg.name] = self.clock()
 
-    def _load(self, d: Path, register: bool = True) -> JobState | None:
+    def _load(self, d: Path, register: bool = True) -> RootJob | None:
         """A job from its newest checkpoint plus every logged version after it."""
         loaded = checkpoint.load_latest(d)
         if loaded is None:

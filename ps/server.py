@@ -54,8 +54,7 @@ async def create_server(config: ServerConfig, registry: CollectorRegistry | None
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
     host = config.listen.rsplit(":", 1)[0]
-    if isinstance(tier, Relay):
-        tier.set_address(f"{host}:{port}")
+    tier.set_address(f"{host}:{port}")
     await server.start()
     await tier.start()
     metrics.start()

@@ -29,9 +29,9 @@ from ps.metrics import NO_RPC_METRICS
 from ps.rpc import abort
 from ps.tensors import Assembler
 from ps.tier import Tier
-from ps.wire import (METHODS, MODE, OUTCOME, ROLE, ROLE_NAME, SERVICE, BodyReader, chunks_of,
-                     create_job_of, encode_pull_reply, job_to_pb, jobs_to_pb, keys_from_pb,
-                     layout_to_pb, pb, push_meta_of)
+from ps.wire import (METHODS, OUTCOME, ROLE_NAME, SERVICE, BodyReader, chunks_of, create_job_of,
+                     encode_pull_reply, job_to_pb, jobs_to_pb, keys_from_pb, layout_to_pb, pb,
+                     push_meta_of, status_to_pb)
 
 __all__ = ["handler", "parse"]
 
@@ -210,20 +210,7 @@ class _Servicer:
 
     @_unary("Status")
     async def Status(self, req: pb.StatusRequest, context) -> pb.StatusReply:
-        s = self.tier.status()
-
-        def members(ms):
-            return [pb.MemberStatus(member=m["member"], role=ROLE[m["role"]], address=m["address"],
-                                    last_seen_s=m["last_seen_s"], pushes=m["pushes"]) for m in ms]
-
-        jobs = []
-        for j in s["jobs"]:
-            fields = {k: v for k, v in j.items() if k in pb.JobStatus.DESCRIPTOR.fields_by_name
-                      and k not in ("members", "mode")}
-            jobs.append(pb.JobStatus(members=members(j["members"]), mode=MODE[j["mode"]], **fields))
-        return pb.StatusReply(role=ROLE[s["role"]], name=s["name"], server_epoch=s["server_epoch"],
-                              parent=s["parent"], parent_reachable=self.tier.parent_reachable(), jobs=jobs,
-                              uptime_s=s["uptime_s"], children=members(s["children"]))
+        return status_to_pb(self.tier.status())
 
 
 def handler(tier: Tier, rpc=NO_RPC_METRICS) -> grpc.GenericRpcHandler:

@@ -13,14 +13,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ps.demo.report import human_bytes
 from ps.errors import HpsError
 from ps.rpc import CHANNEL_OPTIONS, Caller
-from ps.wire import ROLE_NAME, pb
+from ps.types import TierStatus
+from ps.wire import pb, status_from_pb
 
 __all__ = ["fetch_status", "fetch_ready", "print_tree", "walk"]
 
 
-def fetch_status(address: str, timeout_s: float = 5.0) -> pb.StatusReply:
+def fetch_status(address: str, timeout_s: float = 5.0) -> TierStatus:
     with Caller(address) as rpc:
-        return rpc.call("Status", pb.StatusRequest(), timeout_s)
+        return status_from_pb(rpc.call("Status", pb.StatusRequest(), timeout_s))
 
 
 def fetch_ready(address: str, timeout_s: float = 5.0) -> str:
@@ -60,28 +61,36 @@ def print_tree(address: str, out) -> int:
             rc = 1
             continue
         parent = "" if not st.parent else f" parent {st.parent} ({'up' if st.parent_reachable else 'UNREACHABLE'})"
-        print(f"{pad}{ROLE_NAME.get(st.role, '?')} {st.name} @ {addr} epoch {st.server_epoch:#x} "
+        print(f"{pad}{st.role} {st.name} @ {addr} epoch {st.server_epoch:#x} "
               f"up {st.uptime_s:.0f}s, {fetch_ready(addr)}{parent}", file=out)
         for j in st.jobs:
-            lag = max(0, j.parent_version - j.version)
-            workers = [m for m in j.members if m.role == pb.ROLE_WORKER]
-            print(f"{pad}  job {j.name}: version {j.version} (crc {j.checksum:#010x}) lag {lag} versions "
-                  f"/ {j.lag_s:.1f}s, round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
+            workers = [m for m in j.members if m.role == "worker"]
+            s = j.stats
+            print(f"{pad}  job {j.name}: version {j.version} (crc {j.checksum:#010x}) lag {j.lag_versions} "
+                  f"versions / {j.lag_s:.1f}s, round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
                   f"members {len(j.members)} ({len(workers)} workers)", file=out)
-            if j.mode != pb.MODE_BSP or j.staleness_count:
-                mean = j.staleness_sum / j.staleness_count if j.staleness_count else 0.0
-                print(f"{pad}    {pb.Mode.Name(j.mode)[5:].lower()}: clock floor {j.clock_min}, staleness "
-                      f"mean {mean:.2f} max {j.staleness_max} over {j.staleness_count} applied pushes", file=out)
-            if j.loss_count:
-                print(f"{pad}    workers report: loss {j.loss_sum / j.loss_count:.4f} (mean of {j.loss_count} "
-                      f"steps), step {1000 * j.step_seconds_sum / j.loss_count:.0f} ms", file=out)
-            waited = j.round_wait_ms_sum / 1000.0
+            if j.mode != "bsp" or s.staleness_count:
+                mean = s.staleness_sum / s.staleness_count if s.staleness_count else 0.0
+                print(f"{pad}    {j.mode}: clock floor {j.clock_min}, staleness mean {mean:.2f} max "
+                      f"{s.staleness_max} over {s.staleness_count} applied pushes", file=out)
+            if s.loss_count:
+                print(f"{pad}    workers report: loss {s.loss_sum / s.loss_count:.4f} (mean of {s.loss_count} "
+                      f"steps), step {1000 * s.step_seconds_sum / s.loss_count:.0f} ms", file=out)
+            waited = s.round_wait_ms_sum / 1000.0
             if waited:
                 print(f"{pad}    pushes waited {waited:.1f}s in total at this tier for their "
                       "acknowledgement (barrier / window)", file=out)
-            print(f"{pad}    bytes: push in {human_bytes(j.bytes_pushed_in)}, up {human_bytes(j.bytes_pushed_up)}; "
-                  f"pull in {human_bytes(j.bytes_pulled_in)}, out {human_bytes(j.bytes_pulled_out)}; "
-                  f"snapshots {j.snapshots_served}, deltas {j.deltas_served}", file=out)
+            print(f"{pad}    bytes: push in {human_bytes(s.bytes_pushed_in)}, up {human_bytes(s.bytes_pushed_up)}; "
+                  f"pull in {human_bytes(s.bytes_pulled_in)}, out {human_bytes(s.bytes_pulled_out)}; "
+                  f"snapshots {s.snapshots_served}, deltas {s.deltas_served}", file=out)
+            faults = {"members left": s.members_left, "timed out": s.members_expired,
+                      "restarted": s.members_replaced, "rounds restarted": s.restarted_rounds,
+                      "rounds refused": s.refused_rounds, "retries answered": s.duplicates,
+                      "retries resolved": s.resolved, "durable writes failed": s.durable_failures,
+                      "checkpoints failed": s.checkpoint_failures, "PUSHES APPLIED TWICE": s.double_applied}
+            shown = ", ".join(f"{k} {v}" for k, v in faults.items() if v)
+            if shown:
+                print(f"{pad}    faults: {shown}", file=out)
             for m in workers:
                 print(f"{pad}    worker {m.member}: {m.pushes} pushes, seen {m.last_seen_s:.1f}s ago", file=out)
     return rc

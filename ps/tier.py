@@ -33,11 +33,12 @@ from ps.consistency import Aggregate, BspRound, all_finite
 from ps.errors import BadInput, Conflict, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable, UnknownJob, short
 from ps.exactly_once import MAX_IN_FLIGHT
 from ps.intake import ByteBudget, PushIntake
-from ps.jobstate import JobState, JobStats
+from ps.jobstate import JobState
 from ps.tensors import Chunk, payload_bytes
-from ps.types import Ack, PullMeta, PushKey, PushMeta, Registration, VersionMeta
+from ps.types import (Ack, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, Registration, TierStatus,
+                      VersionMeta)
 
-__all__ = ["Tier", "JobState", "JobStats", "APPLIED", "NOT_APPLIED", "UNKNOWN"]
+__all__ = ["Tier", "APPLIED", "NOT_APPLIED", "UNKNOWN"]
 
 log = logging.getLogger("hps.tier")
 
@@ -313,18 +314,17 @@ class Tier:
                               "(its outcome is not known yet); retry shortly")
         raise stale
 
-    @staticmethod
-    def _telemetry(js: JobState, meta: PushMeta) -> None:
-        """Count what the push reports about training (never part of the update)."""
+    def _telemetry(self, js: JobState, meta: PushMeta) -> bool:
+        """Count what the push reports about training (never part of the update); False when
+        the report is not a number (a NaN loss would poison every sum after it)."""
         if not (math.isfinite(meta.loss_sum) and math.isfinite(meta.step_seconds_sum)
                 and meta.step_seconds_sum >= 0 and meta.loss_count >= 0):
-            return  # a NaN loss would poison every sum after it; the metrics show it stalled
+            return False
         st = js.stats
         st.loss_sum += meta.loss_sum
         st.loss_count += meta.loss_count
         st.step_seconds_sum += meta.step_seconds_sum
-        loss, n, secs = js.unsent_report
-        js.unsent_report = (loss + meta.loss_sum, n + meta.loss_count, secs + meta.step_seconds_sum)
+        return True
 
     @staticmethod
     def _settle(js: JobState, book, pkey: tuple[str, int, int], fut: asyncio.Future) -> None:
@@ -497,28 +497,42 @@ class Tier:
         found = js.members.find(member)
         return found is not None and found.role == "worker"
 
-    # -- status ----------------------------------------------------------------------------
+    # -- what a tier is -----------------------------------------------------------------------
+    def set_address(self, address: str) -> None:
+        """Where this tier serves (a relay tells its parent, for `hps status`)."""
+
     def parent_reachable(self) -> bool:
         return True  # the root has no parent
 
-    def status(self) -> dict:
+    def parent_link(self):
+        """The upstream link (``ps.upstream.Upstream``) of a relay; None at the root."""
+        return None
+
+    def synced(self) -> bool:
+        """Readiness: the tier serves views its parent published (the root always does)."""
+        return True
+
+    def _lag(self, js: JobState, now: float) -> tuple[int, float]:
+        """(the newest version heard of, seconds out of sync): the root is the reference."""
+        return js.view.version, 0.0
+
+    # -- status ----------------------------------------------------------------------------
+    def status(self) -> TierStatus:
         now = self.clock()
         jobs = []
         for name, js in self.jobs.items():
-            jobs.append(dict(
+            parent_version, lag_s = self._lag(js, now)
+            jobs.append(JobStatus(
                 name=name, mode=js.config.mode, version=js.view.version, view_epoch=js.view.epoch,
-                parent_version=js.parent_version or js.view.version,
-                # Behind the parent, or cut off from it (then we cannot know how far behind).
-                lag_s=(now - js.synced_at) if js.synced_at and (js.parent_version > js.view.version
-                                                                or not self.parent_reachable()) else 0.0,
+                checksum=js.view.checksum, parent_version=parent_version, lag_s=lag_s,
                 round=js.round.round if js.bsp else js.stats.rounds,
                 round_pushed=len(js.round.pushed if js.bsp else js.window.pushed),
-                checksum=js.view.checksum, clock_min=js.view.clock_min,
-                members=[dict(member=m.id, role=m.role, address=m.address,
-                              last_seen_s=now - m.last_seen, pushes=m.pushes) for m in js.members],
-                **js.stats.__dict__))
-        children = [dict(member=k, role=r, address=a, last_seen_s=now - t, pushes=0)
-                    for k, (r, a, t) in self.children.items()]
-        return dict(role=self.role, name=self.config.display_name, server_epoch=self.epoch,
-                    parent=self.config.parent, uptime_s=now - self.started, jobs=jobs,
-                    children=children)
+                clock_min=js.view.clock_min, staleness=js.config.staleness, parameters=js.layout.numel,
+                members=tuple(MemberInfo(m.id, m.role, m.address, now - m.last_seen, m.pushes)
+                              for m in js.members),
+                stats=replace(js.stats)))
+        children = tuple(MemberInfo(k, r, a, now - t) for k, (r, a, t) in self.children.items())
+        return TierStatus(role=self.role, name=self.config.display_name, server_epoch=self.epoch,
+                          parent=self.config.parent, parent_reachable=self.parent_reachable(),
+                          ready=self.synced(), uptime_s=now - self.started, jobs=tuple(jobs),
+                          children=children)

@@ -16,7 +16,7 @@ whole one; the digest is the push's identity for recognising retries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Iterable, Iterator
 
 import xxhash
@@ -28,13 +28,13 @@ from ps.errors import BadInput, short
 from ps.proto import hps_pb2 as pb
 from ps.store import KeySpec, Layout
 from ps.tensors import Chunk
-from ps.types import PullMeta, PushKey, PushMeta, VersionMeta
+from ps.types import JobStats, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, TierStatus, VersionMeta
 
 __all__ = [
     "pb", "encode_frame", "decode_frame", "BodyReader", "encode_push", "decode_push",
     "push_meta_of", "chunks_of", "keys_to_pb", "keys_from_pb", "encode_pull_reply",
     "decode_pull_reply", "encode_create_job", "decode_create_job", "create_job_of", "job_to_pb",
-    "job_from_pb", "jobs_to_pb", "jobs_from_pb", "layout_to_pb", "layout_from_pb", "ROLE", "ROLE_NAME", "MODE", "OUTCOME",
+    "job_from_pb", "jobs_to_pb", "jobs_from_pb", "status_to_pb", "status_from_pb", "layout_to_pb", "layout_from_pb", "ROLE", "ROLE_NAME", "MODE", "OUTCOME",
     "OUTCOME_NAME", "METHODS", "SERVICE", "stubs",
 ]
 
@@ -339,6 +339,50 @@ def jobs_to_pb(rows: list[dict]) -> pb.ListJobsReply:
 def jobs_from_pb(reply: pb.ListJobsReply) -> list[dict]:
     return [dict(config=job_from_pb(j.config), state=j.state, version=j.version, members=j.members,
                  parameters=j.parameters) for j in reply.jobs]
+
+
+# ---- status ---------------------------------------------------------------------------------
+
+_STATS = tuple(f.name for f in dataclass_fields(JobStats))
+assert set(_STATS) == set(pb.JobStats.DESCRIPTOR.fields_by_name), "JobStats and its message disagree"
+
+
+def _members_to_pb(ms) -> list[pb.MemberStatus]:
+    return [pb.MemberStatus(member=m.member, role=ROLE[m.role], address=m.address,
+                            last_seen_s=m.last_seen_s, pushes=m.pushes) for m in ms]
+
+
+def _members_from_pb(ms) -> tuple[MemberInfo, ...]:
+    return tuple(MemberInfo(m.member, ROLE_NAME.get(m.role, "worker"), m.address, m.last_seen_s, m.pushes)
+                 for m in ms)
+
+
+def status_to_pb(s: TierStatus) -> pb.StatusReply:
+    return pb.StatusReply(
+        role=ROLE[s.role], name=s.name, server_epoch=s.server_epoch, parent=s.parent,
+        parent_reachable=s.parent_reachable, ready=s.ready, uptime_s=s.uptime_s,
+        children=_members_to_pb(s.children),
+        jobs=[pb.JobStatus(name=j.name, mode=_MODE[j.mode], version=j.version, view_epoch=j.view_epoch,
+                           checksum=j.checksum, parent_version=j.parent_version, lag_s=j.lag_s,
+                           round=j.round, round_pushed=j.round_pushed, clock_min=j.clock_min,
+                           staleness=j.staleness, parameters=j.parameters,
+                           members=_members_to_pb(j.members),
+                           stats=pb.JobStats(**{k: getattr(j.stats, k) for k in _STATS}))
+              for j in s.jobs])
+
+
+def status_from_pb(m: pb.StatusReply) -> TierStatus:
+    return TierStatus(
+        role=ROLE_NAME.get(m.role, "?"), name=m.name, server_epoch=m.server_epoch, parent=m.parent,
+        parent_reachable=m.parent_reachable, ready=m.ready, uptime_s=m.uptime_s,
+        children=_members_from_pb(m.children),
+        jobs=tuple(JobStatus(name=j.name, mode=_name(_MODE, j.mode, "mode"), version=j.version,
+                             view_epoch=j.view_epoch, checksum=j.checksum, parent_version=j.parent_version,
+                             lag_s=j.lag_s, round=j.round, round_pushed=j.round_pushed,
+                             clock_min=j.clock_min, staleness=j.staleness, parameters=j.parameters,
+                             members=_members_from_pb(j.members),
+                             stats=JobStats(**{k: getattr(j.stats, k) for k in _STATS}))
+                   for j in m.jobs))
 
 
 def layout_to_pb(layout: Layout) -> list[pb.KeySpec]:

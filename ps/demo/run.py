@@ -180,18 +180,19 @@ def _report(args, out, series, step_s, ups, done, placement, tiers, wall, train)
     for depth, addr, st in tiers:
         for j in st.jobs:
             steps = max(1, j.version)
+            s = j.stats
             trows.append(dict(tier=("  " * depth) + st.name, role=("global", "regional", "zone")[depth],
-                              version=j.version, push_in_bytes=j.bytes_pushed_in,
-                              push_up_bytes=j.bytes_pushed_up, pull_in_bytes=j.bytes_pulled_in,
-                              pull_out_bytes=j.bytes_pulled_out,
-                              push_in_per_step=human_bytes(j.bytes_pushed_in / steps),
-                              push_up_per_step=human_bytes(j.bytes_pushed_up / steps),
-                              pull_in_per_step=human_bytes(j.bytes_pulled_in / steps),
-                              pull_out_per_step=human_bytes(j.bytes_pulled_out / steps),
+                              version=j.version, push_in_bytes=s.bytes_pushed_in,
+                              push_up_bytes=s.bytes_pushed_up, pull_in_bytes=s.bytes_pulled_in,
+                              pull_out_bytes=s.bytes_pulled_out,
+                              push_in_per_step=human_bytes(s.bytes_pushed_in / steps),
+                              push_up_per_step=human_bytes(s.bytes_pushed_up / steps),
+                              pull_in_per_step=human_bytes(s.bytes_pulled_in / steps),
+                              pull_out_per_step=human_bytes(s.bytes_pulled_out / steps),
                               checksum=f"{j.checksum:#010x}",
                               # ssp/async: root version minus the pushed gradients' base version
-                              staleness_mean=j.staleness_sum / j.staleness_count if j.staleness_count else 0.0,
-                              staleness_max=j.staleness_max))
+                              staleness_mean=s.staleness_sum / s.staleness_count if s.staleness_count else 0.0,
+                              staleness_max=s.staleness_max))
     print("\n" + summary_table(trows, ["tier", "version", "push_in_per_step", "push_up_per_step",
                                        "pull_in_per_step", "pull_out_per_step", "checksum"]))
     # Every tier holds the root's view; a worker that ended on the root's last version holds it

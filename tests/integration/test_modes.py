@@ -110,8 +110,8 @@ def test_async_a_slow_worker_never_blocks_the_others_and_staleness_is_measured(t
     assert not errors, errors
     assert done[0] == done[1] == 20
     assert slow_when_fast_finished < 20, "the fast workers waited for the slow one"
-    stats = tree.lt.call(lambda: dict(tree.tier("root").jobs["as"].stats.__dict__))
-    assert stats["staleness_count"] > 0 and stats["staleness_max"] >= 1
+    stats = tree.lt.call(lambda: tree.tier("root").status().jobs[0].stats)
+    assert stats.staleness_count > 0 and stats.staleness_max >= 1
     for o, _ in opts:
         o.close()
 

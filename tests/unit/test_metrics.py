@@ -12,27 +12,28 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ps.metrics import LinkWatch, RpcMetrics, _families, _lag
+from ps.metrics import LinkWatch, RpcMetrics, _families
+from ps.types import JobStats, JobStatus, MemberInfo, TierStatus
 from worker.metrics import TrainingMetrics
 
 
-def _job(**kw) -> dict:
-    job = dict(name="lm", version=10, parent_version=10, members=[{}, {}], round_pushed=1,
-               pushes=8, bytes_pushed_in=800, bytes_pulled_out=400, bytes_pushed_up=200,
-               bytes_pulled_in=100, deltas_served=6, snapshots_served=2, rounds=4,
-               aborted_rounds=0, restarted_rounds=1, refused_rounds=0, duplicates=2, resolved=1,
-               members_left=1, members_expired=0, members_replaced=0, double_applied=0,
-               durable_failures=0, checkpoint_failures=0,
-               round_wait_ms_sum=1500, loss_sum=6.0, loss_count=3, step_seconds_sum=0.3, staleness_count=3, staleness_sum=6,
-               staleness_max=4)
-    return {**job, **kw}
+def _job(**kw) -> JobStatus:
+    stats = JobStats(pushes=8, bytes_pushed_in=800, bytes_pulled_out=400, bytes_pushed_up=200,
+                     bytes_pulled_in=100, deltas_served=6, snapshots_served=2, rounds=4,
+                     restarted_rounds=1, duplicates=2, resolved=1, members_left=1,
+                     round_wait_ms_sum=1500, loss_sum=6.0, loss_count=3, step_seconds_sum=0.3,
+                     staleness_count=3, staleness_sum=6, staleness_max=4)
+    members = (MemberInfo("w0", "worker", "", 0.1), MemberInfo("w1", "worker", "", 0.2))
+    job = dict(name="lm", mode="ssp", staleness=2, version=10, view_epoch=7, checksum=1, parent_version=10,
+               lag_s=0.0, round=4, round_pushed=1, clock_min=3, parameters=25, members=members, stats=stats)
+    return JobStatus(**{**job, **kw})
 
 
 def _snap(role: str, link: dict | None, **job) -> dict:
-    status = dict(role=role, name="eu-a", parent="region:7000" if link else "", jobs=[_job(**job)],
-                  children=[])
-    return dict(status=status, now=100.0, ready=True, link=link, synced_at={"lm": 90.0},
-                numel={"lm": 25}, bound={"lm": 2})
+    status = TierStatus(role=role, name="eu-a", server_epoch=9, parent="region:7000" if link else "",
+                        parent_reachable=link is None or link["reachable"], ready=True, uptime_s=5.0,
+                        jobs=(_job(**job),))
+    return dict(status=status, link=link)
 
 
 class _Families:
@@ -60,17 +61,8 @@ def _value(text: str, name: str, **labels) -> float:
 _UP = dict(reachable=True, errors=0, reconnects=0)
 
 
-def test_lag_is_zero_in_sync_and_at_the_root_and_counts_time_when_behind_or_cut_off():
-    assert _lag(_job(), 90.0, 100.0, None) == (0, 0.0)                      # the root
-    assert _lag(_job(parent_version=50), 90.0, 100.0, None) == (0, 0.0)      # ... always
-    assert _lag(_job(), 90.0, 100.0, _UP) == (0, 0.0)                       # in sync
-    assert _lag(_job(parent_version=13), 90.0, 100.0, _UP) == (3, 10.0)     # behind
-    assert _lag(_job(), 90.0, 100.0, {**_UP, "reachable": False}) == (0, 10.0)  # cut off
-    assert _lag(_job(version=12, parent_version=10), 90.0, 100.0, _UP) == (0, 0.0)
-
-
 def test_families_render_state_with_bounded_labels():
-    text = _render(_families(_snap("zone", _UP, parent_version=12), {"tier": "zone", "zone": "eu-a"}))
+    text = _render(_families(_snap("zone", _UP, parent_version=12, lag_s=10.0), {"tier": "zone", "zone": "eu-a"}))
     lz = dict(tier="zone", zone="eu-a", job="lm")
     assert _value(text, "hps_replica_lag_versions", **lz) == 2
     assert _value(text, "hps_replica_lag_seconds", **lz) == 10.0
