@@ -24,13 +24,13 @@ import numpy as np
 
 from ps.config import JobConfig, ServerConfig
 from ps.consistency import Aggregate
-from ps.deltas import DeltaEntry
 from ps.encoder import Encoder
 from ps.errors import (BadInput, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable,
                        UnknownJob, short)
 from ps.exactly_once import MAX_IN_FLIGHT
 from ps.store import Layout
-from ps.tensors import assemble, payload_bytes
+from ps.replica import apply_pull
+from ps.tensors import payload_bytes
 from ps.jobstate import RelayJob
 from ps.tier import Tier
 from ps.types import PullMeta, PushKey, PushMeta
@@ -363,29 +363,22 @@ class Relay(Tier):
         js.abort(why)
 
     def apply_pulled(self, js: RelayJob, meta: PullMeta, versions: list) -> None:
-        """Bring the view to the parent's: a verified snapshot or verified deltas."""
+        """Bring the view to the parent's: a verified snapshot or verified deltas, which the log
+        keeps verbatim to serve the children."""
         js.parent_version = max(meta.to_version, js.view.version) if meta.view_epoch == js.view.epoch \
             else meta.to_version
-        if meta.snapshot:
-            vm, chunks = versions[0]
-            values = assemble(js.layout, chunks, what="snapshot", check_finite=False, require_all=True)
-            previous = js.view.epoch
-            js.view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum, vm.clock_min)
+        pulled = apply_pull(js.view, js.layout, meta, versions)
+        js.stats.bytes_pulled_in += pulled.nbytes
+        if pulled.snapshot:
             js.log.clear()
-            js.stats.bytes_pulled_in += payload_bytes(chunks)
-            if previous and previous != meta.view_epoch:
-                log.warning("%s: job %s moved to root epoch %#x at version %d; resynced from a snapshot",
-                            self.role, js.config.name, meta.view_epoch, vm.version)
-                js.reset_round(vm.version, "the root restarted")
-                if js.encoder is not None:
-                    js.encoder.reset()  # residuals of gradients on the old lineage are void
-        else:
-            for vm, chunks in versions:
-                delta = assemble(js.layout, chunks, what=f"delta {vm.version}", check_finite=False)
-                js.view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum, vm.clock_min)
-                js.log.append(DeltaEntry(vm.version, vm.checksum, tuple(chunks), vm.clock_min,
-                                         vm.contributors))
-                js.stats.bytes_pulled_in += payload_bytes(chunks)
+        for entry in pulled.entries:
+            js.log.append(entry)
+        if pulled.new_lineage:
+            log.warning("%s: job %s moved to root epoch %#x at version %d; resynced from a snapshot",
+                        self.role, js.config.name, meta.view_epoch, js.view.version)
+            js.reset_round(js.view.version, "the root restarted")
+            if js.encoder is not None:
+                js.encoder.reset()  # residuals of gradients on the old lineage are void
         if js.view.version >= js.parent_version:
             js.synced_at = self.clock()
         if versions:

@@ -36,7 +36,8 @@ from ps.encoder import Encoder
 from ps.errors import BadInput, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable
 from ps.rpc import Caller
 from ps.store import Layout, View
-from ps.tensors import assemble, payload_bytes, split
+from ps.replica import apply_pull
+from ps.tensors import payload_bytes, split
 from ps.types import PushMeta
 from ps.wire import (ROLE, decode_pull_reply, encode_create_job, encode_push, job_from_pb,
                      layout_from_pb, pb)
@@ -198,23 +199,12 @@ class ParameterClient:
                                f"holds {meta.to_version}")
 
     def _apply(self, meta, versions) -> int:
-        n = 0
-        if meta.snapshot:
-            vm, chunks = versions[0]
-            values = assemble(self.layout, chunks, what="snapshot", check_finite=False, require_all=True)
-            previous = self.view.epoch
-            self.view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum, vm.clock_min)
-            if previous and previous != meta.view_epoch and self.encoder is not None:
-                # A new lineage (the root restarted): what the residuals owe was computed on
-                # the old one, as the relays also judge (they reset theirs).
-                self.encoder.reset()
-            n += payload_bytes(chunks)
-        else:
-            for vm, chunks in versions:
-                delta = assemble(self.layout, chunks, what=f"delta {vm.version}", check_finite=False)
-                self.view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum, vm.clock_min)
-                n += payload_bytes(chunks)
-        return n
+        pulled = apply_pull(self.view, self.layout, meta, versions)
+        if pulled.new_lineage and self.encoder is not None:
+            # A new lineage (the root restarted): what the residuals owe was computed on the
+            # old one, as the relays also judge (they reset theirs).
+            self.encoder.reset()
+        return pulled.nbytes
 
     @property
     def last_seq(self) -> int:
