@@ -15,12 +15,12 @@ ENV PATH=/opt/hps/bin:$PATH
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 WORKDIR /src
 COPY . .
-# Generated protobuf code is never committed (.dockerignore drops any local copy): generate it
-# into the package, then install the project and check that the server imports.
-RUN pip install "grpcio-tools>=1.60" \
- && python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/ps/proto/hps.proto \
- && pip install . \
- && python -c "import ps.proto.hps_pb2, ps.server, ps.health"
+# Generated protobuf code is never committed (.dockerignore drops any local copy): the wheel
+# build generates it (setup.py; grpcio-tools lives only in pip's isolated build environment, so
+# the image carries no build tool and no demo extras). uvloop: `hps serve --loop uvloop`.
+RUN pip install ".[uvloop]" \
+ && cd / && python -c "import ps.net.proto.hps_pb2, ps.server, ps.server.health" \
+ && python -c "import importlib.util as u; assert u.find_spec('grpc_tools') is None and u.find_spec('matplotlib') is None"
 
 FROM python:3.11-slim-bookworm
 COPY --from=build /opt/hps /opt/hps
@@ -35,6 +35,6 @@ USER 10001:10001
 # gRPC (every tier) and /metrics.
 EXPOSE 7000 9100
 # Exec form: hps is PID 1 and gets SIGTERM itself -- readiness goes NOT_SERVING, the root
-# writes a final checkpoint, relays leave their parent (ps/server.py).
+# writes a final checkpoint, relays leave their parent (ps/server/lifecycle.py).
 ENTRYPOINT ["hps"]
 CMD ["serve"]

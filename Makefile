@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-PB     := ps/proto/hps_pb2.py
+PB     := ps/net/proto/hps_pb2.py
 TORCH  := torch==2.13.0
 
 .PHONY: install proto tools test demo bench clean
@@ -19,9 +19,9 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # Generated code is never edited nor committed; protoc is run from the venv's grpcio-tools.
-$(PB): protos/ps/proto/hps.proto $(STAMP)
+$(PB): protos/ps/net/proto/hps.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. \
-	    --pyi_out=. protos/ps/proto/hps.proto
+	    --pyi_out=. protos/ps/net/proto/hps.proto
 
 proto: $(PB)
 
@@ -57,4 +57,4 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py $(BENCH_FLAGS)
 
 clean:
-	rm -rf $(VENV) ps/proto/hps_pb2*.py ps/proto/hps_pb2*.pyi *.egg-info
+	rm -rf $(VENV) ps/net/proto/hps_pb2*.py ps/net/proto/hps_pb2*.pyi *.egg-info

@@ -51,8 +51,8 @@ def run_gloo(args) -> list[float]:
 
 
 def run_hps(args) -> list[float]:
-    from ps.config import JobConfig, OptimizerConfig
-    from ps.store import KeySpec, Layout
+    from ps.core.config import JobConfig, OptimizerConfig
+    from ps.core.view import KeySpec, Layout
     from worker.client import ParameterClient
 
     layout = Layout([KeySpec(f"layer{i}.weight", (min(args.key_elems, args.params - off),))

@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ps.config import JobConfig, OptimizerConfig  # noqa: E402
-from ps.demo.corpus import BatchSampler, load_corpus  # noqa: E402
-from ps.demo.model import ModelConfig, build_model  # noqa: E402
-from worker import HpsOptimizer  # noqa: E402
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.demo.corpus import BatchSampler, load_corpus
+from ps.demo.model import ModelConfig, build_model
+from worker import HpsOptimizer
 
 
 def _emit(**event) -> None:
@@ -72,7 +72,8 @@ def main() -> int:
         opt.sync(timeout_s=300)
         val = _val_loss(model, data, cfg.context)
         _emit(event="done", worker=args.worker_id, t=time.time(), version=opt.version,
-              val_loss=val if math.isfinite(val) else None, val_loss_before_sync=before, train_eval_before_sync=train_eval)
+              val_loss=val if math.isfinite(val) else None, val_loss_before_sync=before,
+              train_eval_before_sync=train_eval)
     return 0
 
 

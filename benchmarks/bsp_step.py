@@ -66,7 +66,7 @@ def main() -> int:
     for loop in args.loops.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.monotonic()
-            r = subprocess.run([sys.executable, "-m", "ps.cli", "demo", "--steps", str(args.steps),
+            r = subprocess.run([sys.executable, "-m", "ps.tools.cli", "demo", "--steps", str(args.steps),
                                 "--workers", str(args.workers), "--batch", str(args.batch), "--out", tmp],
                                cwd=ROOT, capture_output=True, text=True, timeout=1800,
                                env={**os.environ, "HPS_LOOP": loop})

@@ -115,7 +115,7 @@ def run_hps(cluster, n: int, params: int, steps: int, codec: str, topk: float) -
 
 
 def _codec_available(codec: str) -> str:
-    from ps.config import JobConfig
+    from ps.core.config import JobConfig
 
     try:
         JobConfig(name="probe", push_codec=codec, delta_codec=codec)
@@ -135,7 +135,7 @@ def main() -> int:
     p.add_argument("--topk", type=float, default=0.01)
     p.add_argument("--out")
     args = p.parse_args()
-    from ps.launch import Cluster
+    from ps.tools.launch import Cluster
 
     ns = _netns()
     rows: dict[str, dict] = {}
@@ -174,7 +174,8 @@ def _report(args, ns: str | None, rows: dict) -> None:
     write("bsp_vs_gloo", dict(
         settings=dict(params=args.params, bytes=4 * args.params, steps=args.steps, topk=args.topk,
                       topology="root, 2 regions x 2 zones; N=2: one worker per region",
-                      gloo=f"all_reduce sum (ring) + local SGD; {'own netns, loopback only' if ns else '127.0.0.1, GLOO_SOCKET_IFNAME=lo'}",
+                      gloo="all_reduce sum (ring) + local SGD; "
+                           + ("own netns, loopback only" if ns else "127.0.0.1, GLOO_SOCKET_IFNAME=lo"),
                       hps="push (applied at root, SGD) + pull of the new version"),
         goals={k: f"hps {k} step <= {v}x gloo's dense step" for k, v in GOALS.items()}, rows=rows), args.out)
 

@@ -27,8 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ps.codecs import CODEC_NAMES, ErrorFeedback, get_codec  # noqa: E402
-from ps.codecs.topk import select  # noqa: E402
+from ps.core.codecs import CODEC_NAMES, ErrorFeedback, get_codec  # noqa: E402
+from ps.core.codecs.topk import select  # noqa: E402
 
 GOAL_RATIO = 130.0     # top-k 1% + EF + zstd: at least this many times smaller than fp32
 GOAL_ENCODE_MS = 25.0  # ... and encoded in at most this long (16M elements)
@@ -59,8 +59,8 @@ def main() -> int:
     codecs = [(n, get_codec(n)) for n in CODEC_NAMES if n != "topk"]
     codecs.append((f"topk {args.k:g}", get_codec("topk", k=args.k)))
     for label, codec in codecs:
-        enc_ms, payload = _median_ms(lambda: codec.encode(x), args.runs)
-        dec_ms, _ = _median_ms(lambda: codec.decode(payload, args.numel), args.runs)
+        enc_ms, payload = _median_ms(lambda codec=codec: codec.encode(x), args.runs)
+        dec_ms, _ = _median_ms(lambda codec=codec, payload=payload: codec.decode(payload, args.numel), args.runs)
         rows[label] = dict(encode_ms=enc_ms, decode_ms=dec_ms, bytes=len(payload),
                            x_smaller=dense / len(payload))
 

@@ -6,7 +6,7 @@ with a plain Python TCP stream of the same bytes between two processes, in one r
 Rows (each the median of --reps after one warm-up; the model is --params float32 values in keys of --key-elems):
 - ``tcp``: one process sends the bytes with ``socket.sendall`` from a buffer, another reads
   them with ``recv_into`` into a buffer (no protocol at all): the limit on this machine;
-- ``wire``: hps's own frames (ps.wire, identity serialisers) over gRPC to a server that
+- ``wire``: hps's own frames (ps.net.wire, identity serialisers) over gRPC to a server that
   does nothing with them: the transport alone, what the protocol costs over raw TCP;
 - ``hps root``: a worker (this process) pushes a dense gradient straight to the root (one
   hop: ``ParameterClient.push`` returns once the root has applied it, SGD) and pulls the new
@@ -34,11 +34,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from _common import RESULTS, ROOT, met, plot, write
 
 GOAL = 0.8
-from ps.launch import MALLOC_ENV as TUNED  # noqa: E402  (what hps launch gives its servers)
+from ps.tools.launch import MALLOC_ENV as TUNED  # noqa: E402  (what hps launch gives its servers)
 
 
 def _tcp_sender(port: int, nbytes: int, reps: int) -> None:
@@ -87,7 +86,7 @@ def _wire_server(params: int, key_elems: int) -> None:
 
     import grpc
 
-    from ps.wire import GRPC_OPTIONS, SERVICE, PullMeta, VersionMeta, encode_pull_reply, pb
+    from ps.net.wire import GRPC_OPTIONS, SERVICE, PullMeta, VersionMeta, encode_pull_reply, pb
 
     frames = list(encode_pull_reply(PullMeta(1, 0, 1, False, 1), [(VersionMeta(1, 0), _chunks(params, key_elems))]))
 
@@ -114,15 +113,15 @@ def _wire_server(params: int, key_elems: int) -> None:
 
 
 def _chunks(params: int, key_elems: int):
-    from ps.codecs import get_codec
-    from ps.tensors import split
+    from ps.core.codecs import get_codec
+    from ps.core.tensors import split
 
     values = np.random.default_rng(1).standard_normal(params, dtype=np.float32)
     return split(_layout(params, key_elems), values, get_codec("fp32"))
 
 
 def _layout(params: int, key_elems: int):
-    from ps.store import KeySpec, Layout
+    from ps.core.view import KeySpec, Layout
 
     return Layout([KeySpec(f"layer{i}.weight", (min(key_elems, params - off),))
                    for i, off in enumerate(range(0, params, key_elems))])
@@ -132,7 +131,7 @@ def wire_rows(params: int, key_elems: int, reps: int, env: dict) -> dict:
     """hps's frames over gRPC to a server that does no work: the transport alone."""
     import grpc
 
-    from ps.wire import GRPC_OPTIONS, PushMeta, encode_push, pb, stubs
+    from ps.net.wire import GRPC_OPTIONS, PushMeta, encode_push, pb, stubs
 
     proc = subprocess.Popen([sys.executable, __file__, "--wire-server", "--params", str(params),
                              "--key-elems", str(key_elems)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
@@ -159,8 +158,8 @@ def wire_rows(params: int, key_elems: int, reps: int, env: dict) -> dict:
 
 
 def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: dict) -> dict:
-    from ps.config import JobConfig, OptimizerConfig
-    from ps.launch import Cluster
+    from ps.core.config import JobConfig, OptimizerConfig
+    from ps.tools.launch import Cluster
     from worker.client import ParameterClient
 
     layout = _layout(params, key_elems)

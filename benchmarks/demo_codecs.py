@@ -40,7 +40,7 @@ WARMUP = 20  # the demo's top-k density warm-up (ps.demo.train.demo_job)
 def _run(codec: str, delta: str, steps: int, workers: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "ps.cli", "demo", "--steps", str(steps),
+        r = subprocess.run([sys.executable, "-m", "ps.tools.cli", "demo", "--steps", str(steps),
                             "--workers", str(workers), "--codec", codec, "--delta-codec", delta,
                             "--out", tmp], cwd=ROOT, capture_output=True, text=True, timeout=1800)
         wall = time.monotonic() - t0

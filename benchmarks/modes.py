@@ -42,7 +42,7 @@ def run(mode: str, staleness: int, damping: bool, root_flush_ms: float | None, s
             topo["root"]["flush_ms"] = root_flush_ms
             Path(tmp, "topology.yaml").write_text(yaml.safe_dump(topo))
             topology = ["--topology", str(Path(tmp, "topology.yaml"))]
-        r = subprocess.run([sys.executable, "-m", "ps.cli", "demo", "--steps", str(steps), "--mode", mode,
+        r = subprocess.run([sys.executable, "-m", "ps.tools.cli", "demo", "--steps", str(steps), "--mode", mode,
                             "--staleness", str(staleness), "--slow", str(slow), "--out", tmp,
                             *(["--damping"] if damping else []), *topology],
                            cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -67,7 +67,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "modes.json"))
     args = p.parse_args()
     runs: dict[str, list[dict]] = {}
-    for rep in range(args.repeats):  # interleaved: a drift in the machine's speed hits every mode
+    for _ in range(args.repeats):  # interleaved: a drift in the machine's speed hits every mode
         for mode, s, damping, root_ms in MODES:
             name = ((f"ssp({s})" if mode == "ssp" else mode) + ("+damp" if damping else "")
                     + (f"+root{root_ms:g}ms" if root_ms is not None else ""))

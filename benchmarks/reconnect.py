@@ -1,5 +1,5 @@
 """How soon a child's channel answers again after its parent comes back, with gRPC's default
-reconnect backoff and with the options every hps channel uses (ps.rpc.CHANNEL_OPTIONS).
+reconnect backoff and with the options every hps channel uses (ps.net.rpc.CHANNEL_OPTIONS).
 
     python benchmarks/reconnect.py                 # outages of 1, 3 and 6 s, 5 repetitions each
     python benchmarks/reconnect.py --quick
@@ -21,10 +21,10 @@ import time
 from concurrent import futures
 
 import grpc
+from _common import write
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from _common import write
-from ps.rpc import CHANNEL_OPTIONS
+from ps.net.rpc import CHANNEL_OPTIONS
 
 DEFAULT = [o for o in CHANNEL_OPTIONS if "backoff" not in o[0]]
 

@@ -5,7 +5,7 @@ ssp), both across the same emulated WAN, side by side in one run.
     python benchmarks/wan_loss.py --steps 100
 
 The demo model (TinyLM, Adam 3e-3, 20 warm-up steps), 4 workers in two regions of two, each
-region 100 ms round trip and 100 Mbit/s each way from the root (ps/wanem.py links):
+region 100 ms round trip and 100 Mbit/s each way from the root (ps/tools/wanem.py links):
 - flat: deploy/wan-flat.yaml; each region's two workers share their region's link to the root;
 - hierarchy: deploy/wan.yaml; workers on their region's zones, the regional master the only
   thing crossing the WAN (flushing every 200 ms); one run per --modes (default bsp and async),
@@ -38,7 +38,7 @@ import threading
 
 from _common import RESULTS, ROOT, met, plot, write
 
-from ps.demo.run import read_events  # noqa: E402  (the demo's worker-output reader)
+from ps.demo.run import read_events
 
 WORKER = str(ROOT / "benchmarks" / "_wan_worker.py")
 GOAL_SPEEDUP, GOAL_BYTES, GOAL_LOSS_PCT = 5.0, 400.0, 1.0
@@ -48,8 +48,8 @@ STEADY_AFTER = 20  # steps: top-k's density warm-up (25% -> 1%) is over by then
 
 
 def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: int, batch: int, logdir: str) -> dict:
-    from ps.launch import Cluster
-    from ps.status import fetch_status
+    from ps.tools.launch import Cluster
+    from ps.tools.status import fetch_status
 
     with Cluster.start(topo, logdir) as cluster:
         where = [cluster.address(a) for a in addresses]
@@ -142,10 +142,10 @@ def time_to(smoothed: list, target: float) -> float | None:
 
 
 def _codec_status(job: dict) -> str:
-    from ps.config import JobConfig
+    from ps.core.config import JobConfig
 
     try:
-        from ps.config import OptimizerConfig
+        from ps.core.config import OptimizerConfig
 
         JobConfig(**{**job, "optimizer": OptimizerConfig(**job.get("optimizer", {}))})
     except Exception as exc:  # a field or codec this build does not have yet
@@ -197,7 +197,7 @@ def compare(flat: dict, tree: dict, target: float) -> dict:
 
 
 def main() -> int:
-    from ps.launch import load_topology
+    from ps.tools.launch import load_topology
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="steps per worker, flat")
@@ -241,8 +241,8 @@ def main() -> int:
             os.makedirs(f"{tmp}/flat")
             flat = run("flat: 4 workers on the root, dense fp32, bsp, adam", flat_topo,
                        ["eu-wan", "eu-wan", "us-wan", "us-wan"], flat_job, args.steps, args.batch, f"{tmp}/flat")
-        print(f"flat      wall {flat['wall_s']:7.1f}s  final loss {flat['final_train_loss']:.4f}  val {flat['val_loss']:.4f}  "
-              f"WAN {flat['wan_bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
+        print(f"flat      wall {flat['wall_s']:7.1f}s  final loss {flat['final_train_loss']:.4f}  "
+              f"val {flat['val_loss']:.4f}  WAN {flat['wan_bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
         for mode in args.modes.split(","):
             job = tree_job_for(mode, args)
             missing = _codec_status(job)

@@ -1,8 +1,8 @@
-"""Accuracy of the WAN link emulator (ps/wanem.py): does a 100 ms / 100 Mbit link measure so?
+"""Accuracy of the WAN link emulator (ps/tools/wanem.py): does a 100 ms / 100 Mbit link measure so?
 
     python benchmarks/wanem.py --latency-ms 100 --bandwidth-mbit 100
 
-Starts the emulator as its own process (``python -m ps.wanem``, as ``hps launch`` does) in
+Starts the emulator as its own process (``python -m ps.tools.wanem``, as ``hps launch`` does) in
 front of plain-socket servers in this process, then measures with plain sockets:
 - round-trip time: median of --pings ping-pongs of 64-byte messages (the link's latency is a
   round-trip figure, so this should read --latency-ms), next to loopback without the relay;
@@ -91,7 +91,7 @@ class _Source:
 
 
 def _relay(target_port: int, latency_ms: float, bandwidth_mbit: float):
-    proc = subprocess.Popen([sys.executable, "-m", "ps.wanem", "--target", f"127.0.0.1:{target_port}",
+    proc = subprocess.Popen([sys.executable, "-m", "ps.tools.wanem", "--target", f"127.0.0.1:{target_port}",
                              "--latency-ms", str(latency_ms), "--bandwidth-mbit", str(bandwidth_mbit)],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
@@ -190,7 +190,6 @@ def main() -> int:
         s.close()
 
     rtt = statistics.median(rtts)
-    want_bps = args.bandwidth_mbit * 1e6 / 8
     figures = dict(
         rtt_ms=dict(measured=rtt * 1000, p10=1000 * sorted(rtts)[len(rtts) // 10],
                     p90=1000 * sorted(rtts)[len(rtts) * 9 // 10], link=args.latency_ms,

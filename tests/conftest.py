@@ -1,78 +1,18 @@
-"""Shared fixtures: real tiers on 127.0.0.1:0, in-process (one event loop in a thread) or as
-subprocesses; every process a test starts is stopped by its PID."""
+"""Fixtures: real tiers on 127.0.0.1:0 (in-process, one event loop in a thread) and processes
+a test starts, each stopped by its PID; at the end of the session, any child process a test
+left behind is reaped by PID too (and named, so the test that leaked it can be fixed)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
-import threading
+import time
+from pathlib import Path
 
-import numpy as np
 import pytest
 
-from ps.config import ServerConfig
-from ps.server import create_server, shutdown
-
-FAST = dict(heartbeat_s=0.1, member_timeout_s=1.0)
-
-
-class LoopThread:
-    """An asyncio loop in a background thread; ``run`` executes a coroutine on it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call(self, fn, timeout: float = 30):
-        """Run ``fn()`` on the loop thread (safe access to a tier's state)."""
-        async def _c():
-            return fn()
-        return self.run(_c(), timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-
-
-class Tree:
-    """An in-process tree: root, optional region, zones below it."""
-
-    def __init__(self, lt: LoopThread) -> None:
-        self.lt = lt
-        self.servers: dict[str, tuple] = {}
-
-    def add(self, name: str, role: str, parent: str = "", **kw) -> str:
-        cfg = ServerConfig(role=role, name=name, parent=self.addr(parent) if parent else "",
-                           **{**FAST, **kw})
-        self.servers[name] = self.lt.run(create_server(cfg))
-        return self.addr(name)
-
-    def addr(self, name: str) -> str:
-        return f"127.0.0.1:{self.servers[name][1]}"
-
-    def tier(self, name: str):
-        return self.servers[name][2]
-
-    def view(self, name: str, job: str):
-        """(epoch, version, checksum, values copy) of a tier's view, read on the loop."""
-        def get():
-            v = self.tier(name).jobs[job].view
-            return v.epoch, v.version, v.checksum, v.values.copy()
-        return self.lt.call(get)
-
-    def stop(self, name: str) -> None:
-        server, _, tier = self.servers.pop(name)
-        self.lt.run(shutdown(server, tier, grace=0.5))
-
-    def close(self) -> None:
-        for name in reversed(list(self.servers)):
-            self.stop(name)
+from tests.helpers import LoopThread, Tree
 
 
 @pytest.fixture
@@ -100,25 +40,37 @@ def reap():
             p.wait(timeout=10)
 
 
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
-def bsp_rounds(clients, steps: int, grad, report=None) -> None:
-    """BSP with ParameterClients: each pushes ``grad(i, step)`` once per round (one thread per
-    client: a round waits for all), then pulls the new version. ``report(step)``: telemetry."""
-    errors = []
-
-    def run(i, c):
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            for s in range(steps):
-                extra = {} if report is None else {"report": report(s)}
-                v, _ = c.push(grad(i, s), clock=s, **extra)
-                c.pull(min_version=v)
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        # multiprocessing's resource tracker is its own business: it exits with its parent.
+        if int(fields[1]) == pid and fields[0] != "Z" and "resource_tracker" not in cmd:
+            out.append((int(stat.parent.name), cmd.strip()))
+    return out
 
-    ts = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
-    [t.start() for t in ts]
-    [t.join(60) for t in ts]
-    assert not errors, errors
+
+@pytest.fixture(scope="session", autouse=True)
+def reap_strays():
+    """After the whole session: no child process outlives the tests (SIGTERM, then SIGKILL)."""
+    yield
+    strays = _children(os.getpid())
+    for pid, cmd in strays:
+        print(f"\nreaping stray child process {pid}: {cmd[:200]}")
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while strays and _children(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid, _ in _children(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -8,7 +8,7 @@
 ``ParameterClient`` is the lower level (push/pull) for people who want control.
 """
 
-from ps.config import JobConfig, OptimizerConfig
+from ps.core.config import JobConfig, OptimizerConfig
 from worker.client import ParameterClient, StepResult
 from worker.optimizer import HpsOptimizer
 

@@ -6,7 +6,7 @@
     ack = client.push(flat_grad)                           # returns once applied (BSP)
     client.pull(min_version=ack.applied_version)           # client.view is the root's view_v
 
-The client keeps its own replica (``ps.store.View``) and verifies every version's checksum,
+The client keeps its own replica (``ps.core.view.View``) and verifies every version's checksum,
 so what a training script sees is the root's published view bit for bit (invariant 1). A
 background thread heart-beats; transient faults are retried with backoff and logged.
 
@@ -25,26 +25,28 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from ps.codecs import get_codec
-from ps.config import JobConfig
-from ps.encoder import Encoder
-from ps.errors import BadInput, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable
-from ps.rpc import Caller
-from ps.store import Layout, View
-from ps.replica import apply_pull
-from ps.tensors import payload_bytes, split
-from ps.types import PushMeta
-from ps.wire import (ROLE, decode_pull_reply, encode_create_job, encode_push, job_from_pb,
-                     layout_from_pb, pb)
+from ps.core.codecs import get_codec
+from ps.core.config import JobConfig
+from ps.core.encoder import Encoder
+from ps.core.errors import BadInput, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable
+from ps.core.replica import apply_pull
+from ps.core.tensors import payload_bytes, split
+from ps.core.types import Chunk, PullMeta, PushMeta, VersionMeta
+from ps.core.view import Layout, View
+from ps.net.rpc import Caller
+from ps.net.wire import ROLE, decode_pull_reply, encode_create_job, encode_push, job_from_pb, layout_from_pb, pb
 
 __all__ = ["ParameterClient", "StepResult"]
 
 log = logging.getLogger("hps.worker")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,9 @@ class ParameterClient:
         self.timeout_s = timeout_s
         self.round_timeout_s = round_timeout_s
         self.retry_s = retry_s
-        self.config: JobConfig | None = None
-        self.layout: Layout | None = None
-        self.view: View | None = None
+        self._config: JobConfig | None = None
+        self._layout: Layout | None = None
+        self._view: View | None = None
         self.start_version = 0
         self.start_clock = 0
         self.server_epoch = 0
@@ -82,13 +84,39 @@ class ParameterClient:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._heartbeat_s = 0.5
-        self.encoder: Encoder | None = None  # the push edge's codec and residuals (after register)
+        self._encoder: Encoder | None = None  # the push edge's codec and residuals (after register)
+
+    # -- what registering brings -----------------------------------------------------------
+    def _registered(self, value: T | None) -> T:
+        if value is None:
+            raise NotReady(f"{self.worker_id!r} has not registered for job {self.job!r}; call register() first")
+        return value
+
+    @property
+    def config(self) -> JobConfig:
+        """The job's configuration, as the tier answered the registration."""
+        return self._registered(self._config)
+
+    @property
+    def layout(self) -> Layout:
+        """The job's parameters: names, shapes, and where each sits in the flat vector."""
+        return self._registered(self._layout)
+
+    @property
+    def view(self) -> View:
+        """This worker's replica of the root's published view (verified, bit for bit)."""
+        return self._registered(self._view)
+
+    @property
+    def encoder(self) -> Encoder:
+        """The push edge's codec, density warm-up and error-feedback residuals."""
+        return self._registered(self._encoder)
 
     # -- plumbing --------------------------------------------------------------------------
-    def _call(self, name: str, request, timeout: float | None = None):
+    def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         return self._rpc.call(name, request, timeout or self.timeout_s)
 
-    def _retrying(self, what: str, fn, register_again: bool = True):
+    def _retrying(self, what: str, fn: Callable[[], T], register_again: bool = True) -> T:
         """``fn()``, retried with backoff through the faults a tier's restart or a full budget
         causes, for ``retry_s`` seconds; NotMember registers again first."""
         deadline = time.monotonic() + self.retry_s
@@ -116,7 +144,7 @@ class ParameterClient:
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
-        if self.config is not None:
+        if self._config is not None:
             try:
                 self._call("Leave", pb.LeaveRequest(job=self.job, member=self.worker_id), timeout=2)
             except HpsError:
@@ -124,8 +152,9 @@ class ParameterClient:
         self._rpc.close()
 
     # -- jobs and membership ---------------------------------------------------------------
-    def create_job(self, config: JobConfig, layout: Layout, values: np.ndarray) -> bool:
-        """Create the job with these initial values; False if it already existed."""
+    def create_job(self, config: JobConfig | str, layout: Layout, values: np.ndarray) -> bool:
+        """Create the job with these initial values (``config``: its configuration, or the name of
+        one declared with ``hps job create``); False if it already existed."""
         frames = encode_create_job(config, layout, split(layout, values, get_codec("fp32")))
         reply = self._retrying("create job", lambda: self._call("CreateJob", iter(frames)))
         return reply.created
@@ -134,13 +163,16 @@ class ParameterClient:
         r = self._retrying("register", lambda: self._call("Register", pb.RegisterRequest(
             job=self.job, member=self.worker_id, role=ROLE["worker"], last_seq=self.last_seq,
             incarnation=self.incarnation)), register_again=False)
-        self.config, self.start_version, self.start_clock = job_from_pb(r.config), r.start_version, r.start_clock
+        config = job_from_pb(r.config)
+        if config is None:
+            raise BadInput(f"the tier answered the registration for job {self.job!r} without its configuration")
+        self._config, self.start_version, self.start_clock = config, r.start_version, r.start_clock
         layout = layout_from_pb(r.keys)
-        if self.layout is None or self.layout != layout:
-            self.layout, self.view = layout, View(layout)
+        if self._layout is None or self._layout != layout:
+            self._layout, self._view = layout, View(layout)
         self.server_epoch = r.server_epoch
-        if self.encoder is None:  # kept across re-registrations: the residuals are still owed
-            self.encoder = Encoder.for_job(self.config, seed=self.worker_id, worker=True)
+        if self._encoder is None:  # kept across re-registrations: the residuals are still owed
+            self._encoder = Encoder.for_job(config, seed=self.worker_id, worker=True)
         self._heartbeat_s = max(r.heartbeat_ms / 1000.0, 0.05)
         if self._hb_thread is None:
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -173,7 +205,7 @@ class ParameterClient:
         while True:
             view = self.view
 
-            def one_pull() -> list:
+            def one_pull(view: View = view) -> list[bytes]:
                 req = pb.PullRequest(job=self.job, member=self.worker_id, view_epoch=view.epoch,
                                      since_version=view.version, min_version=min_version,
                                      wait_ms=int(min(5.0, max(0.0, deadline - time.monotonic())) * 1000),
@@ -198,9 +230,9 @@ class ParameterClient:
                 raise TimedOut(f"version {min_version} did not arrive within the deadline; the tier "
                                f"holds {meta.to_version}")
 
-    def _apply(self, meta, versions) -> int:
+    def _apply(self, meta: PullMeta, versions: list[tuple[VersionMeta, list[Chunk]]]) -> int:
         pulled = apply_pull(self.view, self.layout, meta, versions)
-        if pulled.new_lineage and self.encoder is not None:
+        if pulled.new_lineage and self._encoder is not None:
             # A new lineage (the root restarted): what the residuals owe was computed on the
             # old one, as the relays also judge (they reset theirs).
             self.encoder.reset()

@@ -2,10 +2,10 @@
 
     registry = CollectorRegistry()
     train = TrainingMetrics("lm", registry)
-    serve_metrics(registry, 9200, host="0.0.0.0")       # ps.metrics: GET /metrics
+    serve_metrics(registry, 9200, host="0.0.0.0")       # ps.tiers.metrics: GET /metrics
     train.report(loss=2.31, steps=10)                   # feeds the loss-anomaly alert
 
-The tiers' own metrics are in ps.metrics.
+The tiers' own metrics are in ps.tiers.metrics.
 """
 
 from __future__ import annotations

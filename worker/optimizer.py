@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
-from ps.config import JobConfig
-from ps.exactly_once import MAX_IN_FLIGHT
-from ps.errors import Conflict, Stale, TimedOut, UnknownJob
-from ps.store import KeySpec, Layout
+from ps.core.config import JobConfig
+from ps.core.errors import Conflict, Stale, TimedOut, UnknownJob
+from ps.core.exactly_once import MAX_IN_FLIGHT
+from ps.core.view import KeySpec, Layout
 from worker.client import ParameterClient, StepResult
 from worker.sender import Sender
 
@@ -35,7 +35,8 @@ __all__ = ["HpsOptimizer"]
 log = logging.getLogger("hps.worker")
 
 
-def _named(params) -> list[tuple[str, torch.nn.Parameter]]:
+def _named(params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]
+           ) -> list[tuple[str, torch.nn.Parameter]]:
     if isinstance(params, torch.nn.Module):
         return list(params.named_parameters())
     return list(params)
@@ -64,7 +65,7 @@ class HpsOptimizer:
         except UnknownJob:
             created = self.client.create_job(job, self.layout, self._flat(lambda p: p.detach()))
             self.client.register()
-        problem = None
+        problem: Exception | None = None
         if isinstance(job, JobConfig) and self.client.config != job:
             problem = Conflict(f"job {name!r} is running with another configuration "
                                f"({self.client.config}); this worker asked for {job}")
@@ -91,10 +92,10 @@ class HpsOptimizer:
     def version(self) -> int:
         return self.client.view.version
 
-    def _flat(self, get) -> np.ndarray:
+    def _flat(self, get: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
         return self._flat_device(get).cpu().numpy()
 
-    def _flat_device(self, get) -> torch.Tensor:
+    def _flat_device(self, get: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
             return torch.cat([get(p).reshape(-1).to(torch.float32) for _, p in self.params])
 
@@ -162,9 +163,11 @@ class HpsOptimizer:
         return StepResult(self.client.view.version, applied, up, self.client.bytes_down - down0)
 
     def _step_nonblocking(self, grad: torch.Tensor, t0: float, report: tuple[float, int, float]) -> StepResult:
-        down0, up0 = self.client.bytes_down, self.sender.bytes_up
+        assert self.sender is not None  # ssp and async have one
+        sender = self.sender
+        down0, up0 = self.client.bytes_down, sender.bytes_up
         view = self.client.view
-        self.sender.submit(grad, self.clock, view.version, view.epoch, report)
+        sender.submit(grad, self.clock, view.version, view.epoch, report)
         self.clock += 1
         if self.mode == "ssp":
             self.client.pull(min_clock=max(0, self.clock - self.staleness))
@@ -172,7 +175,7 @@ class HpsOptimizer:
             self.client.pull(wait_s=0.0)
         self._load_view()
         self.last_step_s = time.perf_counter() - t0
-        return StepResult(self.client.view.version, True, self.sender.bytes_up - up0,
+        return StepResult(self.client.view.version, True, sender.bytes_up - up0,
                           self.client.bytes_down - down0)
 
     def sync(self, timeout_s: float = 60.0) -> int:
@@ -207,8 +210,8 @@ class HpsOptimizer:
             self.sender.close(self.client.timeout_s)
         self.client.close()
 
-    def __enter__(self) -> "HpsOptimizer":
+    def __enter__(self) -> HpsOptimizer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -20,7 +20,8 @@ import threading
 import numpy as np
 import torch
 
-from ps.errors import HpsError, Stale
+from ps.core.errors import HpsError, Stale
+from worker.client import ParameterClient
 
 __all__ = ["Sender"]
 
@@ -28,7 +29,7 @@ log = logging.getLogger("hps.worker")
 
 
 class Sender:
-    def __init__(self, client, record: bool = False, in_flight: int = 1) -> None:
+    def __init__(self, client: ParameterClient, record: bool = False, in_flight: int = 1) -> None:
         if in_flight < 1:
             raise ValueError(f"a sender needs at least one push in flight, got {in_flight}")
         self.client = client
@@ -37,7 +38,7 @@ class Sender:
         self.pushes = 0
         self._record = record
         self._cv = threading.Condition()
-        self._sum: np.ndarray | None = None
+        self._sum: np.ndarray | torch.Tensor | None = None
         self._n = 0
         self._clocks = (0, 0)
         self._base = (0, 0)  # (view epoch, oldest base version) of the summed gradients
@@ -62,7 +63,7 @@ class Sender:
             if self._sum is None or view_epoch != self._base[0]:
                 if self._sum is not None:  # the root restarted: gradients on the old lineage are void
                     self.client.lost_steps += self._n
-                self._sum, self._n = grad.clone() if hasattr(grad, "clone") else grad.copy(), 1
+                self._sum, self._n = grad.clone() if isinstance(grad, torch.Tensor) else grad.copy(), 1
                 self._clocks, self._base = (clock, clock), (view_epoch, base_version)
                 self._report = report
             else:
@@ -70,7 +71,8 @@ class Sender:
                 self._n += 1
                 self._clocks = (self._clocks[0], clock)
                 self._base = (view_epoch, min(self._base[1], base_version))
-                self._report = tuple(a + b for a, b in zip(self._report, report))
+                (loss, n, secs), (loss2, n2, secs2) = self._report, report
+                self._report = (loss + loss2, n + n2, secs + secs2)
             self._cv.notify_all()
 
     def _run(self) -> None:

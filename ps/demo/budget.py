@@ -27,7 +27,7 @@ class StepBudget:
         self.path, self.total = path, total
 
     @classmethod
-    def create(cls, path: str, total: int) -> "StepBudget":
+    def create(cls, path: str, total: int) -> StepBudget:
         """A fresh pool (and a fresh start line: a previous run's arrivals do not count)."""
         for name in (path, path + ".ready"):
             with open(name, "w") as f:

@@ -15,7 +15,6 @@ The default config has 470,528 parameters.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 from ps.demo.budget import StepBudget
-from ps.demo.report import human_bytes, plot_loss, summary_table
-from ps.launch import Cluster, load_topology
-from ps.status import fetch_status
+from ps.demo.report import plot_loss
+from ps.tools.format import human_bytes, summary_table
+from ps.tools.launch import Cluster, load_topology
+from ps.tools.status import fetch_status
 
 __all__ = ["main", "read_events"]
 
@@ -163,7 +164,7 @@ def _report(args, out, series, step_s, ups, done, placement, tiers, wall, train)
     rows = []
     for w, zone in placement.items():
         pts = series[w]
-        tail = [l for _, l in pts[-10:]]
+        tail = [loss for _, loss in pts[-10:]]
         d = done.get(w, {})
         rows.append(dict(worker=w, zone=zone, steps=len(pts),
                          train_loss=sum(tail) / len(tail) if tail else float("nan"),
@@ -177,7 +178,7 @@ def _report(args, out, series, step_s, ups, done, placement, tiers, wall, train)
     print("\n" + summary_table(rows, ["worker", "zone", "steps", "train_loss", "val_loss", "version",
                                       "lost_steps", "median_step_s"]))
     trows = []
-    for depth, addr, st in tiers:
+    for depth, _addr, st in tiers:
         for j in st.jobs:
             steps = max(1, j.version)
             s = j.stats

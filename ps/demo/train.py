@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ps.config import JobConfig, OptimizerConfig
+from ps.core.config import JobConfig, OptimizerConfig
 from ps.demo.budget import StepBudget
 from ps.demo.corpus import BatchSampler, load_corpus
 from ps.demo.model import ModelConfig, build_model

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ps.config import JobConfig, OptimizerConfig
+from ps.core.config import JobConfig, OptimizerConfig
 from worker import HpsOptimizer
 
 p = argparse.ArgumentParser()

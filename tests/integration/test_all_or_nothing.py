@@ -17,14 +17,14 @@ import grpc
 import numpy as np
 import pytest
 
-from ps.codecs import get_codec
-from ps.config import JobConfig, OptimizerConfig
-from ps.errors import BadInput, Conflict
-from ps.store import KeySpec, Layout
-from ps.tensors import split
-from ps.types import PushMeta
-from ps.wanem import Link, Relay as LinkRelay
-from ps.wire import encode_push, stubs
+from ps.core.codecs import get_codec
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.errors import BadInput, Conflict
+from ps.core.tensors import split
+from ps.core.types import PushMeta
+from ps.core.view import KeySpec, Layout
+from ps.net.wire import encode_push, stubs
+from ps.tools.wanem import Link, LinkProxy
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (64,)), KeySpec("b", (16,))])
@@ -34,8 +34,8 @@ LR = 0.5
 @pytest.fixture
 def small_frames(monkeypatch):
     """Frames of at most 64 payload bytes, so a small push spans many (the server does not care)."""
-    import ps.wire
-    monkeypatch.setattr(ps.wire, "MAX_FRAME_PAYLOAD", 64)
+    import ps.net.wire
+    monkeypatch.setattr(ps.net.wire, "MAX_FRAME_PAYLOAD", 64)
 
 
 def _setup(tree, through_zone: bool, **job):
@@ -106,7 +106,7 @@ def _cut_by_deadline(addr, frames, k, tree, tier):
 
 _SENDER = """
 import pickle, sys, time, grpc
-from ps.wire import stubs
+from ps.net.wire import stubs
 addr, path, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
 frames = pickle.load(open(path, "rb"))
 def gen():
@@ -129,7 +129,7 @@ def _cut_by_kill(addr, frames, k, tree, tier, tmp_path):
 
 
 def _cut_by_dropped_connection(addr, frames, k, tree, tier):
-    link = tree.lt.run(LinkRelay(Link(), addr).start())
+    link = tree.lt.run(LinkProxy(Link(), addr).start())
     release = threading.Event()
     call = stubs(grpc.insecure_channel(link.address))["Push"].future(_held(frames, k, release), timeout=30)
     try:

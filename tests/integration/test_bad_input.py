@@ -8,13 +8,13 @@ import grpc
 import numpy as np
 import pytest
 
-from ps.codecs import get_codec
-from ps.config import JobConfig, OptimizerConfig
-from ps.exactly_once import MAX_IN_FLIGHT
-from ps.store import KeySpec, Layout
-from ps.tensors import Chunk, split
-from ps.types import PushMeta
-from ps.wire import encode_create_job, encode_push, pb, stubs
+from ps.core.codecs import get_codec
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.exactly_once import MAX_IN_FLIGHT
+from ps.core.tensors import Chunk, split
+from ps.core.types import PushMeta
+from ps.core.view import KeySpec, Layout
+from ps.net.wire import encode_create_job, encode_push, pb, stubs
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
@@ -22,7 +22,7 @@ LAYOUT = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
 
 @pytest.fixture
 def setup(tree):
-    root = tree.add("root", "global")
+    tree.add("root", "global")
     zone = tree.add("z", "zone", parent="root")
     w = ParameterClient(zone, "j", "w0")
     w.create_job(JobConfig(name="j", optimizer=OptimizerConfig(lr=0.1)), LAYOUT,
@@ -144,7 +144,7 @@ def test_requests_that_do_not_parse_get_invalid_argument_not_unknown(tree, caplo
     message get INVALID_ARGUMENT with a sentence, one debug line each, no traceback."""
     import logging
 
-    from ps.wire import METHODS, SERVICE
+    from ps.net.wire import METHODS, SERVICE
 
     tree.add("root", "global")
     channel = grpc.insecure_channel(tree.addr("root"))
@@ -166,7 +166,7 @@ def test_requests_that_do_not_parse_get_invalid_argument_not_unknown(tree, caplo
 def test_refusals_are_counted_by_method_and_code(tree):
     from prometheus_client import CollectorRegistry
 
-    from ps.config import ServerConfig
+    from ps.core.config import ServerConfig
     from ps.server import create_server, shutdown
 
     registry = CollectorRegistry()
@@ -260,7 +260,7 @@ def test_stale_names_the_version_to_wait_for(setup):
     """A push whose round closed is told which version to pull before computing again, so a
     worker does not recompute on the view it holds and get refused again (1,470 refusals for
     40 real losses were seen when it pulled "anything newer" instead)."""
-    from ps.errors import Stale
+    from ps.core.errors import Stale
 
     tree, zone, w, rpc = setup
     g = np.ones(LAYOUT.numel, np.float32)

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from ps.config import JobConfig, OptimizerConfig
+from ps.core.config import JobConfig, OptimizerConfig
 from worker import HpsOptimizer
 
 STEPS, WORKERS, PER_WORKER = 20, 4, 8

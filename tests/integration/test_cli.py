@@ -8,9 +8,9 @@ import os
 import subprocess
 import sys
 
-from ps.launch import Cluster, default_topology
+from ps.tools.launch import Cluster, default_topology
 
-HPS = [sys.executable, "-m", "ps.cli"]
+HPS = [sys.executable, "-m", "ps.tools.cli"]
 
 
 def test_demo_trains_on_the_default_topology_and_reports(tmp_path):
@@ -61,7 +61,7 @@ def test_job_create_list_end_through_a_relay(tree):
     import pytest
     import torch
 
-    from ps.errors import UnknownJob
+    from ps.core.errors import UnknownJob
     from worker import HpsOptimizer
 
     tree.add("root", "global")

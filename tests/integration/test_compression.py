@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from ps.config import JobConfig, OptimizerConfig
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.errors import BadInput
+from ps.core.tensors import Chunk
+from ps.core.types import PushMeta
+from ps.core.view import KeySpec, Layout
 from ps.demo.corpus import BatchSampler, load_corpus
 from ps.demo.model import ModelConfig, build_model
-from ps.errors import BadInput
-from ps.store import KeySpec, Layout
-from ps.tensors import Chunk
-from ps.types import PushMeta
-from ps.wire import encode_push
-from tests.conftest import same_bits
+from ps.net.wire import encode_push
+from tests.helpers import same_bits
 from worker import HpsOptimizer, ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (256, 200)), KeySpec("b", (200,))])

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ps.config import JobConfig, OptimizerConfig
-from ps.launch import Cluster
-from ps.status import fetch_status
-from ps.store import KeySpec, Layout
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.view import KeySpec, Layout
+from ps.tools.launch import Cluster
+from ps.tools.status import fetch_status
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (256,)), KeySpec("b", (4,))])
@@ -124,8 +124,8 @@ def _check_resumes(tree, clients, break_disk, mend_disk, ckpt: str) -> None:
     assert version == 6
     np.testing.assert_array_equal(values, _expected(6, 2))  # every round applied once
     # And the log holds exactly that: a root started from the same directory comes back there.
-    from ps.config import ServerConfig
-    from ps.root import Root
+    from ps.core.config import ServerConfig
+    from ps.tiers.root import Root
 
     again = Root(ServerConfig(role="global", checkpoint_dir=ckpt))
     js = again.jobs["j"]
@@ -137,7 +137,7 @@ def _check_resumes(tree, clients, break_disk, mend_disk, ckpt: str) -> None:
 def test_a_failed_log_write_refuses_the_round_and_training_resumes_when_the_disk_has_room(tree, tmp_path,
                                                                                        monkeypatch):
     """The write fails with ENOSPC (injected at fsync, in the log's own thread) until mended."""
-    import ps.wal
+    import ps.tiers.wal
 
     ckpt = str(tmp_path / "ckpt")
     tree.add("root", "global", checkpoint_dir=ckpt, checkpoint_every=1000)
@@ -149,7 +149,7 @@ def test_a_failed_log_write_refuses_the_round_and_training_resumes_when_the_disk
         if full.is_set():
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
-    monkeypatch.setattr(ps.wal.os, "fsync", fsync)
+    monkeypatch.setattr(ps.tiers.wal.os, "fsync", fsync)
     _check_resumes(tree, clients, full.set, full.clear, ckpt)
 
 

@@ -11,10 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from ps.launch import Cluster
-from ps.status import fetch_status
+from ps.tools.launch import Cluster
+from ps.tools.status import fetch_status
 
 FAST = {"heartbeat_s": 0.2, "member_timeout_s": 1.5}
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ps.config import JobConfig, OptimizerConfig
-from ps.launch import Cluster
-from ps.status import fetch_status
-from ps.store import KeySpec, Layout
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.view import KeySpec, Layout
+from ps.tools.launch import Cluster
+from ps.tools.status import fetch_status
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (8,))])

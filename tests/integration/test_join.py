@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.config import JobConfig, OptimizerConfig
-from ps.errors import Conflict
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.errors import Conflict
 from worker import HpsOptimizer, ParameterClient
 
 

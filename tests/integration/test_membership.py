@@ -7,9 +7,9 @@ import threading
 
 import numpy as np
 
-from ps.config import JobConfig, OptimizerConfig
-from ps.store import KeySpec, Layout
-from tests.conftest import same_bits
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.view import KeySpec, Layout
+from tests.helpers import same_bits
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (100,))])

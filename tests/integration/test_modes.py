@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from ps.codecs import get_codec
-from ps.config import JobConfig, OptimizerConfig
-from ps.store import KeySpec, Layout
-from ps.tensors import split
-from ps.types import PushMeta
-from ps.wire import encode_push, pb, stubs
+from ps.core.codecs import get_codec
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.tensors import split
+from ps.core.types import PushMeta
+from ps.core.view import KeySpec, Layout
+from ps.net.wire import encode_push, pb, stubs
 from worker import HpsOptimizer, ParameterClient
 
 

@@ -25,13 +25,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from ps.config import JobConfig, OptimizerConfig, ServerConfig
-from ps.health import LIVENESS, Health
-from ps.metrics import serve_metrics
+from ps.core.config import JobConfig, OptimizerConfig, ServerConfig
+from ps.core.view import KeySpec, Layout
 from ps.server import create_server
-from ps.status import print_tree
-from ps.store import KeySpec, Layout
-from tests.conftest import FAST, LoopThread, Tree, bsp_rounds
+from ps.server.health import LIVENESS, Health
+from ps.tiers.metrics import serve_metrics
+from ps.tools.status import print_tree
+from tests.helpers import FAST, LoopThread, Tree, bsp_rounds
 from worker import ParameterClient
 from worker.metrics import TrainingMetrics
 
@@ -318,7 +318,7 @@ def test_health_is_serving_only_once_the_tier_synced_with_its_parent(tree):
 def test_hps_serve_serves_metrics_and_health_and_stops_on_sigterm(reap):
     env = {**os.environ, "HPS_METRICS_PORT": "0", "HPS_PARENT": f"127.0.0.1:{_free_port()}",
            "HPS_HEARTBEAT_S": "0.1", "HPS_MEMBER_TIMEOUT_S": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "ps.cli", "serve", "--role", "zone", "--name", "z1"],
+    p = subprocess.Popen([sys.executable, "-m", "ps.tools.cli", "serve", "--role", "zone", "--name", "z1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     reap(p)
     line = p.stdout.readline()

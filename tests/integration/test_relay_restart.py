@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from ps.config import JobConfig, OptimizerConfig
-from ps.store import KeySpec, Layout
-from tests.conftest import same_bits
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.view import KeySpec, Layout
+from tests.helpers import same_bits
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (16, 8))])
@@ -61,7 +61,7 @@ def test_a_bsp_push_on_the_held_version_moves_an_empty_round_left_behind(tree):
     relay holds a newer version than its open round (seen after a root kill -9: a zone at round
     7 holding version 8). A worker's push on the held version must open that round, not be told
     to retry forever."""
-    from ps.consistency import BspRound
+    from ps.core.consistency import BspRound
 
     tree.add("root", "global")
     zone = tree.add("eu-a", "zone", parent="root")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from ps.config import JobConfig, OptimizerConfig
-from ps.store import KeySpec, Layout
-from tests.conftest import bsp_rounds, same_bits
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.view import KeySpec, Layout
+from tests.helpers import bsp_rounds, same_bits
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (64, 33)), KeySpec("b", (33,))])
@@ -58,7 +57,7 @@ def test_zone_and_worker_hold_the_roots_view_bit_for_bit(tree, delta_codec):
 
 
 def test_a_child_behind_the_delta_log_gets_a_snapshot_and_one_within_it_gets_deltas(tree):
-    root = tree.add("root", "global")
+    tree.add("root", "global")
     zone = tree.add("z", "zone", parent="root")
     # async: the reader below is a member that only pulls, and must not hold up w's updates.
     cfg = JobConfig(name="j", mode="async", delta_log_length=3, optimizer=OptimizerConfig(lr=0.1))
@@ -71,7 +70,8 @@ def test_a_child_behind_the_delta_log_gets_a_snapshot_and_one_within_it_gets_del
     reader.pull(min_version=0)
     assert reader.view.version == 0
 
-    stats = lambda: tree.lt.call(lambda: dict(tree.tier("z").jobs["j"].stats.__dict__))
+    def stats() -> dict:
+        return tree.lt.call(lambda: dict(tree.tier("z").jobs["j"].stats.__dict__))
     _train([w], 1)
     before = stats()
     reader.pull(min_version=1)            # 1 version behind, log holds 3: a delta

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from ps.launch import Cluster
-from ps.status import fetch_status
+from ps.tools.launch import Cluster
+from ps.tools.status import fetch_status
 
 LINK = {"latency_ms": 40, "bandwidth_mbit": 50}
 

@@ -1,0 +1,79 @@
+"""int8 with one float32 scale per chunk and stochastic rounding (lossy, ~1 byte per element).
+
+    codec = Int8(chunk=4096, seed=0)
+    y = codec.decode(codec.encode(x), x.size)   # |y - x| < scale of x's chunk, E[y] = x
+
+Each chunk of ``chunk`` elements is scaled so its largest |x| maps to 127 and rounded up or
+down at random with the probability that makes the rounding unbiased (QSGD, Alistarh et al.
+2017). The noise comes from the codec's own seeded generator, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from ps.core.codecs._common import FORMAT, Generators, as_tensor, check_size, host_tensor, pack, read_header
+from ps.core.codecs.base import Array, Device, Payload, TensorCodec
+from ps.core.errors import BadInput
+
+__all__ = ["Int8"]
+
+_HEAD = struct.Struct("<B3xIQ")  # format, chunk, numel (16 bytes); then float32 scales, int8s
+MAX_CHUNK = 1 << 20              # bounds what a hostile header can make a decoder compute over
+
+
+def _parts(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """``x`` as 2-D views of whole chunks and the ragged tail, with no padded copy."""
+    full = x.numel() // chunk * chunk
+    parts = [x[:full].view(-1, chunk)] if full else []
+    return parts + ([x[full:].view(1, -1)] if full < x.numel() else [])
+
+
+class Int8(TensorCodec):
+    """Per-chunk absmax int8 with stochastic rounding; run it under error feedback.
+
+        payload = Int8(seed=1).encode(grad.cuda())   # scales, noise and rounding on the GPU
+    """
+
+    name = "int8"
+    options = ("chunk", "seed")
+
+    def __init__(self, chunk: int = 4096, seed: int = 0) -> None:
+        if not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
+            raise BadInput(f"int8 chunk={chunk!r} must be an integer in [1, {MAX_CHUNK}]")
+        self.chunk = chunk
+        self.seed = seed
+        self._rng = Generators(seed)
+
+    def encode(self, x: Array) -> bytes:
+        x = as_tensor(x)
+        gen = self._rng.get(x.device)
+        scales, qs = [], []
+        for part in _parts(x, self.chunk):
+            lo, hi = torch.aminmax(part, dim=1)
+            scale = torch.maximum(hi, -lo) / 127
+            # An all-zero chunk has scale 0: multiply by 0 rather than divide by it.
+            inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+            v = part * inv[:, None]
+            # floor(v + u), u ~ U[0, 1): rounds up with probability frac(v), so E[q] = v.
+            v.add_(torch.rand(v.shape, generator=gen, device=v.device)).floor_()
+            # v + u can round up to exactly 128.0 in float32 when v is 127 - tiny.
+            qs.append(v.clamp_(-127, 127).to(torch.int8).reshape(-1))
+            scales.append(scale)
+        head = _HEAD.pack(FORMAT, self.chunk, x.numel())
+        return pack(head, *scales, *qs)
+
+    def decode_tensor(self, payload: Payload, numel: int, device: Device = "cpu") -> torch.Tensor:
+        chunk, _ = read_header(payload, _HEAD, self.name, numel)
+        if not 1 <= chunk <= MAX_CHUNK:
+            raise BadInput(f"int8 payload has chunk {chunk}, outside [1, {MAX_CHUNK}]")
+        nchunks = -(-numel // chunk)
+        check_size(payload, _HEAD.size + 4 * nchunks + numel, self.name, numel)
+        scale = host_tensor(payload, "<f4", _HEAD.size, nchunks).to(device)
+        out = host_tensor(payload, "i1", _HEAD.size + 4 * nchunks, numel).to(device).float()
+        parts = _parts(out, chunk)
+        for part, s in zip(parts, scale.split([p.shape[0] for p in parts])):
+            part.mul_(s[:, None])  # in place through the view: one float32 product per element
+        return out

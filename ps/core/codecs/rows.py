@@ -1,0 +1,84 @@
+"""Row-sparse tensors as rows: the indices of the non-zero rows and their float32 values.
+
+    codec = Rows(width=512)                      # an embedding gradient, 512 floats per row
+    payload = codec.encode(grad)                 # grad: flat, a whole number of rows
+    dense = codec.decode(payload, grad.numel())  # bit-identical values; absent rows are zero
+
+An ``nn.Embedding(sparse=True)`` gradient, or any gradient whose batch touched few rows of a
+table, costs its touched rows, not the table. After a 24-byte header (format, width, count,
+numel) come the length of a zstd frame over the byte planes of the row-index gaps (int32; as
+in top-k, their high bytes are nearly all zero) and then the rows' float32 values verbatim.
+Lossless: every row with a non-zero element travels whole (a -0.0 in an otherwise zero row
+arrives as +0.0, which no arithmetic can tell apart).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+import zstandard
+
+from ps.core.codecs._common import FORMAT, as_tensor, host_tensor, read_header, unzstd
+from ps.core.codecs.base import Array, Device, Payload, TensorCodec
+from ps.core.errors import BadInput
+
+__all__ = ["Rows"]
+
+_HEAD = struct.Struct("<B3xIQQ")  # format, width, count, numel (24 bytes)
+_LEN = struct.Struct("<I")        # bytes of the zstd frame of the index gaps
+MAX_WIDTH = 1 << 20               # a row is at most one 4 MiB frame
+
+
+class Rows(TensorCodec):
+    """Sends only the rows of width ``width`` that hold a non-zero element (lossless).
+
+        Rows(width=4).encode(np.array([0, 0, 0, 0, 1, 2, 3, 4], np.float32))   # one row
+    """
+
+    name = "rows"
+    lossless = True
+    options = ("width",)
+
+    def __init__(self, width: int = 1) -> None:
+        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_WIDTH:
+            raise BadInput(f"rows width={width!r} must be an integer in [1, {MAX_WIDTH}]")
+        self.width = width
+
+    def encode(self, x: Array) -> bytes:
+        x = as_tensor(x)
+        n, w = x.numel(), self.width
+        if n % w:
+            raise BadInput(f"rows codec: {n} elements are not whole rows of width {w}")
+        table = x.view(-1, w)
+        idx = (table != 0).any(dim=1).nonzero().squeeze(1)  # on the device; NaN rows count
+        gaps = torch.diff(idx, prepend=idx.new_zeros(1)).to(torch.int32).cpu().numpy()
+        frame = zstandard.ZstdCompressor(level=1).compress(gaps.view(np.uint8).reshape(-1, 4).T.tobytes())
+        values = table.index_select(0, idx).contiguous().cpu().numpy()  # only the rows cross
+        return b"".join([_HEAD.pack(FORMAT, w, idx.numel(), n), _LEN.pack(len(frame)), frame, values])
+
+    def decode_tensor(self, payload: Payload, numel: int, device: Device = "cpu") -> torch.Tensor:
+        w, count, _ = read_header(payload, _HEAD, self.name, numel)
+        if not 1 <= w <= MAX_WIDTH or numel % w or count > numel // w:
+            raise BadInput(f"rows payload has {count} rows of width {w} for a chunk of {numel} "
+                           "elements; the width must divide the chunk and the rows fit in it")
+        pos = _HEAD.size + _LEN.size
+        if len(payload) < pos:
+            raise BadInput(f"rows payload has {len(payload)} bytes, shorter than its header")
+        (flen,) = _LEN.unpack_from(payload, _HEAD.size)
+        want = pos + flen + 4 * w * count
+        if len(payload) != want:
+            raise BadInput(f"rows payload has {len(payload)} bytes, expected {want} for {count} rows "
+                           f"of width {w}")
+        body = unzstd(memoryview(payload)[pos:pos + flen], 4 * count, self.name)
+        planes = np.frombuffer(body, np.uint8).reshape(4, count)
+        gaps = torch.from_numpy(planes.T.copy().view("<i4").reshape(-1))
+        if count and (gaps[0] < 0 or (count > 1 and bool((gaps[1:] < 1).any()))):
+            raise BadInput("rows payload has row indices that are not strictly increasing")
+        idx = gaps.cumsum(0, dtype=torch.int64)
+        if count and idx[-1] >= numel // w:
+            raise BadInput(f"rows payload has row {int(idx[-1])} for a chunk of {numel // w} rows")
+        values = host_tensor(payload, "<f4", pos + flen, count * w).to(device).view(count, w)
+        out = torch.zeros(numel // w, w, dtype=torch.float32, device=device)
+        return out.index_copy_(0, idx.to(device), values).view(-1)

@@ -1,0 +1,196 @@
+"""Validated, frozen configuration: one dataclass per job and per server role.
+
+    job = JobConfig(name="lm", optimizer=OptimizerConfig(kind="adam", lr=3e-4))
+    srv = ServerConfig(role="zone", listen="127.0.0.1:0", parent="127.0.0.1:7000")
+
+Every check runs at construction and names the bad value, so a typo in a flag or a YAML
+file fails at start-up with a sentence rather than mid-run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ps.core.errors import BadInput, short
+
+__all__ = ["OptimizerConfig", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS", "CODEC_NAMES", "check_name",
+           "check_member"]
+
+MODES = ("bsp", "ssp", "async")
+# The codecs a job may name (ps.core.codecs implements each and asserts so at import; this
+# module names them without importing torch, so a configuration loads in milliseconds).
+CODEC_NAMES = ("fp32", "fp32+zstd", "fp16", "bf16", "int8", "topk", "sign", "rows")
+ROLES = ("global", "regional", "zone")
+OPTIMIZERS = ("sgd", "adam")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_MEMBER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+def check_name(name: str) -> str:
+    """A job name from the wire, or BadInput (the name cut short in the sentence)."""
+    _require(bool(_NAME.match(name)), f"job name {short(name)} must be 1-63 letters, digits, '.', '_' or '-'")
+    return name
+
+
+def check_member(member: str) -> str:
+    """A member id from the wire (a worker id or a relay's name), or BadInput."""
+    _require(bool(_MEMBER.match(member)),
+             f"member id {short(member)} must be 1-128 letters, digits, '.', '_', ':', '@' or '-'")
+    return member
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise BadInput(message)
+
+
+def _finite(obj: Any) -> None:
+    """Every float field of a config is a finite number: ``lr=inf`` passed every range check
+    (inf > 0) and would have made the first step non-finite."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float):
+            _require(math.isfinite(value), f"{f.name} must be a finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The root's optimizer for a job (torch semantics for every hyper-parameter)."""
+
+    kind: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _finite(self)
+        _require(self.kind in OPTIMIZERS, f"optimizer kind {self.kind!r} is not one of {OPTIMIZERS}")
+        _require(self.lr > 0, f"learning rate must be positive, got {self.lr}")
+        _require(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
+        _require(not self.nesterov or self.momentum > 0, "nesterov needs momentum > 0")
+        _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+                 f"Adam betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
+        _require(self.eps > 0, f"eps must be positive, got {self.eps}")
+        _require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One training run's configuration, fixed at creation."""
+
+    name: str
+    mode: str = "bsp"
+    staleness: int = 0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    push_codec: str = "fp32"       # worker -> its tier
+    delta_codec: str = "fp32"      # the root's published-view deltas (error kept at the root)
+    delta_log_length: int = 64
+    damping: bool = False  # async/ssp: lr / (1 + staleness) at the root
+    # Relays re-encode their children's sum with this codec and their own error-feedback
+    # residual ("": the push codec); a tier's --up-codec overrides it for its own edge.
+    relay_codec: str = ""
+    topk: float = 0.01             # density k of the topk codec, as a fraction of elements
+    topk_warmup_steps: int = 0     # DGC warm-up: density 25% -> topk over these many steps
+    # DGC momentum correction (Lin et al. 2018, sec. 3.2) for sgd+momentum with topk pushes:
+    # workers keep the velocity and sparsify it (masking what they sent); the root then steps
+    # plain SGD on what arrives. Momentum at the root would apply to stale, sparse sums instead.
+    momentum_correction: bool = False
+
+    def __post_init__(self) -> None:
+        _finite(self)
+        _require(isinstance(self.name, str) and bool(_NAME.match(self.name)),
+                 f"job name {short(self.name)} must be 1-63 letters, digits, '.', '_' or '-'")
+        _require(self.mode in MODES, f"mode {self.mode!r} is not one of {MODES}")
+        _require(self.staleness >= 0, f"staleness must be >= 0, got {self.staleness}")
+        _require(self.mode == "ssp" or self.staleness == 0,
+                 f"staleness {self.staleness} only applies to mode ssp, not {self.mode!r}")
+        _require(self.mode != "bsp" or not self.damping, "damping applies to ssp and async, not bsp")
+        _require(self.push_codec in CODEC_NAMES, f"push codec {self.push_codec!r} is not one of {CODEC_NAMES}")
+        _require(self.delta_codec in CODEC_NAMES, f"delta codec {self.delta_codec!r} is not one of {CODEC_NAMES}")
+        _require(self.relay_codec == "" or self.relay_codec in CODEC_NAMES,
+                 f"relay codec {self.relay_codec!r} is not one of {CODEC_NAMES} (or '' for the push codec)")
+        _require(not isinstance(self.topk, bool) and 0 < self.topk <= 1,
+                 f"topk density must be in (0, 1], got {self.topk!r}")
+        _require(self.topk_warmup_steps >= 0, f"topk_warmup_steps must be >= 0, got {self.topk_warmup_steps}")
+        o = self.optimizer
+        _require(not self.momentum_correction or (o.kind == "sgd" and o.momentum > 0 and not o.nesterov
+                                                  and self.push_codec == "topk"),
+                 "momentum_correction needs optimizer sgd with momentum > 0 (not nesterov) and push "
+                 f"codec topk; got {o.kind} momentum {o.momentum} nesterov {o.nesterov}, push codec "
+                 f"{self.push_codec!r}")
+        _require(1 <= self.delta_log_length <= 100_000,
+                 f"delta_log_length must be in [1, 100000], got {self.delta_log_length}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server process (a tier)."""
+
+    role: str
+    listen: str = "127.0.0.1:0"
+    parent: str = ""
+    name: str = ""
+    metrics_port: int = -1  # -1: no /metrics endpoint; 0: any free port
+    heartbeat_s: float = 0.5
+    member_timeout_s: float = 3.0
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 50
+    checkpoint_keep: int = 3
+    upstream_timeout_s: float = 10.0
+    round_timeout_s: float = 600.0
+    # ssp/async aggregation window: flush after this long or this many payload bytes, whichever
+    # first (a zone may flush every few ms, a regional master towards the root far less often).
+    flush_ms: float = 5.0
+    flush_bytes: int = 64 * 1024 * 1024
+    # Codec of this tier's upward edge, overriding the job's relay codec ("": the job decides):
+    # a region whose link to the root is thin may send sign while its zones send top-k.
+    up_codec: str = ""
+    # Budgets checked before anything is allocated (refusals are RESOURCE_EXHAUSTED or
+    # INVALID_ARGUMENT with a sentence): the largest job this tier holds, in float32
+    # parameters; the bytes of pushes being received and decoded at once; jobs held.
+    max_job_params: int = 1 << 31
+    push_budget_mb: int = 2048
+    max_jobs: int = 1000
+    # The root ends a job that no worker joined within this many seconds of its creation or
+    # declaration (0: never), so jobs created by mistake do not hold memory and files forever.
+    unjoined_job_ttl_s: float = 86400.0
+
+    def __post_init__(self) -> None:
+        _finite(self)
+        _require(self.role in ROLES, f"role {self.role!r} is not one of {ROLES}")
+        _require(":" in self.listen, f"listen address {self.listen!r} must be HOST:PORT")
+        if self.role == "global":
+            _require(not self.parent, f"the global root has no parent, got parent={self.parent!r}")
+        else:
+            _require(":" in self.parent, f"a {self.role} tier needs --parent HOST:PORT, got {self.parent!r}")
+            _require(not self.checkpoint_dir, "only the global root writes checkpoints")
+        _require(0 < self.heartbeat_s < self.member_timeout_s,
+                 f"heartbeat ({self.heartbeat_s}s) must be positive and shorter than the member "
+                 f"timeout ({self.member_timeout_s}s)")
+        _require(self.metrics_port >= -1, f"metrics port must be >= -1, got {self.metrics_port}")
+        _require(self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        _require(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
+        _require(self.upstream_timeout_s > 0, f"upstream timeout must be positive, got {self.upstream_timeout_s}")
+        _require(0 <= self.flush_ms <= 60_000, f"flush window must be in [0, 60000] ms, got {self.flush_ms}")
+        _require(self.flush_bytes > 0, f"flush byte budget must be positive, got {self.flush_bytes}")
+        _require(self.up_codec == "" or self.up_codec in CODEC_NAMES,
+                 f"up codec {self.up_codec!r} is not one of {CODEC_NAMES} (or '' for the job's choice)")
+        _require(self.role != "global" or not self.up_codec, "the global root has no upward edge to encode")
+        _require(self.max_job_params >= 1, f"max_job_params must be >= 1, got {self.max_job_params}")
+        _require(self.push_budget_mb >= 1, f"push budget must be >= 1 MB, got {self.push_budget_mb}")
+        _require(self.max_jobs >= 1, f"max_jobs must be >= 1, got {self.max_jobs}")
+        _require(self.unjoined_job_ttl_s >= 0, f"unjoined_job_ttl_s must be >= 0, got {self.unjoined_job_ttl_s}")
+        _require(self.round_timeout_s > 0, f"round timeout must be positive, got {self.round_timeout_s}")
+
+    @property
+    def display_name(self) -> str:
+        return self.name or self.role

@@ -1,0 +1,246 @@
+"""Membership, BSP rounds and SSP/async windows (pure, time injected; exactly-once: ps.core.exactly_once).
+
+    members = Membership()
+    members.join("w0", now=0.0, first_round=0)
+    rnd = BspRound(round=0, numel=10)
+    rnd.add("w0", base_version=0, grad=g, contributors=1, clocks=(0, 0))
+    if rnd.complete(members): agg = rnd.close()     # sum, contributors, clock range
+
+A round r aggregates gradients computed on version r. It is complete when every live member
+expected in it (joined at or before r) has pushed: a member that stops heart-beating is
+dropped and no longer holds the round (DESIGN: "a worker that dies leaves the barrier").
+
+SSP and async jobs aggregate in a ``Window`` instead: pushes on any base version, closed after
+a time window or a byte budget. Each member carries a clock floor (how many of its workers'
+pushes are included once its pushes are applied); a tier's floor is the minimum over its live
+members, and the root stamps it on every version for SSP's wait.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ps.core.errors import BadInput, NotMember, NotReady, Stale, short
+
+__all__ = ["Member", "Membership", "BspRound", "Window", "Aggregate", "all_finite", "MAX_CONTRIBUTORS"]
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """True when every value of ``x`` is finite. One sum, not an element-wise pass: a sum is
+    finite only if every value is (NaN and inf propagate), and a finite vector's sum overflows
+    only near float32's limit, which the exact check then settles."""
+    return bool(math.isfinite(float(np.sum(x, dtype=np.float64)))) or bool(np.isfinite(x).all())
+
+
+@dataclass
+class Member:
+    id: str
+    role: str
+    address: str
+    first_round: int
+    last_seen: float
+    pushes: int = 0
+    floor: int = 0  # SSP clock floor this member reported with its latest accepted push
+    workers: int = 1  # live workers at or below it, as its latest accepted push reported
+    incarnation: int = 0  # the member process's incarnation, as it registered
+    in_flight: int = 0  # its pushes being received or waiting for their batch here
+
+
+class Membership:
+    """Live children of one tier for one job."""
+
+    def __init__(self) -> None:
+        self._m: dict[str, Member] = {}
+
+    def __len__(self) -> int:
+        return len(self._m)
+
+    def __contains__(self, member: str) -> bool:
+        return member in self._m
+
+    def __iter__(self):
+        return iter(self._m.values())
+
+    def find(self, member: str) -> Member | None:
+        return self._m.get(member)
+
+    def get(self, member: str) -> Member:
+        try:
+            return self._m[member]
+        except KeyError:
+            raise NotMember(f"{short(member)} is not a registered member of this job here; register "
+                            "first") from None
+
+    def join(self, member: str, now: float, first_round: int, role: str = "worker",
+             address: str = "", floor: int = 0, incarnation: int = 0) -> Member:
+        old = self._m.get(member)
+        if old is not None and old.incarnation == incarnation:
+            # Re-registration keeps the place it had in the rounds.
+            old.last_seen, old.role, old.address = now, role, address
+            return old
+        # New, or a new incarnation replacing a dead one (the caller dropped its contribution).
+        m = Member(member, role, address, first_round, now, floor=floor, incarnation=incarnation)
+        self._m[member] = m
+        return m
+
+    def touch(self, member: str, now: float) -> bool:
+        m = self._m.get(member)
+        if m is None:
+            return False
+        m.last_seen = now
+        return True
+
+    def leave(self, member: str) -> bool:
+        return self._m.pop(member, None) is not None
+
+    def expire(self, now: float, timeout: float) -> list[str]:
+        gone = [k for k, m in self._m.items() if now - m.last_seen > timeout]
+        for k in gone:
+            del self._m[k]
+        return gone
+
+    def expected_in(self, round_: int) -> set[str]:
+        return {k for k, m in self._m.items() if m.first_round <= round_}
+
+    def workers(self) -> int:
+        """Live workers below this tier (each member counts what it last reported; at least 1)."""
+        return max(1, sum(m.workers for m in self._m.values()))
+
+    def floor(self, default: int) -> int:
+        """The clock floor below this tier: the slowest live member's (``default`` if none)."""
+        return min((m.floor for m in self._m.values()), default=default)
+
+
+# The most worker gradients one push or one batch may sum: far beyond any cluster, and far
+# below the u32 a relay's PushHeader carries, so an aggregate can always be forwarded (a count
+# past 2^32-1 once made a zone's forward raise and wedged the round).
+MAX_CONTRIBUTORS = 1 << 24
+
+
+def _check_contributors(pushed: dict[str, int], contributors: int) -> None:
+    if contributors < 0 or sum(pushed.values()) + contributors > MAX_CONTRIBUTORS:
+        raise BadInput(f"a push of {contributors} contributors takes its batch past {MAX_CONTRIBUTORS} "
+                       "worker gradients")
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """A closed round: the summed gradient and who is in it."""
+
+    round: int          # BSP: the round; windows: the smallest base version included
+    grad: np.ndarray
+    contributors: int
+    clock_min: int
+    clock_max: int
+    members: tuple[str, ...]
+    nbytes: int = 0     # payload bytes received for it
+
+
+@dataclass
+class BspRound:
+    """Running sum of one round's pushes."""
+
+    round: int
+    numel: int
+    pushed: dict[str, int] = field(default_factory=dict)  # member -> contributors it brought
+    _sum: np.ndarray | None = None
+    _clock_min: int | None = None
+    _clock_max: int | None = None
+
+    def check(self, member: str, base_version: int, contributors: int = 0) -> None:
+        """Raise unless ``member`` may push for this round now (changes nothing)."""
+        if base_version < self.round:
+            raise Stale(f"gradient computed on version {base_version}, but round {self.round} is "
+                        "open here; the round it belonged to has closed: pull and recompute",
+                        wait_version=self.round)
+        if base_version > self.round:
+            raise NotReady(f"gradient computed on version {base_version}, ahead of this tier's round "
+                           f"{self.round}; the tier is still catching up, retry shortly")
+        if member in self.pushed:
+            raise BadInput(f"{short(member)} already pushed for round {self.round} with another sequence number")
+        _check_contributors(self.pushed, contributors)
+
+    def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
+            clocks: tuple[int, int]) -> None:
+        self.check(member, base_version, contributors)
+        if grad is not None and contributors > 0:
+            if self._sum is None:
+                self._sum = np.array(grad, dtype=np.float32, copy=True)
+            else:
+                with np.errstate(over="ignore"):  # an overflow is refused when the batch closes
+                    self._sum += grad
+            lo, hi = clocks
+            self._clock_min = lo if self._clock_min is None else min(self._clock_min, lo)
+            self._clock_max = hi if self._clock_max is None else max(self._clock_max, hi)
+        self.pushed[member] = contributors
+
+    def complete(self, members: Membership) -> bool:
+        expected = members.expected_in(self.round)
+        if not expected and not self.pushed:
+            return False  # nobody here for this round: nothing to aggregate
+        return expected.issubset(self.pushed)
+
+    def close(self) -> Aggregate:
+        total = sum(self.pushed.values())
+        grad = self._sum if self._sum is not None else np.zeros(self.numel, dtype=np.float32)
+        return Aggregate(self.round, grad, total, self._clock_min or 0, self._clock_max or 0,
+                         tuple(self.pushed))
+
+
+@dataclass
+class Window:
+    """An SSP/async aggregation window: any base versions, one push per member, closed on time
+    or bytes. ``base_min`` (the oldest base included) measures staleness at the root."""
+
+    numel: int
+    opened: float | None = None
+    nbytes: int = 0
+    pushed: dict[str, int] = field(default_factory=dict)
+    base_min: int | None = None
+    _sum: np.ndarray | None = None
+    _clock_min: int | None = None
+    _clock_max: int | None = None
+
+    # async: a sender may keep several pushes in flight (MAX_IN_FLIGHT), so two of them can
+    # land in one window and are summed; ssp senders keep one, so their clock floors arrive in
+    # order (a later push's floor must never overtake an earlier push's gradients).
+    repeats: bool = False
+
+    def check(self, member: str, contributors: int = 0) -> None:
+        if member in self.pushed and not self.repeats:
+            raise BadInput(f"{short(member)} pushed twice into one aggregation window; an ssp sender keeps "
+                           "one push in flight and sums gradients meanwhile")
+        _check_contributors(self.pushed, contributors)
+
+    def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
+            clocks: tuple[int, int], nbytes: int, now: float) -> None:
+        self.check(member, contributors)
+        if self.opened is None:
+            self.opened = now
+        if grad is not None and contributors > 0:
+            if self._sum is None:
+                self._sum = np.array(grad, dtype=np.float32, copy=True)
+            else:
+                with np.errstate(over="ignore"):  # an overflow is refused when the batch closes
+                    self._sum += grad
+            self.base_min = base_version if self.base_min is None else min(self.base_min, base_version)
+            lo, hi = clocks
+            self._clock_min = lo if self._clock_min is None else min(self._clock_min, lo)
+            self._clock_max = hi if self._clock_max is None else max(self._clock_max, hi)
+        self.pushed[member] = self.pushed.get(member, 0) + contributors
+        self.nbytes += nbytes
+
+    def due(self, now: float, flush_s: float, flush_bytes: int) -> bool:
+        if not self.pushed or self.opened is None:
+            return False
+        return now - self.opened >= flush_s or self.nbytes >= flush_bytes
+
+    def close(self, default_base: int) -> Aggregate:
+        total = sum(self.pushed.values())
+        grad = self._sum if self._sum is not None else np.zeros(self.numel, dtype=np.float32)
+        base = self.base_min if self.base_min is not None else default_base
+        return Aggregate(base, grad, total, self._clock_min or 0, self._clock_max or 0,
+                         tuple(self.pushed), self.nbytes)

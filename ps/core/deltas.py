@@ -1,0 +1,74 @@
+"""The bounded delta log: ``since(u)`` gives d_{u+1..v}, or None when a snapshot is needed (pure).
+
+    log = DeltaLog(capacity=64)
+    log.append(DeltaEntry(version=1, checksum=c, chunks=chunks))
+    log.since(0)   # [entry 1]; log.since(-5) -> None (left the log): send a snapshot
+
+Entries keep the encoded chunks exactly as the root produced them, so a relay forwards the
+bytes it received verbatim and decodes nothing twice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ps.core.tensors import Chunk
+
+__all__ = ["DeltaEntry", "DeltaLog"]
+
+
+@dataclass(frozen=True)
+class DeltaEntry:
+    """d_v: the encoded difference view_v - view_{v-1}, and view_v's checksum."""
+
+    version: int
+    checksum: int
+    chunks: tuple[Chunk, ...]
+    clock_min: int = 0
+    contributors: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c.payload) for c in self.chunks)
+
+
+class DeltaLog:
+    """The last ``capacity`` deltas of one lineage, contiguous by version."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"delta log capacity must be >= 1, got {capacity}")
+        self._entries: deque[DeltaEntry] = deque(maxlen=capacity)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def newest(self) -> int | None:
+        return self._entries[-1].version if self._entries else None
+
+    @property
+    def oldest_base(self) -> int | None:
+        """The oldest version a child can hold and still be served deltas."""
+        return self._entries[0].version - 1 if self._entries else None
+
+    def append(self, entry: DeltaEntry) -> None:
+        if self._entries and entry.version != self._entries[-1].version + 1:
+            # A gap means a new base (snapshot); the old entries no longer lead to it.
+            self._entries.clear()
+        self._entries.append(entry)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def since(self, version: int, upto: int) -> list[DeltaEntry] | None:
+        """Deltas taking a view from ``version`` to ``upto``; None if the log cannot."""
+        if version == upto:
+            return []
+        if not self._entries or version > upto:
+            return None
+        first = self._entries[0].version
+        if version < first - 1 or upto > self._entries[-1].version:
+            return None
+        return [self._entries[v - first] for v in range(version + 1, upto + 1)]

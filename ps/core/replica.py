@@ -1,0 +1,48 @@
+"""A replica follows its parent: apply what a pull brought to a view, verified (pure).
+
+    pulled = apply_pull(view, layout, meta, versions)   # a snapshot, or deltas in order
+    pulled.entries        # the deltas applied, as the log keeps them (relays serve them on)
+    pulled.new_lineage    # the root restarted: residuals computed on the old view are void
+
+Relays and workers hold replicas the same way: every version's checksum is verified before the
+view changes (invariant 1), a delta applies only onto its exact base (invariant 5), and a
+snapshot replaces the view whole. A refused version changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ps.core.deltas import DeltaEntry
+from ps.core.tensors import Chunk, assemble, payload_bytes
+from ps.core.types import PullMeta, VersionMeta
+from ps.core.view import Layout, View
+
+__all__ = ["Pulled", "apply_pull"]
+
+
+@dataclass(frozen=True)
+class Pulled:
+    nbytes: int                       # payload bytes received
+    snapshot: bool                    # the view was replaced whole
+    new_lineage: bool                 # ... by a snapshot of another root epoch than it held
+    entries: tuple[DeltaEntry, ...]   # the deltas applied, in order (none for a snapshot)
+
+
+def apply_pull(view: View, layout: Layout, meta: PullMeta,
+               versions: list[tuple[VersionMeta, list[Chunk]]]) -> Pulled:
+    """Bring ``view`` to what the pull brought; ``Stale`` (nothing changed) when a version does
+    not apply to its base or fails its checksum."""
+    if meta.snapshot:
+        vm, chunks = versions[0]
+        values = assemble(layout, chunks, what="snapshot", check_finite=False, require_all=True)
+        previous = view.epoch
+        view.load_snapshot(meta.view_epoch, vm.version, values, vm.checksum, vm.clock_min)
+        return Pulled(payload_bytes(chunks), True, bool(previous) and previous != meta.view_epoch, ())
+    entries, nbytes = [], 0
+    for vm, chunks in versions:
+        delta = assemble(layout, chunks, what=f"delta {vm.version}", check_finite=False)
+        view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum, vm.clock_min)
+        entries.append(DeltaEntry(vm.version, vm.checksum, tuple(chunks), vm.clock_min, vm.contributors))
+        nbytes += payload_bytes(chunks)
+    return Pulled(nbytes, False, False, tuple(entries))

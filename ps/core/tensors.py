@@ -1,0 +1,128 @@
+"""Splitting a flat vector into encoded per-key chunks and assembling it back (pure).
+
+    chunks = split(layout, grad, get_codec("fp32"))
+    grad2 = assemble(layout, chunks, what="push")          # validated, bit-identical
+
+A chunk is at most ``CHUNK_ELEMS`` elements, so every frame stays under the 4 MiB payload
+limit of the wire. ``assemble`` is where untrusted input is checked: unknown keys, wrong
+shape or dtype, overlapping or out-of-range slices, payloads that do not decode, and
+non-finite values all raise BadInput before anything is changed.
+
+What a sender with state sends (error feedback, rows) is decided in ``ps.core.encoder``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import pairwise
+
+import numpy as np
+import torch
+
+from ps.core.codecs import Codec, get_codec
+from ps.core.errors import BadInput, short
+from ps.core.types import Chunk
+from ps.core.view import KeySpec, Layout
+
+__all__ = ["Chunk", "split", "Assembler", "assemble", "CHUNK_ELEMS", "payload_bytes", "row_width"]
+
+CHUNK_ELEMS = 1 << 20  # 4 MiB of float32: the wire's per-frame payload limit
+
+
+def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_elems: int = CHUNK_ELEMS,
+          encode: Callable[[str, Codec, np.ndarray | torch.Tensor], bytes] | None = None,
+          rows: frozenset[str] = frozenset()) -> list[Chunk]:
+    """Encode ``flat`` (the job's whole vector, numpy or torch on any device) as chunks.
+
+    ``encode(name, codec, part)`` replaces ``codec.encode(part)`` for senders with state (error
+    feedback keyed by ``name``, "key@offset"); keys in ``rows`` travel as their non-zero rows
+    (the lossless rows codec), in chunks of whole rows.
+    """
+    out = []
+    for spec in layout:
+        base = layout.offset(spec.key)
+        key_codec, step = codec, chunk_elems
+        if spec.key in rows:
+            width = row_width(spec)
+            key_codec = get_codec("rows", width=width)
+            step = max(width, chunk_elems // width * width)
+        for off in range(0, max(spec.numel, 1), step):
+            n = min(step, spec.numel - off)
+            if n <= 0:
+                break
+            part = flat[base + off: base + off + n]
+            payload = key_codec.encode(part) if encode is None else encode(f"{spec.key}@{off}", key_codec, part)
+            out.append(Chunk(spec.key, spec.shape, spec.dtype, off, n, key_codec.name, payload))
+    return out
+
+
+def row_width(spec: KeySpec) -> int:
+    """Elements per row of a key (a 1-D key is one element per row)."""
+    return spec.numel // spec.shape[0] if len(spec.shape) > 1 and spec.shape[0] else 1
+
+
+class Assembler:
+    """Decodes chunks into one flat vector as they arrive, checking each before it lands.
+
+        a = Assembler(layout, what="push 3 from 'w0'")
+        for chunk in chunks_as_they_arrive:
+            a.add(chunk)                 # BadInput on an unknown key, a bad slice, NaN, ...
+        grad = a.finish()                # overlaps (and, if asked, gaps) checked
+
+    The vector is the assembler's own, so a stream refused halfway changes nothing else.
+    """
+
+    def __init__(self, layout: Layout, what: str, check_finite: bool = True) -> None:
+        self.layout, self.what, self.check_finite = layout, what, check_finite
+        self.out = np.zeros(layout.numel, dtype=np.float32)
+        self.chunks = 0
+        self._covered: dict[str, list[tuple[int, int]]] = {}
+
+    def add(self, c: Chunk) -> None:
+        what, i = self.what, self.chunks
+        spec = self.layout.check(c.key, c.dtype, c.shape)
+        if c.numel == 0 or c.offset + c.numel > spec.numel:
+            raise BadInput(f"{what}: chunk {i} of key {short(c.key)} covers [{c.offset}, {c.offset + c.numel}) "
+                           f"outside the key's {spec.numel} elements")
+        self.chunks += 1
+        if self.chunks > self.layout.numel:  # each chunk covers at least one element once
+            raise BadInput(f"{what}: more chunks than the job has elements ({self.layout.numel})")
+        values = get_codec(c.codec).decode(c.payload, c.numel)
+        if self.check_finite and not np.isfinite(values).all():
+            bad = int(values.size - np.isfinite(values).sum())
+            raise BadInput(f"{what}: key {short(c.key)} holds {bad} non-finite values (NaN/Inf); "
+                           "nothing was applied")
+        base = self.layout.offset(c.key)
+        self.out[base + c.offset: base + c.offset + c.numel] = values
+        self._covered.setdefault(c.key, []).append((c.offset, c.offset + c.numel))
+
+    def finish(self, require_all: bool = False) -> np.ndarray:
+        """The assembled vector (keys left out are zero); ``require_all``: every element once."""
+        for key, spans in self._covered.items():
+            spans.sort()
+            for (a0, a1), (b0, b1) in pairwise(spans):
+                if b0 < a1:
+                    raise BadInput(f"{self.what}: key {short(key)} has overlapping chunks [{a0}, {a1}) "
+                                   f"and [{b0}, {b1})")
+        if require_all:
+            for spec in self.layout:
+                have = sum(b - a for a, b in self._covered.get(spec.key, []))
+                if have != spec.numel:
+                    raise BadInput(f"{self.what}: key {short(spec.key)} has {have} of its {spec.numel} elements")
+        return self.out
+
+
+def assemble(layout: Layout, chunks: list[Chunk], what: str, check_finite: bool = True,
+             require_all: bool = False) -> np.ndarray:
+    """Decode chunks into a fresh flat vector; keys a sender left out are zero.
+
+    ``require_all`` demands every element be covered (snapshots, initial values).
+    """
+    a = Assembler(layout, what, check_finite)
+    for c in chunks:
+        a.add(c)
+    return a.finish(require_all)
+
+
+def payload_bytes(chunks: list[Chunk]) -> int:
+    return sum(len(c.payload) for c in chunks)

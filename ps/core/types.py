@@ -1,0 +1,188 @@
+"""The domain types that cross the wire, as plain frozen dataclasses (no protobuf here).
+
+    key = PushKey("w0", incarnation=0x5eed, seq=7, digest=b"...16 bytes...")
+    meta = PushMeta(job="lm", sender="w0", seq=7, base_version=41, incarnation=0x5eed)
+    ack = Ack(applied_version=42, view_epoch=0x1f)
+
+``ps.net.wire`` converts these to and from protobuf; every other module uses only these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from ps.core.config import JobConfig
+    from ps.core.view import Layout
+
+__all__ = ["Chunk", "PushKey", "PushMeta", "PullMeta", "VersionMeta", "Ack", "Registration", "JobStats",
+           "MemberInfo", "JobStatus", "TierStatus"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Encoded elements [offset, offset+numel) of one key's flattened tensor."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    numel: int
+    codec: str
+    payload: bytes | memoryview
+
+
+@dataclass(frozen=True)
+class PushKey:
+    """One worker push, end to end: who sent it (member, incarnation), which of its pushes
+    (seq), and what it carried (the digest of its frames). Relays list the keys they sum."""
+
+    member: str
+    incarnation: int
+    seq: int
+    digest: bytes = b""
+
+
+@dataclass(frozen=True)
+class PushMeta:
+    """A push's header: who, which push, computed on what, and how many gradients it sums."""
+
+    job: str
+    sender: str
+    seq: int
+    base_version: int
+    view_epoch: int = 0
+    contributors: int = 1
+    clock_min: int = 0
+    clock_max: int = 0
+    clock_floor: int = 0
+    loss_sum: float = 0.0          # training telemetry (see PushHeader): reported, never applied
+    loss_count: int = 0
+    step_seconds_sum: float = 0.0
+    workers: int = 1               # live workers at or below the sender
+    incarnation: int = 0           # the sender's process incarnation (as it registered)
+    sources: tuple[PushKey, ...] = ()  # relays: the worker pushes the aggregate sums
+
+
+@dataclass(frozen=True)
+class PullMeta:
+    view_epoch: int
+    from_version: int
+    to_version: int
+    snapshot: bool
+    server_epoch: int
+
+
+@dataclass(frozen=True)
+class VersionMeta:
+    version: int
+    checksum: int
+    clock_min: int = 0
+    contributors: int = 0
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A push's acknowledgement: the version that includes it."""
+
+    applied_version: int
+    view_epoch: int
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a tier answers a joining member."""
+
+    config: JobConfig
+    layout: Layout
+    start_version: int
+    server_epoch: int
+    start_clock: int = 0
+
+
+@dataclass
+class JobStats:
+    """What one job has seen at one tier since the tier started (counters)."""
+
+    pushes: int = 0
+    bytes_pushed_in: int = 0
+    bytes_pushed_up: int = 0
+    bytes_pulled_out: int = 0
+    bytes_pulled_in: int = 0
+    snapshots_served: int = 0
+    deltas_served: int = 0
+    rounds: int = 0
+    aborted_rounds: int = 0
+    restarted_rounds: int = 0    # open rounds restarted without a member that left with its push
+    refused_rounds: int = 0      # closed rounds refused whole (non-finite sum, failed write, ...)
+    duplicates: int = 0          # retries answered with the recorded acknowledgement
+    resolved: int = 0            # retries whose outcome had to be asked of the parent or root
+    durable_failures: int = 0    # root: versions refused because the log write failed
+    checkpoint_failures: int = 0  # root: checkpoints that failed to write
+    double_applied: int = 0      # root: worker pushes applied by a second version (must stay 0)
+    members_expired: int = 0     # members dropped after member_timeout of silence
+    members_left: int = 0        # members that said goodbye
+    members_replaced: int = 0    # members replaced by a new incarnation (a restarted process)
+    staleness_count: int = 0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    round_wait_ms_sum: int = 0
+    # What the workers below reported about their training (PushMeta telemetry), for metrics.
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    step_seconds_sum: float = 0.0
+
+    def staleness(self, s: int) -> None:
+        self.staleness_count += 1
+        self.staleness_sum += s
+        self.staleness_max = max(self.staleness_max, s)
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    member: str
+    role: str
+    address: str
+    last_seen_s: float
+    pushes: int = 0
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One job as one tier holds it, at one moment."""
+
+    name: str
+    mode: str
+    version: int
+    view_epoch: int
+    checksum: int
+    parent_version: int          # the newest version this tier has heard of (its own at the root)
+    lag_s: float                 # seconds since it last held its parent's newest version (0: in sync)
+    round: int                   # bsp: the open round; ssp/async: windows closed
+    round_pushed: int            # pushes in the open round or window
+    clock_min: int
+    staleness: int = 0           # the ssp bound s
+    parameters: int = 0
+    members: tuple[MemberInfo, ...] = ()
+    stats: JobStats = field(default_factory=JobStats)
+
+    @property
+    def lag_versions(self) -> int:
+        return max(0, self.parent_version - self.version)
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    """What a tier answers ``Status``: itself, its jobs, its relay children."""
+
+    role: str
+    name: str
+    server_epoch: int
+    parent: str
+    parent_reachable: bool
+    ready: bool
+    uptime_s: float
+    jobs: tuple[JobStatus, ...] = ()
+    children: tuple[MemberInfo, ...] = ()

@@ -1,0 +1,160 @@
+"""Parameters, layouts and the published view with its checksums (pure).
+
+    layout = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
+    view = View(layout)
+    view.load_snapshot(epoch=7, version=0, values=np.zeros(layout.numel, np.float32), checksum=c)
+    view.apply_delta(epoch=7, version=1, delta=d, checksum=c1)   # invariant 5: base must match
+
+A job's parameters are held as one flat float32 vector; each key is a slice of it, in the
+order the job was created with. Every version's view has a CRC-32 that replicas verify
+(invariant 1), so a wrong base or a corrupted delta is caught, not trained on.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ps.core.errors import BadInput, Stale, short
+
+__all__ = ["KeySpec", "Layout", "View", "checksum", "DTYPES", "MAX_ELEMENTS"]
+
+DTYPES = ("float32",)
+# Sanity bounds checked before anything is allocated; a tier's own budget is tighter
+# (ServerConfig.max_job_params).
+MAX_KEYS = 100_000
+MAX_KEY_LENGTH = 256
+MAX_DIMS = 8
+MAX_ELEMENTS = 1 << 40
+
+
+def checksum(values: np.ndarray) -> int:
+    """CRC-32 of a float32 vector's bytes (what every version carries)."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(values, dtype="<f4")).cast("B")) & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One named parameter tensor."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class Layout:
+    """The ordered keys of a job and where each lives in the flat vector."""
+
+    def __init__(self, specs: list[KeySpec] | tuple[KeySpec, ...]) -> None:
+        if not specs:
+            raise BadInput("a job needs at least one parameter key")
+        if len(specs) > MAX_KEYS:
+            raise BadInput(f"a job has at most {MAX_KEYS} parameter keys, got {len(specs)}")
+        self.specs = tuple(specs)
+        self._offset: dict[str, int] = {}
+        self._by_key: dict[str, KeySpec] = {}
+        off = 0
+        for s in self.specs:
+            if (not s.key or len(s.key) > MAX_KEY_LENGTH or not s.key.isprintable()
+                    or s.key in self._by_key):
+                raise BadInput(f"parameter key {short(s.key)} is empty, repeated, longer than "
+                               f"{MAX_KEY_LENGTH} characters or not printable")
+            if s.dtype not in DTYPES:
+                raise BadInput(f"key {short(s.key)} has dtype {s.dtype}; parameters are held as {DTYPES}")
+            if len(s.shape) > MAX_DIMS or any(d < 0 or d > MAX_ELEMENTS for d in s.shape):
+                raise BadInput(f"key {short(s.key)} has shape {s.shape[:MAX_DIMS + 1]}: at most {MAX_DIMS} "
+                               f"dimensions, each in [0, {MAX_ELEMENTS}]")
+            if s.numel > MAX_ELEMENTS or off + s.numel > MAX_ELEMENTS:
+                raise BadInput(f"job holds more than {MAX_ELEMENTS} parameters (key {short(s.key)})")
+            self._by_key[s.key] = s
+            self._offset[s.key] = off
+            off += s.numel
+        self.numel = off
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.specs == other.specs
+
+    def __hash__(self) -> int:
+        return hash(self.specs)
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def spec(self, key: str) -> KeySpec:
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise BadInput(f"key {short(key)} is not a parameter of this job") from None
+
+    def offset(self, key: str) -> int:
+        return self._offset[key]
+
+    def check(self, key: str, dtype: str, shape: tuple[int, ...]) -> KeySpec:
+        """The key's spec, or BadInput naming what differs."""
+        spec = self.spec(key)
+        if dtype != spec.dtype:
+            raise BadInput(f"key {short(key)} arrived as {dtype}; the job holds it as {spec.dtype}")
+        if tuple(shape) != spec.shape:
+            raise BadInput(f"key {short(key)} arrived with shape {tuple(shape)[:MAX_DIMS + 1]}; the job "
+                           f"holds {spec.shape}")
+        return spec
+
+
+class View:
+    """A replica of the published view: (epoch, version) plus the values, checksummed.
+
+    ``epoch`` is the root incarnation whose lineage the view belongs to; 0 means "no view yet".
+    Every mutation through ``load_snapshot`` / ``apply_delta`` (replicas) computes the new values
+    aside and commits only after the checksum matches, so a refused delta changes nothing. The
+    root, whose view is the source of every checksum, updates ``values`` in place instead.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.values = np.zeros(layout.numel, dtype=np.float32)
+        self.epoch = 0
+        self.version = 0
+        self.clock_min = 0  # SSP: every live worker has at least this many pushes included
+        self.checksum = checksum(self.values)
+
+    @property
+    def ready(self) -> bool:
+        return self.epoch != 0
+
+    def load_snapshot(self, epoch: int, version: int, values: np.ndarray, crc: int,
+                      clock_min: int = 0) -> None:
+        if values.shape != (self.layout.numel,):
+            raise BadInput(f"snapshot has {values.size} elements, the job has {self.layout.numel}")
+        got = checksum(values)
+        if got != crc:
+            raise Stale(f"snapshot of version {version} fails its checksum ({got:#010x} != {crc:#010x})")
+        self.values = np.array(values, dtype=np.float32, copy=True)
+        self.epoch, self.version, self.checksum, self.clock_min = epoch, version, crc, clock_min
+
+    def apply_delta(self, epoch: int, version: int, delta: np.ndarray, crc: int,
+                    clock_min: int = 0) -> None:
+        """view_v = view_{v-1} + d_v, only onto the exact base (invariant 5)."""
+        if epoch != self.epoch or version != self.version + 1:
+            raise Stale(
+                f"delta for version {version} of epoch {epoch:#x} does not apply to the held view "
+                f"(epoch {self.epoch:#x}, version {self.version}); resync from a snapshot"
+            )
+        if delta.shape != self.values.shape or delta.dtype != np.float32:
+            raise BadInput(f"delta for version {version} is {delta.dtype}{delta.shape}; the view is "
+                           f"float32{self.values.shape}")
+        new = self.values + delta
+        got = checksum(new)
+        if got != crc:
+            raise Stale(f"version {version} fails its checksum ({got:#010x} != {crc:#010x}); "
+                        "resync from a snapshot")
+        self.values, self.version, self.checksum = new, version, crc
+        self.clock_min = max(self.clock_min, clock_min)

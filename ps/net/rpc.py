@@ -1,0 +1,138 @@
+"""gRPC plumbing every caller and the server share: the status table, channel options, and one
+call helper that turns a failed call back into the hps error the server raised.
+
+    rpc = Caller("127.0.0.1:7001")                      # or AsyncCaller(...) on an event loop
+    reply = rpc.call("ListJobs", pb.ListJobsRequest(), timeout=5)   # raises HpsError subclasses
+    ...
+    await abort(context, BadInput("..."))                # a servicer refusing a call
+
+An hps error travels as its gRPC status code with the sentence as details, plus trailing
+metadata ``hps-error: <class name>`` (so ``NotMember`` and ``NotReady`` stay apart although
+both are FAILED_PRECONDITION) and the error's structured extras (``hps-wait-version``).
+Statuses gRPC itself raises (connection refused, deadline) map by code alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import grpc
+
+from ps.core.errors import ERRORS, HpsError, NotReady, Stale
+from ps.net.wire import stubs
+
+__all__ = ["MAX_MESSAGE", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "status_of", "trailers",
+           "error_from", "abort", "Caller", "AsyncCaller"]
+
+MAX_MESSAGE = 16 * 1024 * 1024
+_SIZE = [("grpc.max_send_message_length", MAX_MESSAGE + 4096),
+         ("grpc.max_receive_message_length", MAX_MESSAGE + 4096)]
+# Reconnect promptly after a parent restarts. gRPC's default backoff (1 s, x1.6, up to 120 s)
+# kept a region's heartbeats failing with "connection refused" for up to 6.7 s after the root
+# was back, while the other region trained alone. A cluster's parents are few and near: a
+# reconnect attempt every 0.1-0.5 s costs them nothing (benchmarks/reconnect.py).
+CHANNEL_OPTIONS = _SIZE + [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+SERVER_OPTIONS = list(_SIZE)
+
+_DETAILS_LIMIT = 2000  # a sentence, not a dump: gRPC refuses trailers past its metadata limit
+# Statuses that carry no hps-error name (raised by gRPC itself) map by code to the first class
+# with it; the rest are errors of no hps kind.
+_BY_CODE: dict[str, type[HpsError]] = {}
+for _cls in ERRORS.values():
+    _BY_CODE.setdefault(_cls.code, _cls)
+_BY_CODE["FAILED_PRECONDITION"] = NotReady
+assert all(hasattr(grpc.StatusCode, c.code) for c in ERRORS.values()), "every error needs a status"
+
+
+def status_of(exc: HpsError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN)
+
+
+def trailers(exc: HpsError) -> tuple[tuple[str, str], ...]:
+    return (("hps-error", type(exc).__name__),
+            *((f"hps-{k}", v) for k, v in exc.extra().items()))
+
+
+def error_from(err: grpc.RpcError) -> HpsError:
+    """The hps error a failed call carried (or the closest one for gRPC's own statuses)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else str(err)) or f"rpc failed with {code.name}"
+    meta: dict[str, Any] = {}
+    try:
+        meta = {k: v for k, v in (err.trailing_metadata() or ())}
+    except Exception:  # a call that never reached a server has none
+        pass
+    cls = ERRORS.get(meta.get("hps-error", "")) or _BY_CODE.get(code.name, HpsError)
+    if cls is Stale:
+        wait = meta.get("hps-wait-version")
+        return Stale(details, int(wait) if wait and str(wait).isdigit() else None)
+    return cls(details)
+
+
+async def abort(context: Any, exc: HpsError) -> NoReturn:
+    """Refuse the call with ``exc`` (never returns)."""
+    details = str(exc)
+    if len(details) > _DETAILS_LIMIT:
+        details = details[:_DETAILS_LIMIT - 1] + "…"
+    await context.abort(status_of(exc), details, trailing_metadata=trailers(exc))
+    raise AssertionError("context.abort returned")  # it raises; this says so to readers and mypy
+
+
+class Caller:
+    """Blocking calls to one tier: every method of the service, errors as hps exceptions."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stubs = stubs(self.channel)
+
+    def call(self, name: str, request: Any, timeout: float) -> Any:
+        try:
+            return self.stubs[name](request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise error_from(err) from None
+
+    def stream(self, name: str, request: Any, timeout: float) -> list:
+        """A server-streaming call's messages, all of them (a cut stream raises)."""
+        try:
+            return list(self.stubs[name](request, timeout=timeout))
+        except grpc.RpcError as err:
+            raise error_from(err) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Caller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncCaller:
+    """``Caller`` for grpc.aio: a relay's calls to its parent."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stubs = stubs(self.channel)
+
+    async def call(self, name: str, request: Any, timeout: float) -> Any:
+        try:
+            return await self.stubs[name](request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise error_from(err) from None
+
+    async def stream(self, name: str, request: Any, timeout: float) -> list:
+        try:
+            return [m async for m in self.stubs[name](request, timeout=timeout)]
+        except grpc.RpcError as err:
+            raise error_from(err) from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+

@@ -1,0 +1,91 @@
+"""Server lifecycle: ``create_server(config) -> (server, port, tier)``, ``serve(config)``.
+
+    server, port, tier = await create_server(ServerConfig(role="global", listen="127.0.0.1:0"))
+    ...
+    await shutdown(server, tier)
+
+``serve`` prints one ready line (``hps: serving ROLE NAME on HOST:PORT``) that ``hps launch``
+reads to learn the bound port, and stops gracefully on SIGTERM/SIGINT: the root writes a
+final checkpoint, relays leave their parent, in-flight RPCs get ``grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import weakref
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from ps.core.config import ServerConfig
+from ps.net.rpc import SERVER_OPTIONS
+from ps.server.health import Health, health_handler
+from ps.server.service import handler
+from ps.tiers.metrics import TierMetrics, process_registry, serve_metrics
+from ps.tiers.relay import Relay
+from ps.tiers.tier import Tier
+
+__all__ = ["create_server", "shutdown", "serve"]
+
+log = logging.getLogger("hps.server")
+
+# What shutdown() must wind down besides the tier and the server: its health and metrics.
+_OPS: weakref.WeakKeyDictionary[Tier, tuple[Health, TierMetrics]] = weakref.WeakKeyDictionary()
+
+
+async def create_server(config: ServerConfig, registry: CollectorRegistry | None = None
+                        ) -> tuple[grpc.aio.Server, int, Tier]:
+    """Start a tier; its metrics go to ``registry`` (a fresh one if None, never the global)."""
+    if config.role == "global":
+        from ps.tiers.root import Root  # the optimizer and checkpoints: only the root needs them
+
+        tier: Tier = Root(config)
+    else:
+        tier = Relay(config)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    metrics = TierMetrics(tier, registry if registry is not None else CollectorRegistry())
+    health = Health(tier)
+    server.add_generic_rpc_handlers([handler(tier, metrics.rpc)])
+    server.add_generic_rpc_handlers([health_handler(health)])  # grpc.health.v1: probes
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"could not bind {config.listen}")
+    host = config.listen.rsplit(":", 1)[0]
+    tier.set_address(f"{host}:{port}")
+    await server.start()
+    await tier.start()
+    metrics.start()
+    _OPS[tier] = (health, metrics)
+    return server, port, tier
+
+
+async def shutdown(server: grpc.aio.Server, tier: Tier, grace: float = 2.0) -> None:
+    health, metrics = _OPS.pop(tier, (None, None))
+    if health is not None:
+        health.drain()  # probes answer NOT_SERVING while the tier winds down
+        await metrics.stop()
+    await tier.stop()
+    await server.stop(grace)
+
+
+async def serve(config: ServerConfig, ready_stream=sys.stdout) -> None:
+    registry = process_registry()
+    server, port, tier = await create_server(config, registry)
+    host = config.listen.rsplit(":", 1)[0]
+    metrics_port = None
+    if config.metrics_port >= 0:
+        # Same interface as gRPC: 0.0.0.0 in a pod, so Prometheus can scrape it.
+        metrics_port = serve_metrics(registry, config.metrics_port, host).server_port
+    extra = f" metrics {metrics_port}" if metrics_port is not None else ""
+    print(f"hps: serving {config.role} {config.display_name} on {host}:{port}{extra}",
+          file=ready_stream, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping %s %s", config.role, config.display_name)
+    await shutdown(server, tier)

@@ -1,0 +1,237 @@
+"""The grpc.aio servicer: decode the request, call the tier, encode the reply.
+
+    server.add_generic_rpc_handlers([handler(tier, metrics.rpc)])
+
+Every method is registered with identity request deserialisers, so a request that does not
+parse is this module's to refuse (INVALID_ARGUMENT with a sentence), not an UNKNOWN status and
+a traceback from inside grpc. Raw-frame methods (Push, Pull, CreateJob) never copy payload
+bytes into protobuf objects, and client-streamed bodies are decoded frame by frame as they
+arrive: the header is checked before the body is read, memory is reserved before it is used,
+and a stream that ends without its end marker changes nothing.
+
+Every hps exception leaves as its gRPC status (``ps.net.rpc``); anything else is a bug, logged (one
+line with its traceback, rate-limited) and answered INTERNAL. Refusals are counted per method
+and status code in the metrics; expected ones are logged at debug level only.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from ps.core.config import check_name
+from ps.core.errors import BadInput, HpsError, Internal, short
+from ps.core.tensors import Assembler
+from ps.net.rpc import abort
+from ps.net.wire import (
+    METHODS,
+    OUTCOME,
+    ROLE_NAME,
+    SERVICE,
+    BodyReader,
+    chunks_of,
+    create_job_of,
+    encode_pull_reply,
+    job_to_pb,
+    jobs_to_pb,
+    keys_from_pb,
+    layout_to_pb,
+    pb,
+    push_meta_of,
+    status_to_pb,
+)
+from ps.tiers.metrics import NO_RPC_METRICS
+from ps.tiers.tier import Tier
+
+__all__ = ["handler", "parse"]
+
+log = logging.getLogger("hps.service")
+
+
+class _Throttle:
+    """At most one log line per key per ``period_s``; the next one says how many were dropped."""
+
+    def __init__(self, period_s: float = 10.0) -> None:
+        self.period_s = period_s
+        self._last: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+
+    def __call__(self, key: str, level: int, msg: str, *args, exc_info=None) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) < self.period_s:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            return
+        self._last[key] = now
+        dropped = self._dropped.pop(key, 0)
+        if dropped:
+            msg += f" ({dropped} more like it in the last {self.period_s:.0f}s)"
+        log.log(level, msg, *args, exc_info=exc_info)
+
+
+_throttle = _Throttle()
+
+
+def parse(message_class, data: bytes):
+    """A request message from its bytes, or BadInput."""
+    try:
+        return message_class.FromString(data)
+    except (DecodeError, RuntimeWarning, ValueError) as exc:
+        raise BadInput(f"the {message_class.DESCRIPTOR.name} does not parse ({short(str(exc), 120)})") from None
+
+
+async def refuse(context, method: str, exc: BaseException, rpc) -> None:
+    """Answer the call with ``exc``'s status; count it; log bugs (throttled)."""
+    if not isinstance(exc, HpsError):
+        _throttle(f"{method}:bug", logging.ERROR, "%s failed: %s", method, exc, exc_info=exc)
+        exc = Internal(f"the tier failed to handle {method} ({type(exc).__name__}); it is logged there")
+    else:
+        _throttle(f"{method}:{exc.code}", logging.DEBUG, "%s refused: %s: %s", method, exc.code, exc)
+    rpc.error(method, exc.code)
+    await abort(context, exc)
+
+
+def _unary(name: str):
+    """Parse the request (identity deserialiser) and turn exceptions into statuses."""
+    request_class = METHODS[name][1]
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        async def wrapper(self, data, context):
+            try:
+                return await fn(self, parse(request_class, data), context)
+            except Exception as exc:
+                await refuse(context, name, exc, self.rpc)
+        return wrapper
+    return wrap
+
+
+class _Servicer:
+    def __init__(self, tier: Tier, rpc=NO_RPC_METRICS) -> None:
+        self.tier = tier
+        self.rpc = rpc  # latency histograms and error counters (ps.tiers.metrics.RpcMetrics)
+
+    @_unary("Register")
+    async def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
+        if req.role not in ROLE_NAME:
+            raise BadInput(f"register needs a role, got enum value {req.role}")
+        with self.rpc.timed("register") as timing:
+            timing.job = req.job
+            reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role], req.address[:256],
+                                           req.last_seq, req.incarnation)
+        return pb.RegisterReply(
+            config=job_to_pb(reg.config), keys=layout_to_pb(reg.layout), server_epoch=reg.server_epoch,
+            start_version=reg.start_version, start_clock=reg.start_clock,
+            heartbeat_ms=int(self.tier.config.heartbeat_s * 1000),
+            member_timeout_ms=int(self.tier.config.member_timeout_s * 1000))
+
+    @_unary("Heartbeat")
+    async def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        if len(req.jobs) > 1000:
+            raise BadInput(f"a heartbeat names at most 1000 jobs, got {len(req.jobs)}")
+        unknown = self.tier.heartbeat(req.member[:128], list(req.jobs), ROLE_NAME.get(req.role, "worker"),
+                                      req.address)
+        return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)
+
+    @_unary("Leave")
+    async def Leave(self, req: pb.LeaveRequest, context) -> pb.LeaveReply:
+        await self.tier.leave(check_name(req.job), req.member)
+        return pb.LeaveReply()
+
+    async def Push(self, request_iterator, context) -> pb.PushAck:
+        intake = None
+        try:
+            with self.rpc.timed("push") as timing:
+                reader = BodyReader("push", "push")
+                async for data in request_iterator:
+                    kind, h, payload = reader.feed(data)
+                    if kind == "push":
+                        meta = push_meta_of(h)
+                        check_name(meta.job)
+                        timing.job = meta.job
+                        intake = self.tier.open_push(meta)  # refusals before the body is read
+                    elif kind == "chunks":
+                        intake.add(chunks_of(h.chunks, payload))
+                digest = reader.finish()
+                ack = await self.tier.commit_push(intake, digest)
+            return pb.PushAck(applied_version=ack.applied_version, duplicate=ack.duplicate,
+                              view_epoch=ack.view_epoch)
+        except Exception as exc:
+            await refuse(context, "Push", exc, self.rpc)
+        finally:
+            if intake is not None:
+                intake.close()
+
+    async def Pull(self, data: bytes, context):
+        with self.rpc.timed("pull") as timing:
+            try:
+                req = parse(pb.PullRequest, data)
+                timing.job = req.job
+                meta, versions = await self.tier.pull(req.job, req.member, req.view_epoch, req.since_version,
+                                                      req.min_version, req.wait_ms / 1000.0, req.min_clock)
+            except Exception as exc:
+                await refuse(context, "Pull", exc, self.rpc)
+            for frame in encode_pull_reply(meta, versions):
+                yield frame
+
+    async def CreateJob(self, request_iterator, context) -> pb.CreateJobReply:
+        reserved = 0
+        try:
+            reader, values, head = BodyReader("job", "create-job stream"), None, None
+            async for data in request_iterator:
+                kind, h, payload = reader.feed(data)
+                if kind == "job":
+                    head = create_job_of(h)
+                    cfg, layout = head
+                    self.tier.check_create(cfg, layout)  # refusals before any value is read
+                    if layout is not None:
+                        reserved = 4 * layout.numel
+                        self.tier.budget.reserve(reserved)
+                        values = Assembler(layout, what=f"initial values of job {short(h.job.config.name)}")
+                elif kind == "chunks":
+                    if values is None:
+                        raise BadInput("a create-job stream with values needs the keys they belong to")
+                    for c in chunks_of(h.chunks, payload):
+                        values.add(c)
+            reader.finish()
+            cfg, layout = head
+            created, version, epoch = await self.tier.create_job(
+                cfg, layout, values.finish(require_all=True) if values is not None else None)
+            return pb.CreateJobReply(created=created, version=version, view_epoch=epoch)
+        except Exception as exc:
+            await refuse(context, "CreateJob", exc, self.rpc)
+        finally:
+            self.tier.budget.release(reserved)
+
+    @_unary("ListJobs")
+    async def ListJobs(self, req: pb.ListJobsRequest, context) -> pb.ListJobsReply:
+        return jobs_to_pb(await self.tier.list_jobs())
+
+    @_unary("EndJob")
+    async def EndJob(self, req: pb.EndJobRequest, context) -> pb.EndJobReply:
+        return pb.EndJobReply(version=await self.tier.end_job(check_name(req.job)))
+
+    @_unary("Resolve")
+    async def Resolve(self, req: pb.ResolveRequest, context) -> pb.ResolveReply:
+        if not req.keys or len(req.keys) > 1 << 20:
+            raise BadInput(f"resolve names 1 to {1 << 20} pushes, got {len(req.keys)}")
+        outcome, version, epoch = await self.tier.resolve(check_name(req.job), keys_from_pb(req.keys),
+                                                          min(req.wait_ms, 60_000) / 1000.0)
+        return pb.ResolveReply(outcome=OUTCOME[outcome], version=version, view_epoch=epoch)
+
+    @_unary("Status")
+    async def Status(self, req: pb.StatusRequest, context) -> pb.StatusReply:
+        return status_to_pb(self.tier.status())
+
+
+def handler(tier: Tier, rpc=NO_RPC_METRICS) -> grpc.GenericRpcHandler:
+    servicer = _Servicer(tier, rpc)
+    handlers = {}
+    for name, (kind, _req, resp) in METHODS.items():
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        handlers[name] = make(getattr(servicer, name), request_deserializer=None,
+                              response_serializer=resp.SerializeToString if resp else None)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)

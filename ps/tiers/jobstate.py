@@ -1,0 +1,216 @@
+"""One job's state at one tier (plain data for the async shell): what every tier keeps
+(``JobState``), and what only the root (``RootJob``) or a relay (``RelayJob``) adds.
+
+    js = RelayJob(config, layout)        # view, delta log, members, the open round or window
+    js.notify()                          # wakes every pull waiting for a newer version
+    ack = await asyncio.shield(js.open_future())
+
+``ps.tiers.tier`` drives these; they hold no I/O of their own besides the event-loop futures that
+pushes and pulls wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ps.core.codecs import get_codec
+from ps.core.config import JobConfig
+from ps.core.consistency import BspRound, Membership, Window
+from ps.core.deltas import DeltaLog
+from ps.core.encoder import Encoder
+from ps.core.errors import HpsError, Stale, UnknownJob
+from ps.core.exactly_once import AppliedBook, SeqBook
+from ps.core.optim import ServerOptimizer
+from ps.core.tensors import Chunk, split
+from ps.core.types import JobStats, PushKey
+from ps.core.view import Layout, View
+from ps.tiers.wal import WriteAheadLog
+
+__all__ = ["JobState", "RootJob", "RelayJob"]
+
+_DEPARTED_BOOKS = 4096  # sequence books kept for members that left or timed out
+
+
+@dataclass
+class JobState:
+    """One job at one tier: the replica view, its delta log, members and the open round."""
+
+    config: JobConfig
+    layout: Layout
+    view: View = None
+    log: DeltaLog = None
+    members: Membership = field(default_factory=Membership)
+    books: dict[str, SeqBook] = field(default_factory=dict)
+    # Books of members that left or timed out, so a retry after a short absence is still
+    # recognised (bounded: oldest first out).
+    departed: OrderedDict = field(default_factory=OrderedDict)
+    round: BspRound = None               # bsp: the open round
+    window: Window = None                # ssp/async: the open aggregation window
+    futs: dict[int, asyncio.Future] = field(default_factory=dict)  # open/in-flight batches
+    serial: int = 0                      # the open batch's key in futs
+    # The worker pushes each open or in-flight batch sums (what a relay forwards as sources,
+    # what the root records as applied), and where each one is.
+    sources: dict[int, list[PushKey]] = field(default_factory=dict)
+    where: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    inflight: int = 0                    # ssp/async: closed windows being applied / sent up
+    timer: asyncio.TimerHandle | None = None
+    reported_floor: int = 0              # the clock floor last sent up (relay) or stamped (root)
+    pending: dict[tuple[str, int, int], asyncio.Future] = field(default_factory=dict)
+    stats: JobStats = field(default_factory=JobStats)
+    created_at: float = 0.0
+    joined: bool = False                 # a member ever registered (the root reaps jobs nobody joins)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _snapshot: tuple[int, int, list[Chunk]] | None = None
+
+    def __post_init__(self) -> None:
+        self.view = self.view or View(self.layout)
+        self.log = self.log or DeltaLog(self.config.delta_log_length)
+        self.round = self.round or BspRound(round=0, numel=self.layout.numel)
+        self.window = self.window or self.new_window()
+
+    @property
+    def bsp(self) -> bool:
+        return self.config.mode == "bsp"
+
+    def new_window(self) -> Window:
+        return Window(numel=self.layout.numel, repeats=self.config.mode == "async")
+
+    def notify(self) -> None:
+        """Wake everything waiting for a newer version."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_change(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    # -- members' sequence books -------------------------------------------------------------
+    def book(self, member: str, incarnation: int) -> SeqBook:
+        """The sequence book of this member incarnation; a new incarnation starts a new one."""
+        book = self.books.get(member)
+        if book is None or book.incarnation != incarnation:
+            old = self.departed.pop(member, None)
+            book = old if old is not None and old.incarnation == incarnation else SeqBook(incarnation)
+            self.books[member] = book
+        return book
+
+    def retire(self, member: str) -> None:
+        """The member left or timed out: keep its book a while for late retries."""
+        book = self.books.pop(member, None)
+        if book is not None:
+            self.departed[member] = book
+            self.departed.move_to_end(member)
+            while len(self.departed) > _DEPARTED_BOOKS:
+                self.departed.popitem(last=False)
+
+    # -- batches -----------------------------------------------------------------------------
+    def open_future(self) -> asyncio.Future:
+        """The outcome of the open batch (round or window), shared by every push in it."""
+        fut = self.futs.get(self.serial)
+        if fut is None:
+            fut = self.futs[self.serial] = asyncio.get_running_loop().create_future()
+            key = self.serial
+            fut.add_done_callback(lambda f: self.futs.pop(key) if self.futs.get(key) is f else None)
+        return fut
+
+    def add_sources(self, keys: tuple[PushKey, ...]) -> None:
+        """The open batch now sums these worker pushes."""
+        self.sources.setdefault(self.serial, []).extend(keys)
+        for k in keys:
+            self.where[(k.member, k.incarnation, k.seq)] = self.serial
+
+    def close_batch(self) -> tuple[asyncio.Future, tuple[PushKey, ...]]:
+        """Close the open batch: its future and the worker pushes it sums."""
+        fut, serial = self.open_future(), self.serial
+        keys = tuple(self.sources.get(serial, ()))
+        fut.add_done_callback(lambda _: self._forget_sources(serial))
+        self.serial += 1
+        return fut, keys
+
+    def _forget_sources(self, serial: int) -> None:
+        for k in self.sources.pop(serial, ()):
+            if self.where.get((k.member, k.incarnation, k.seq)) == serial:
+                del self.where[(k.member, k.incarnation, k.seq)]
+
+    def batch_of(self, key: PushKey) -> asyncio.Future | None:
+        """The future of the open or in-flight batch that holds worker push ``key``, if any."""
+        serial = self.where.get((key.member, key.incarnation, key.seq))
+        return None if serial is None else self.futs.get(serial)
+
+    def fail_open(self, exc: HpsError) -> int:
+        """Fail the open batch's pushes with ``exc`` (not applied) and start a fresh batch with
+        the same round number; returns how many pushes were failed."""
+        n = len(self.round.pushed if self.bsp else self.window.pushed)
+        fut = self.futs.get(self.serial)
+        self._forget_sources(self.serial)
+        self.serial += 1
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: nobody may be waiting any more
+        self.round = BspRound(round=self.round.round, numel=self.layout.numel)
+        self.window = self.new_window()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        return n
+
+    def reset_round(self, round_: int, why: str) -> None:
+        """Open ``round_``, failing the open batch's pushes as Stale (they were never sent on, so
+        never applied). Closed batches in flight are left to whoever finishes them: their
+        outcome is still to come."""
+        if self.fail_open(Stale(f"the round was abandoned ({why}); pull version {round_} and "
+                                "compute again", wait_version=round_)):
+            self.stats.aborted_rounds += 1
+        self.round = BspRound(round=round_, numel=self.layout.numel)
+        for m in self.members:
+            m.first_round = min(m.first_round, round_)
+
+    def abort(self, why: str) -> None:
+        """The job is gone (ended): fail every waiting push with UnknownJob."""
+        for fut in list(self.futs.values()):
+            if not fut.done():
+                fut.set_exception(UnknownJob(why))
+                fut.exception()
+        self.futs.clear()
+        if self.timer is not None:
+            self.timer.cancel()
+        self.notify()
+
+    def snapshot_chunks(self) -> list[Chunk]:
+        """The held view, losslessly encoded; cached per (epoch, version)."""
+        key = (self.view.epoch, self.view.version)
+        if self._snapshot is None or self._snapshot[:2] != key:
+            codec = get_codec("fp32+zstd" if self.config.delta_codec == "fp32+zstd" else "fp32")
+            self._snapshot = (*key, split(self.layout, self.view.values, codec))
+        return self._snapshot[2]
+
+
+@dataclass
+class RootJob(JobState):
+    """The root's job: the authoritative parameters, their optimizer, the log that makes each
+    version durable, and the record of which worker pushes each version applied."""
+
+    params: np.ndarray = None            # authoritative parameters (float32, flat)
+    optimizer: ServerOptimizer = None    # steps ``params`` in place
+    wal: WriteAheadLog | None = None     # None: a root that keeps no checkpoints
+    applied: AppliedBook = field(default_factory=AppliedBook)
+    apply_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one version at a time
+    last_checkpoint: tuple[float, float, int] | None = None  # (unix time, seconds, version)
+    scratch: np.ndarray | None = None    # reused buffer for params - view
+
+
+@dataclass
+class RelayJob(JobState):
+    """A relay's job: its upward edge (codec and residuals, telemetry not yet sent) and how far
+    it trails its parent."""
+
+    encoder: Encoder | None = None       # the upward edge's codec and residuals (made on first use)
+    unsent_report: tuple[float, int, float] = (0.0, 0, 0.0)  # telemetry not yet sent up
+    parent_version: int = 0              # the newest version the parent has announced
+    synced_at: float = 0.0               # when this tier last held the parent's newest version

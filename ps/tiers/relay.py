@@ -1,0 +1,395 @@
+"""A relay (regional master or zone replica): a server to its children, a client of its parent.
+
+    relay = Relay(ServerConfig(role="zone", parent="region-eu:7000", name="eu-a"))
+    await relay.start()
+
+What it does with what passes through:
+- upward: sums its children's pushes per round and forwards one aggregate (with the number
+  of contributors and their clock range), acknowledging children once the parent has;
+- downward: follows the parent's versions with long-polling pulls, verifies every checksum,
+  and keeps the deltas verbatim in its own log, so its children are served without going
+  upstream and a region pulls each delta across the WAN once.
+A relay holds no durable state: after a restart it rebuilds from its parent. Its member id
+at the parent is its name, stable across restarts, with its epoch as the incarnation: a
+restarted relay replaces its dead self there (whose push leaves the parent's open round), and
+its children's retries of pushes the dead one forwarded are resolved up the tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from ps.core.config import JobConfig, ServerConfig
+from ps.core.consistency import Aggregate
+from ps.core.encoder import Encoder
+from ps.core.errors import (
+    BadInput,
+    Exhausted,
+    HpsError,
+    NotMember,
+    NotReady,
+    Stale,
+    TimedOut,
+    Unavailable,
+    UnknownJob,
+    short,
+)
+from ps.core.exactly_once import MAX_IN_FLIGHT
+from ps.core.replica import apply_pull
+from ps.core.tensors import payload_bytes
+from ps.core.types import PullMeta, PushKey, PushMeta
+from ps.core.view import Layout
+from ps.net.upstream import Upstream
+from ps.net.wire import encode_push
+from ps.tiers.jobstate import RelayJob
+from ps.tiers.tier import Tier
+
+__all__ = ["Relay"]
+
+log = logging.getLogger("hps.relay")
+
+_PULL_WAIT_S = 5.0   # long-poll window of the follow loop
+_BACKOFF_S = (0.05, 2.0)  # first and largest retry delay
+
+
+class Relay(Tier):
+    def __init__(self, config: ServerConfig, **kw) -> None:
+        super().__init__(config, **kw)
+        self.role = config.role
+        self.member_id = config.display_name
+        self.up = Upstream(config.parent, self.member_id, config.role, incarnation=self.epoch,
+                           timeout_s=config.upstream_timeout_s)
+        self.attached: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
+        self._force_snapshot: set[str] = set()
+        self._fwd_locks: dict[str, asyncio.Lock] = {}
+        self._up_issued: dict[str, int] = {}  # async: the highest sequence number sent up
+
+    def set_address(self, address: str) -> None:
+        self.up.own_address = address
+
+    def job(self, name: str) -> RelayJob:
+        js = self.jobs.get(name)
+        if js is not None or name in self.ended:
+            return super().job(name)
+        # A relay learns jobs from its children's registrations; after a restart it holds
+        # none. The caller must register (which asks the root), not end its training.
+        raise NotMember(f"job {short(name)} is not held at this {self.role} tier (it restarted, or no "
+                        "member registered here yet); register again")
+
+    async def start(self) -> None:
+        await super().start()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+
+    async def stop(self) -> None:
+        for job in list(self.attached):
+            try:
+                await asyncio.wait_for(self.up.leave(job), 1.0)
+            except (HpsError, asyncio.TimeoutError):
+                pass  # the parent drops us by timeout instead
+        await super().stop()
+        await self.up.close()
+
+    # -- joining the parent ----------------------------------------------------------------
+    async def _job_for_register(self, job: str) -> RelayJob:
+        lock = self._locks.setdefault(job, asyncio.Lock())
+        try:
+            async with lock:
+                return await self._attach(job)
+        finally:
+            # A lock per job name asked for: a caller naming random jobs must not grow this.
+            if job not in self.jobs and not lock.locked() and self._locks.get(job) is lock:
+                del self._locks[job]
+
+    async def _attach(self, job: str) -> RelayJob:
+        if job in self.ended:
+            return super().job(job)  # UnknownJob: ended
+        js = self.jobs.get(job)
+        if js is not None and job in self.attached:
+            return js
+        reg = await self.up.register(job, last_seq=max(self._up_acked.get(job, 0),
+                                                       self._up_issued.get(job, 0)))
+        if js is None or js.layout != reg.layout:
+            js = RelayJob(reg.config, reg.layout, created_at=self.clock())
+            self.jobs[job] = js
+            self._tasks.append(asyncio.create_task(self._follow(job), name=f"follow-{job}"))
+        self.attached.add(job)
+        if js.round.round != reg.start_version:
+            js.reset_round(reg.start_version, "joined the parent's round")
+        log.info("%s: attached to job %s at parent %s, round %d", self.role, job,
+                 self.config.parent, reg.start_version)
+        return js
+
+    async def _members_changed(self, js: RelayJob) -> None:
+        await super()._members_changed(js)
+        job = js.config.name
+        if len(js.members) == 0 and job in self.attached:
+            # No children left: stop holding the parent's rounds.
+            self.attached.discard(job)
+            try:
+                await self.up.leave(job)
+            except HpsError as exc:
+                log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            known = self.up.server_epoch
+            try:
+                epoch, unknown = await self.up.heartbeat(sorted(self.attached))
+            except HpsError as exc:
+                log.warning("%s: parent %s unreachable: %s", self.role, self.config.parent, exc)
+                continue
+            self.up.server_epoch = epoch
+            if known and epoch != known:
+                log.warning("%s: parent %s restarted (epoch %#x -> %#x); registering again",
+                            self.role, self.config.parent, known, epoch)
+                unknown = sorted(self.attached)
+            # Jobs the parent forgot, and jobs detached after a refusal (NotReady) that still
+            # have children here: both must register again or their rounds never close.
+            detached = [j for j, js in self.jobs.items() if j not in self.attached and len(js.members)]
+            for job in sorted(set(unknown) | set(detached)):
+                self.attached.discard(job)
+                if job in self.jobs and len(self.jobs[job].members):
+                    try:
+                        await self._job_for_register(job)
+                    except HpsError as exc:
+                        log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
+
+    # -- upward ----------------------------------------------------------------------------
+    def _finish_round(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                      fut: asyncio.Future) -> None:
+        task = asyncio.create_task(self._forward(js, agg, keys, floor, fut))
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    def in_flight_limit(self, js: RelayJob) -> int:
+        # async: windows go up without waiting for the previous one's acknowledgement, which
+        # comes only once the root applied it (a whole tree's round trip, or an ocean's).
+        return MAX_IN_FLIGHT if js.config.mode == "async" else 1
+
+    async def _forward(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                       fut: asyncio.Future) -> None:
+        job = js.config.name
+        try:
+            if js.config.mode == "async":
+                # Each window in flight has its own sequence number, reused by its own retries.
+                seq = self._up_issued[job] = max(self._up_issued.get(job, 0), self._up_acked.get(job, 0)) + 1
+                await self._forward_one(js, agg, keys, floor, fut, seq)
+                return
+            # bsp/ssp: one forward per job at a time, its number reused until acknowledged (a
+            # refused round is sent again under it). A second forward started while the first
+            # retries would carry the same number and get the first one's recorded ack --
+            # acknowledged, never applied (invariant 4).
+            async with self._fwd_locks.setdefault(job, asyncio.Lock()):
+                await self._forward_one(js, agg, keys, floor, fut, self._up_acked.get(job, 0) + 1)
+        except Exception as exc:  # never leave the children of a closed batch waiting
+            if not isinstance(exc, HpsError):
+                log.exception("%s: forwarding round %d of %s failed", self.role, agg.round, job)
+                exc = Unavailable(f"this {self.role} tier failed to forward the round "
+                                  f"({type(exc).__name__}); push again")
+            self._refuse(js, agg, fut, exc)
+
+    async def _forward_one(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                           fut: asyncio.Future, seq: int) -> None:
+        job = js.config.name
+        # Re-encode the sum with this relay's own residual: sums of top-k vectors get denser
+        # at every level, so re-sparsify (DGC; design invariant 6). Off the event loop: a large
+        # model's encode takes tens of milliseconds (the encoder runs one at a time).
+        enc = self.encoder(js)
+        chunks = await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round) if agg.contributors else []
+        (loss, n, secs), js.unsent_report = js.unsent_report, (0.0, 0, 0.0)
+        frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
+                                      agg.contributors, agg.clock_min, agg.clock_max, floor,
+                                      loss, n, secs, js.members.workers(), self.epoch, keys), chunks)
+        js.reported_floor = max(js.reported_floor, floor)
+        deadline = self.clock() + self.config.round_timeout_s
+        delay = _BACKOFF_S[0]
+        while True:
+            try:
+                ack = await self.up.push(frames, timeout=max(1.0, deadline - self.clock()))
+                break
+            except NotMember as exc:
+                # The parent does not know us (it restarted, or timed us out): register again
+                # and resend the very same push. The parent then places it, or -- if its round
+                # moved on -- asks the root whether it was applied before answering.
+                log.warning("%s: parent forgot us while pushing round %d of %s (%s); registering "
+                            "again", self.role, agg.round, job, exc)
+                self.attached.discard(job)
+                failure: HpsError = exc
+                try:
+                    await self._job_for_register(job)
+                    delay = _BACKOFF_S[0]  # registered again: resend soon
+                except UnknownJob as gone:
+                    self._drop_job(job, str(gone))
+                    raise
+                except HpsError as again:
+                    failure = again
+            except UnknownJob as exc:
+                if await self._job_gone(job):
+                    raise
+                failure, delay = exc, _BACKOFF_S[0]
+            except (Unavailable, TimedOut, Exhausted, NotReady) as exc:
+                # Outcome unknown, or the parent is catching up: retry with the same sequence
+                # number; the parent answers a retry of an applied push with its ack.
+                failure = exc
+            # Anything else (Stale: not applied and it will not be; BadInput; Conflict) is the
+            # parent's answer to the children, passed on as it is (_forward refuses the batch).
+            if self.clock() + delay > deadline:
+                raise failure
+            log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
+                        agg.round, job, failure)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _BACKOFF_S[1])
+        self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
+        js.stats.bytes_pushed_up += payload_bytes(chunks)
+        if not fut.done():
+            fut.set_result(ack)
+
+    def _refuse(self, js: RelayJob, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
+        if js.encoder is not None and not js.encoder.lossless:
+            # The refused aggregate's unsent part is in the residual, and its children will
+            # send the same gradients again: drop it rather than count it twice.
+            js.encoder.reset()
+        super()._refuse(js, agg, fut, exc)
+
+    async def _resolve_here(self, js: RelayJob, keys: tuple[PushKey, ...], wait_s: float
+                            ) -> tuple[str, int, int]:
+        """Nothing in flight here holds these pushes: the parent (and above it the root) knows."""
+        return await self.up.resolve(js.config.name, keys, wait_s)
+
+    def parent_reachable(self) -> bool:
+        return self.up.reachable
+
+    def parent_link(self) -> Upstream:
+        return self.up
+
+    def synced(self) -> bool:
+        """The parent has answered (a heartbeat or a register; ``server_epoch`` is never
+        cleared) and every job held here has a view from it. Readiness stays once lost
+        parents go: the relay still serves the view it holds, and flipping readiness would
+        empty the Kubernetes Services below it on every root restart."""
+        answered = bool(self.up.reachable or self.up.server_epoch)
+        return answered and all(js.view.ready for js in self.jobs.values())
+
+    def _lag(self, js: RelayJob, now: float) -> tuple[int, float]:
+        # Behind the parent, or cut off from it (then it cannot know how far behind): the time
+        # since it last held the parent's newest version (every answered long-poll confirms).
+        behind = js.parent_version > js.view.version or not self.up.reachable
+        return (js.parent_version or js.view.version,
+                (now - js.synced_at) if behind and js.synced_at else 0.0)
+
+    def _telemetry(self, js: RelayJob, meta: PushMeta) -> bool:
+        if not super()._telemetry(js, meta):
+            return False
+        loss, n, secs = js.unsent_report  # goes up with the next aggregate
+        js.unsent_report = (loss + meta.loss_sum, n + meta.loss_count, secs + meta.step_seconds_sum)
+        return True
+
+    # -- jobs: the root decides; a relay passes the calls on --------------------------------
+    def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> None:
+        if layout is not None and layout.numel > self.config.max_job_params:
+            raise BadInput(f"job has {layout.numel} parameters; this {self.role} tier holds jobs of at "
+                           f"most {self.config.max_job_params} (--max-job-params)")
+
+    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, values: np.ndarray | None
+                         ) -> tuple[bool, int, int]:
+        return await self.up.create_job(cfg, layout, values)
+
+    async def list_jobs(self) -> list[dict]:
+        return await self.up.list_jobs()
+
+    async def end_job(self, name: str) -> int:
+        return await self.up.end_job(name)
+
+    def encoder(self, js: RelayJob) -> Encoder:
+        """The job's upward codec at this tier: --up-codec, else the job's relay codec, else
+        its push codec."""
+        if js.encoder is None:
+            cfg = js.config
+            name = self.config.up_codec or cfg.relay_codec or cfg.push_codec
+            js.encoder = Encoder.for_job(cfg, name, seed=self.member_id)
+        return js.encoder
+
+    # -- downward --------------------------------------------------------------------------
+    async def _follow(self, job: str) -> None:
+        delay = _BACKOFF_S[0]
+        while True:
+            js = self.jobs.get(job)
+            if js is None:
+                return
+            epoch = 0 if job in self._force_snapshot else js.view.epoch
+            # Without a view, take a snapshot of whatever the parent holds right away.
+            want = js.view.version + 1 if epoch else 0
+            try:
+                meta, versions = await self.up.pull(job, epoch, js.view.version, want, _PULL_WAIT_S)
+                self._force_snapshot.discard(job)
+                self.apply_pulled(js, meta, versions)
+                delay = _BACKOFF_S[0]
+            except Stale as exc:
+                log.warning("%s: %s", self.role, exc)
+                self._force_snapshot.add(job)
+            except UnknownJob:
+                if await self._job_gone(job):
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
+            except HpsError as exc:
+                log.debug("%s: pull of %s failed: %s", self.role, job, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
+
+    async def _job_gone(self, job: str) -> bool:
+        """The parent says it does not know ``job``: it ended, or the parent restarted and holds
+        no state for it yet (a relay learns jobs only from its children's registrations).
+        Registering again asks the root, whose answer is authoritative: drop the job only if
+        that fails with UnknownJob too. True if the job is gone."""
+        self.attached.discard(job)
+        try:
+            await self._job_for_register(job)
+            return False
+        except UnknownJob as exc:
+            self._drop_job(job, str(exc))
+            return True
+        except HpsError as exc:  # cannot tell now; the heartbeat loop registers again
+            log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
+            return False
+
+    def _drop_job(self, job: str, why: str) -> None:
+        """The parent no longer knows the job (it ended): refuse it here too."""
+        js = self.jobs.pop(job, None)
+        if js is None:
+            return
+        log.warning("%s: dropping job %s: %s", self.role, job, why)
+        self.ended[job] = js.view.version
+        self.attached.discard(job)
+        for per_job in (self._up_acked, self._up_issued, self._fwd_locks, self._locks):
+            per_job.pop(job, None)
+        self._force_snapshot.discard(job)
+        js.abort(why)
+
+    def apply_pulled(self, js: RelayJob, meta: PullMeta, versions: list) -> None:
+        """Bring the view to the parent's: a verified snapshot or verified deltas, which the log
+        keeps verbatim to serve the children."""
+        js.parent_version = max(meta.to_version, js.view.version) if meta.view_epoch == js.view.epoch \
+            else meta.to_version
+        pulled = apply_pull(js.view, js.layout, meta, versions)
+        js.stats.bytes_pulled_in += pulled.nbytes
+        if pulled.snapshot:
+            js.log.clear()
+        for entry in pulled.entries:
+            js.log.append(entry)
+        if pulled.new_lineage:
+            log.warning("%s: job %s moved to root epoch %#x at version %d; resynced from a snapshot",
+                        self.role, js.config.name, meta.view_epoch, js.view.version)
+            js.reset_round(js.view.version, "the root restarted")
+            if js.encoder is not None:
+                js.encoder.reset()  # residuals of gradients on the old lineage are void
+        if js.view.version >= js.parent_version:
+            js.synced_at = self.clock()
+        if versions:
+            js.notify()

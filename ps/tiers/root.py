@@ -1,0 +1,448 @@
+"""The global root: authoritative parameters, the optimizer, the published view, checkpoints.
+
+    root = Root(ServerConfig(role="global", checkpoint_dir="/var/lib/hps"))
+    await root.create_job(config, layout, chunks)     # initial values from the first worker
+
+A closed round becomes one optimizer step on the averaged sum, then a new published version:
+d_v = encode(params_v - view_{v-1}); view_v = view_{v-1} + decode(d_v). Whatever the codec
+drops stays in params - view and goes out with the next delta (error feedback, invariant 6).
+
+A version is applied whole or not at all (invariants 7, 8): the optimizer steps, its output
+is checked (finite), the record is made durable in the write-ahead log, and only then is the
+version published and acknowledged. If the output is not finite or the write fails, the job
+goes back to version v exactly (from its checkpoint and log, or an in-memory copy when it
+keeps none), the round's pushers hear why, and the round opens again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ps.core.codecs import get_codec
+from ps.core.config import JobConfig, OptimizerConfig, ServerConfig, check_name
+from ps.core.consistency import Aggregate, all_finite
+from ps.core.deltas import DeltaEntry
+from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
+from ps.core.exactly_once import decode_keys, encode_keys
+from ps.core.optim import ServerOptimizer
+from ps.core.tensors import assemble, split
+from ps.core.types import Ack, PushKey
+from ps.core.view import KeySpec, Layout, checksum
+from ps.tiers import checkpoint
+from ps.tiers.jobstate import RootJob
+from ps.tiers.tier import APPLIED, NOT_APPLIED, UNKNOWN, Tier
+from ps.tiers.wal import WalCorrupt, WalRecord, WalWriteError, WriteAheadLog
+
+__all__ = ["Root"]
+
+log = logging.getLogger("hps.root")
+
+_CKPT_APPLIED_VERSIONS = 64  # versions of applied-push records a checkpoint carries
+
+
+class Root(Tier):
+    role = "global"
+
+    def __init__(self, config: ServerConfig, **kw) -> None:
+        super().__init__(config, **kw)
+        self._ckpt_tasks: set[asyncio.Task] = set()
+        self.declared: dict[str, JobConfig] = {}   # configured, waiting for parameters
+        self.declared_at: dict[str, float] = {}
+        self.ended_configs: dict[str, tuple[JobConfig, int]] = {}
+        self.damaged: dict[str, str] = {}  # jobs whose log could not be replayed: why
+        if config.checkpoint_dir:
+            self._restore_all()
+
+    def job(self, name: str) -> RootJob:
+        if name in self.damaged:
+            raise Unavailable(f"job {short(name)} is not served: {self.damaged[name]}")
+        return super().job(name)
+
+    # -- jobs ------------------------------------------------------------------------------
+    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, values: np.ndarray | None
+                         ) -> tuple[bool, int, int]:
+        """Declare (no layout), initialise (a name only: adopt the declared config) or both.
+
+        Returns (created, version, epoch); an existing job with the same config and keys is not
+        an error (every worker of a job may call this; the first one's values win). ``values``:
+        the initial parameters, every element checked (``check_create`` ran before they came).
+        """
+        head = self.check_create(cfg, layout)
+        if head is None:
+            js = self.jobs[cfg if isinstance(cfg, str) else cfg.name]
+            return False, js.view.version, js.view.epoch
+        cfg, created = head
+        if layout is None:
+            self.declared[cfg.name] = cfg
+            self.declared_at[cfg.name] = self.clock()
+            self._persist_declared(cfg)
+            log.info("declared job %s: mode %s", cfg.name, cfg.mode)
+            return created, 0, self.epoch
+        if values is None or values.shape != (layout.numel,):
+            raise BadInput(f"job {cfg.name!r} needs initial values for its {layout.numel} parameters")
+        js = self._install(cfg, layout, values, version=0)
+        self.declared.pop(cfg.name, None)
+        self.declared_at.pop(cfg.name, None)
+        log.info("created job %s: %d keys, %d parameters, mode %s", cfg.name, len(layout.specs),
+                 layout.numel, cfg.mode)
+        self._checkpoint(js)
+        return True, 0, self.epoch
+
+    def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> tuple[JobConfig, bool] | None:
+        """Everything a CreateJob can be refused for, checked before its values arrive. None: the
+        job exists as asked (nothing to do); else the config to use and whether it is new."""
+        name = check_name(cfg if isinstance(cfg, str) else cfg.name)
+        if name in self.ended:
+            raise Conflict(f"job {name!r} has ended; its name cannot be reused (choose another)")
+        if name in self.damaged:
+            raise Unavailable(f"job {name!r} is not served: {self.damaged[name]}")
+        existing = self.jobs.get(name)
+        known = existing.config if existing is not None else self.declared.get(name)
+        if isinstance(cfg, str):
+            if known is None:
+                raise UnknownJob(f"job {name!r} is not declared; create it with `hps job create {name}` "
+                                 "or give the worker a JobConfig")
+            cfg = known
+        elif known is not None and known != cfg:
+            raise Conflict(f"job {name!r} exists with another configuration ({_describe(known)}); "
+                           f"this caller asked for {_describe(cfg)}")
+        if existing is not None:
+            if layout is not None and existing.layout != layout:
+                raise Conflict(f"job {name!r} already exists with other parameters; choose another "
+                               "name or end the old job")
+            return None
+        if layout is not None and layout.numel > self.config.max_job_params:
+            raise BadInput(f"job {name!r} has {layout.numel} parameters; this root holds jobs of at most "
+                           f"{self.config.max_job_params} (--max-job-params)")
+        if name not in self.declared and len(self.jobs) + len(self.declared) >= self.config.max_jobs:
+            raise Exhausted(f"this root holds {self.config.max_jobs} jobs already (--max-jobs); end one first")
+        return cfg, name not in self.declared
+
+    async def list_jobs(self) -> list[dict]:
+        out = [dict(config=cfg, state="declared", version=0, members=0, parameters=0)
+               for cfg in self.declared.values()]
+        out += [dict(config=js.config, state="running", version=js.view.version, members=len(js.members),
+                     parameters=js.layout.numel) for js in self.jobs.values()]
+        out += [dict(config=cfg, state="ended", version=v, members=0, parameters=0)
+                for cfg, v in self.ended_configs.values()]
+        return out
+
+    async def end_job(self, name: str, why: str = "") -> int:
+        if name in self.declared:
+            cfg, version = self.declared.pop(name), 0
+            self.declared_at.pop(name, None)
+        else:
+            js = self.job(name)
+            cfg, version = js.config, js.view.version
+            await self._quiesce(js)
+            self._checkpoint(js)
+            js.abort(f"job {name!r} was ended" + (f" ({why})" if why else ""))
+            del self.jobs[name]
+            if js.wal is not None:
+                js.wal.close()
+        self.ended[name] = version
+        self.ended_configs[name] = (cfg, version)
+        if self.config.checkpoint_dir:
+            Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
+            _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=why)))
+        log.info("ended job %s at version %d%s", name, version, f" ({why})" if why else "")
+        return version
+
+    async def _housekeeping(self, now: float) -> None:
+        ttl = self.config.unjoined_job_ttl_s
+        if not ttl:
+            return
+        stale = [n for n, js in self.jobs.items() if not js.joined and now - js.created_at > ttl]
+        stale += [n for n, t in self.declared_at.items() if now - t > ttl]
+        for name in stale:
+            await self.end_job(name, why=f"reaped: no worker joined within {ttl:.0f}s")
+
+    def _persist_declared(self, cfg: JobConfig) -> None:
+        if self.config.checkpoint_dir:
+            Path(self._job_dir(cfg.name)).mkdir(parents=True, exist_ok=True)
+            _write_atomic(Path(self._job_dir(cfg.name)) / "declared.json", json.dumps(dataclasses.asdict(cfg)))
+
+    def _install(self, cfg: JobConfig, layout: Layout, values: np.ndarray, version: int,
+                 view_values: np.ndarray | None = None, register: bool = True) -> RootJob:
+        params = np.array(values, dtype=np.float32, copy=True)
+        js = RootJob(cfg, layout, created_at=self.clock(), params=params,
+                     optimizer=self._optimizer(cfg, params),
+                     wal=WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None)
+        view = params.copy() if view_values is None else np.array(view_values, np.float32)
+        js.view.load_snapshot(self.epoch, version, view, checksum(view))
+        js.reset_round(version, "job installed")
+        if register:
+            self.jobs[cfg.name] = js
+        return js
+
+    @staticmethod
+    def _optimizer(cfg: JobConfig, params: np.ndarray) -> ServerOptimizer:
+        opt = cfg.optimizer
+        if cfg.momentum_correction:  # the workers hold the momentum (DGC); it must not apply twice
+            opt = dataclasses.replace(opt, momentum=0.0)
+        return ServerOptimizer(opt, params)
+
+    def _job_dir(self, job: str) -> str:
+        return f"{self.config.checkpoint_dir}/{job}"
+
+    # -- rounds ----------------------------------------------------------------------------
+    def _finish_round(self, js: RootJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                      fut: asyncio.Future) -> None:
+        # Average over contributors: the same gradient as one process on the concatenated
+        # batch when each worker's loss is a mean (invariant 2).
+        # In place: the closed batch's sum is this round's own buffer (a fresh 400 MB array per
+        # round measured 9% of a large model's push at the root).
+        grad = np.divide(agg.grad, np.float32(agg.contributors), out=agg.grad) if agg.contributors > 0 else None
+        scale = 1.0
+        if grad is not None:
+            staleness = max(0, js.view.version - agg.round)  # versions since its oldest base
+            js.stats.staleness(staleness)
+            if js.config.damping:
+                scale = 1.0 / (1.0 + staleness)
+            if not js.bsp:
+                # Learning rate per sample, as in bsp: an update carrying c of the N live
+                # workers' gradients moves c/N of a bsp step. Unscaled, every small window was a
+                # full step: modes.py measured ssp(2) +57% and async +90% validation loss against
+                # bsp; scaled, +15% and +37% (3 runs each, demo model, one worker 2x slower).
+                # Never more than one step: a fast sender that summed many queued gradients into
+                # one push would otherwise take an Adam step many times lr (measured: diverged).
+                scale *= min(1.0, agg.contributors / js.members.workers())
+        rec = WalRecord(js.view.version + 1, agg.contributors, floor, grad, scale, encode_keys(keys))
+        task = asyncio.ensure_future(self._apply_durably(js, agg, rec, keys, fut))
+        self._ckpt_tasks.add(task)
+        task.add_done_callback(self._ckpt_tasks.discard)
+
+    async def _apply_durably(self, js: RootJob, agg: Aggregate, rec: WalRecord,
+                             keys: tuple[PushKey, ...], fut: asyncio.Future) -> None:
+        async with js.apply_lock:
+            if js.wal is None:  # no log to roll back from: keep an in-memory copy of this step's start
+                js.optimizer.save_point()
+            try:
+                if rec.grad is not None:
+                    js.optimizer.step(rec.grad, rec.scale)
+                    if not all_finite(js.params):
+                        raise BadInput(f"the optimizer's step for version {rec.version} of job "
+                                       f"{js.config.name} made parameters non-finite; nothing was "
+                                       "applied. Lower the learning rate")
+                if js.wal is not None:  # durable before published and acknowledged
+                    await asyncio.to_thread(js.wal.append, rec)
+            except Exception as exc:
+                try:
+                    await self._roll_back(js)
+                except Exception:
+                    log.critical("job %s: rolling back version %d failed", js.config.name, rec.version,
+                                 exc_info=True)
+                if isinstance(exc, WalWriteError):
+                    js.stats.durable_failures += 1
+                    log.error("job %s: %s; refusing the round until a write succeeds", js.config.name, exc)
+                    exc = Unavailable(f"the root could not make version {rec.version} of job "
+                                      f"{js.config.name} durable ({exc}); nothing was applied; retry")
+                elif not isinstance(exc, HpsError):
+                    log.exception("applying version %d of job %s failed", rec.version, js.config.name)
+                    exc = Unavailable(f"the root failed to apply version {rec.version} "
+                                      f"({type(exc).__name__}); nothing was applied; retry")
+                self._refuse(js, agg, fut, exc)
+                return
+            self._publish(js, rec.clock_min, rec.contributors)
+            doubles = js.applied.add(js.view.version, keys)
+            if doubles:  # invariant 4 broken: loud, counted, never silent
+                js.stats.double_applied += doubles
+                log.critical("job %s: version %d applied %d worker push(es) an earlier version had "
+                             "applied already", js.config.name, js.view.version, doubles)
+            if not fut.done():
+                fut.set_result(Ack(js.view.version, js.view.epoch))
+            if js.view.version % self.config.checkpoint_every == 0:
+                self._checkpoint(js)
+
+    async def _roll_back(self, js: RootJob) -> None:
+        """Put the job's parameters and optimizer back to its published version, exactly."""
+        if js.wal is None:
+            js.optimizer.roll_back()
+            return
+        await self._quiesce(js, apply=False)
+        fresh = self._load(Path(self._job_dir(js.config.name)), register=False)
+        if fresh is None or (fresh.view.version, fresh.view.checksum) != (js.view.version, js.view.checksum):
+            # Cannot happen while every published version is in the checkpoint or the log.
+            log.critical("job %s: rolling back to version %d from disk gave %s; the job's state is "
+                         "suspect", js.config.name, js.view.version,
+                         None if fresh is None else (fresh.view.version, hex(fresh.view.checksum)))
+            if fresh is None:
+                return
+        js.params, js.optimizer, js.scratch = fresh.params, fresh.optimizer, None
+        log.warning("job %s: rolled back to version %d from its checkpoint and log", js.config.name,
+                    js.view.version)
+
+    def _apply(self, js: RootJob, rec: WalRecord) -> None:
+        """Replay one logged version (restore): the same arithmetic as when it was made."""
+        if rec.grad is not None:
+            js.optimizer.step(rec.grad, rec.scale)
+        self._publish(js, rec.clock_min, rec.contributors)
+        js.applied.add(rec.version, decode_keys(rec.keys))
+
+    def _publish(self, js: RootJob, clock_min: int, contributors: int) -> None:
+        # No separate residual: params - view is exactly what earlier deltas did not carry.
+        # Into buffers the job keeps: fresh 400 MB arrays for the difference, the decoded delta
+        # and the new view measured ~40% of a 100M-parameter push at the root (py-spy).
+        cfg = js.config
+        codec = get_codec(cfg.delta_codec, k=cfg.topk) if cfg.delta_codec == "topk" else get_codec(cfg.delta_codec)
+        if js.scratch is None:
+            js.scratch = np.empty_like(js.params)
+        diff = np.subtract(js.params, js.view.values, out=js.scratch)
+        chunks = split(js.layout, diff, codec)  # the payloads are copies: scratch is free again
+        # A lossless codec decodes to exactly ``diff``: no need to decode what was just encoded.
+        decoded = diff if codec.lossless else assemble(js.layout, chunks, what="published delta",
+                                                       check_finite=False)
+        # The view is the root's own array (pulls are served from encoded chunks, checkpoints
+        # copy it), so it is updated in place.
+        new = np.add(js.view.values, decoded, out=js.view.values)
+        crc = checksum(new)
+        version = js.view.version + 1
+        js.view.version, js.view.checksum = version, crc
+        js.view.clock_min = max(js.view.clock_min, clock_min)
+        js.reported_floor = js.view.clock_min
+        js.log.append(DeltaEntry(version, crc, tuple(chunks), js.view.clock_min, contributors))
+        js.notify()
+
+    # -- resolve ---------------------------------------------------------------------------
+    async def _resolve_here(self, js: RootJob, keys: tuple[PushKey, ...], wait_s: float
+                            ) -> tuple[str, int, int]:
+        found = {js.applied.lookup(k) for k in keys}
+        if found == {None}:
+            return NOT_APPLIED, 0, 0
+        if None in found or len(found) > 1:
+            log.warning("job %s: a push's worker gradients were applied in different versions %s",
+                        js.config.name, sorted(v for v in found if v is not None))
+            return UNKNOWN, 0, 0
+        return APPLIED, found.pop(), js.view.epoch
+
+    # -- checkpoints -----------------------------------------------------------------------
+    async def _quiesce(self, js: RootJob, apply: bool = True) -> None:
+        """Wait for the job's version being applied (``apply``) and checkpoints being written."""
+        if apply:
+            async with js.apply_lock:
+                pass
+        mine = [t for t in self._ckpt_tasks if getattr(t, "job", None) == js.config.name]
+        if mine:
+            await asyncio.gather(*mine, return_exceptions=True)
+
+    def _checkpoint(self, js: RootJob) -> None:
+        if not self.config.checkpoint_dir:
+            return
+        arrays = {"params": js.params.copy(), "view": js.view.values.copy(),
+                  "applied": np.frombuffer(js.applied.dump(_CKPT_APPLIED_VERSIONS), np.uint8)}
+        for k, v in js.optimizer.state_dict().items():
+            if isinstance(v, np.ndarray):
+                arrays[f"opt.{k}"] = v
+        meta = dict(version=js.view.version, checksum=js.view.checksum, steps=js.optimizer.steps,
+                    clock_min=js.view.clock_min,
+                    config=dataclasses.asdict(js.config),
+                    keys=[[s.key, list(s.shape), s.dtype] for s in js.layout])
+        version, wal, name = js.view.version, js.wal, js.config.name
+        # Records after this checkpoint go to a new segment; the old ones are deleted once
+        # the checkpoint is durable (if it fails, replay still has everything).
+        wal.rotate(version + 1)  # lazy: opens nothing, so it cannot fail
+
+        def write() -> None:
+            t0 = time.perf_counter()
+            checkpoint.save(self._job_dir(name), version, arrays, meta, self.config.checkpoint_keep)
+            wal.drop_upto(version)
+            js.last_checkpoint = (time.time(), time.perf_counter() - t0, version)
+
+        task = asyncio.ensure_future(asyncio.to_thread(write))
+        task.job = name
+        self._ckpt_tasks.add(task)
+        task.add_done_callback(lambda t: self._ckpt_done(js, t))
+
+    def _ckpt_done(self, js: RootJob, task: asyncio.Task) -> None:
+        self._ckpt_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            js.stats.checkpoint_failures += 1
+            log.error("checkpoint of job %s failed (the write-ahead log still covers it): %s",
+                      js.config.name, task.exception())
+
+    def _restore_all(self) -> None:
+        for d in sorted(Path(self.config.checkpoint_dir).glob("*/")):
+            if (d / "ENDED").exists():
+                version = json.loads((d / "ENDED").read_text())["version"]
+                self.ended[d.name] = version
+                if (d / "declared.json").exists():
+                    self.ended_configs[d.name] = (_config(json.loads((d / "declared.json").read_text())), version)
+                continue
+            try:
+                js = self._load(d)
+            except (WalCorrupt, HpsError, OSError, ValueError, KeyError) as exc:
+                self.damaged[d.name] = f"its checkpoint and write-ahead log could not be restored: {exc}"
+                log.critical("job %s is not served: %s", d.name, exc)
+                continue
+            if js is None and (d / "declared.json").exists():
+                cfg = _config(json.loads((d / "declared.json").read_text()))
+                self.declared[cfg.name] = cfg
+                self.declared_at[cfg.name] = self.clock()
+
+    def _load(self, d: Path, register: bool = True) -> RootJob | None:
+        """A job from its newest checkpoint plus every logged version after it."""
+        loaded = checkpoint.load_latest(d)
+        if loaded is None:
+            return None
+        arrays, meta = loaded
+        cfg = _config(meta["config"])
+        layout = Layout([KeySpec(k, tuple(s), dt) for k, s, dt in meta["keys"]])
+        js = self._install(cfg, layout, arrays["params"], meta["version"], arrays["view"], register=False)
+        state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
+        js.optimizer.load_state_dict({"steps": meta["steps"], **state})
+        js.view.clock_min = js.reported_floor = meta.get("clock_min", 0)
+        if "applied" in arrays:
+            js.applied.load(arrays["applied"].tobytes())
+        replayed = 0
+        for rec in js.wal.records(after=js.view.version):
+            self._apply(js, rec)
+            replayed += 1
+        js.reset_round(js.view.version, "restored")
+        js.wal.rotate(js.view.version + 1)
+        if register:
+            self.jobs[cfg.name] = js
+            log.info("restored job %s: checkpoint version %d + %d replayed from the write-ahead log "
+                     "= version %d, checksum %#010x", cfg.name, meta["version"], replayed,
+                     js.view.version, js.view.checksum)
+        else:
+            js.wal.close()
+        return js
+
+    async def stop(self) -> None:
+        while self._ckpt_tasks:  # in-flight applies and checkpoints finish first
+            await asyncio.gather(*list(self._ckpt_tasks), return_exceptions=True)
+        for js in self.jobs.values():
+            self._checkpoint(js)
+        while self._ckpt_tasks:
+            await asyncio.gather(*list(self._ckpt_tasks), return_exceptions=True)
+        for js in self.jobs.values():
+            if js.wal is not None:
+                js.wal.close()
+        await super().stop()
+
+
+def _config(c: dict) -> JobConfig:
+    return JobConfig(**{**c, "optimizer": OptimizerConfig(**c["optimizer"])})
+
+
+def _describe(cfg: JobConfig) -> str:
+    o = cfg.optimizer
+    return (f"mode {cfg.mode}" + (f"({cfg.staleness})" if cfg.mode == "ssp" else "") +
+            f", {o.kind} lr {o.lr:g}, push codec {cfg.push_codec}")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

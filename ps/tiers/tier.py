@@ -1,0 +1,549 @@
+"""What every tier does with what passes through: membership, BSP rounds, pushes, pulls.
+
+    tier = Root(ServerConfig(role="global"))           # or Relay(config)
+    intake = tier.open_push(meta)                       # header checks, memory reserved
+    intake.add(chunks)                                  # ... as frames arrive
+    ack = await tier.commit_push(intake, digest)        # returns once the root applied it
+    meta, versions = await tier.pull("lm", "w0", epoch, since=3, min_version=4, wait_s=5)
+
+This is the async shell over the pure core (store, deltas, consistency, exactly_once,
+tensors): it owns the event-loop waiting (version waits, batch futures) and nothing about
+protobuf. ``Root`` and ``Relay`` differ in how a closed batch is finished, where views come
+from, and who answers "was this push applied?" (``resolve``).
+
+Exactly once (invariant 4). A push is (member, incarnation, seq) with one body (its digest).
+A retry of an applied push gets the recorded ack; one still in a batch shares its outcome; one
+that cannot be placed (its round closed, or the root restarted) is resolved -- the root keeps
+which worker pushes each version applied -- before anyone is told Stale. A member that leaves,
+times out or is replaced by a new incarnation takes its push out of the open batch: the batch
+restarts and its other pushers resend (the sum cannot be un-added exactly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from dataclasses import replace
+
+from ps.core.config import ServerConfig, check_member, check_name
+from ps.core.consistency import Aggregate, BspRound, all_finite
+from ps.core.errors import (
+    BadInput,
+    Conflict,
+    Exhausted,
+    HpsError,
+    NotMember,
+    NotReady,
+    Stale,
+    TimedOut,
+    Unavailable,
+    UnknownJob,
+    short,
+)
+from ps.core.exactly_once import MAX_IN_FLIGHT
+from ps.core.intake import ByteBudget, PushIntake
+from ps.core.tensors import Chunk, payload_bytes
+from ps.core.types import Ack, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, Registration, TierStatus, VersionMeta
+from ps.tiers.jobstate import JobState
+
+__all__ = ["Tier", "APPLIED", "NOT_APPLIED", "UNKNOWN"]
+
+log = logging.getLogger("hps.tier")
+
+# Outcomes of ``resolve``.
+APPLIED, NOT_APPLIED, UNKNOWN = "applied", "not_applied", "unknown"
+_RESOLVE_WAIT_S = 30.0
+_REPLACED_KEPT = 8  # incarnations remembered per member id, to catch two processes sharing one
+
+
+def new_epoch() -> int:
+    """A fresh, non-zero incarnation id."""
+    return secrets.randbits(62) | 1
+
+
+class Tier:
+    """Behaviour shared by the root and the relays."""
+
+    role = "tier"
+
+    def __init__(self, config: ServerConfig, clock=time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.epoch = new_epoch()
+        self.started = clock()
+        self.jobs: dict[str, JobState] = {}
+        self.children: dict[str, tuple[str, str, float]] = {}  # relay id -> (role, address, seen)
+        self.ended: dict[str, int] = {}  # job -> its last version
+        self.budget = ByteBudget(config.push_budget_mb << 20, f"this {config.role} tier")
+        self.replaced: dict[str, list[int]] = {}  # member id -> incarnations replaced (newest last)
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lookups ---------------------------------------------------------------------------
+    def job(self, name: str) -> JobState:
+        try:
+            return self.jobs[name]
+        except KeyError:
+            if name in self.ended:
+                raise UnknownJob(f"job {short(name)} has ended (at version {self.ended[name]})") from None
+            raise UnknownJob(f"job {short(name)} is not known at this {self.role} tier; create it first "
+                             "(the first worker with a JobConfig does) or check the name") from None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._expire_loop(), name="expire"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            now = self.clock()
+            for k in [k for k, c in self.children.items() if now - c[2] > self.config.member_timeout_s]:
+                del self.children[k]
+            for js in list(self.jobs.values()):
+                gone = js.members.expire(now, self.config.member_timeout_s)
+                if gone:
+                    log.warning("%s: job %s dropped members %s after %.1fs of silence",
+                                self.role, js.config.name, gone, self.config.member_timeout_s)
+                    js.stats.members_expired += len(gone)
+                    for member in gone:
+                        self._drop_member(js, member, "timed out")
+                    await self._members_changed(js)
+            await self._housekeeping(now)
+
+    async def _housekeeping(self, now: float) -> None:
+        """Periodic work of a kind of tier (the root reaps jobs nobody joined)."""
+
+    async def _members_changed(self, js: JobState) -> None:
+        """Membership shrank: the open round may now be complete, the clock floor higher."""
+        self._progress(js)
+        self._flush_floor(js)
+
+    def _drop_member(self, js: JobState, member: str, why: str) -> None:
+        """``member`` is no longer in the job (already out of ``js.members``): its push leaves the
+        open batch, which restarts; its sequence book is kept a while for late retries."""
+        js.retire(member)
+        pushed = js.round.pushed if js.bsp else js.window.pushed
+        if member not in pushed:
+            return
+        label = f"round {js.round.round}" if js.bsp else "the open window"
+        n = js.fail_open(Unavailable(f"{label} of job {js.config.name} restarted: member {member!r} "
+                                     f"{why} with its push in it; push again"))
+        js.stats.restarted_rounds += 1
+        log.warning("%s: %s of job %s restarted without %r (%s); %d push(es) asked to resend",
+                    self.role, label, js.config.name, member, why, n - 1)
+
+    # -- membership ------------------------------------------------------------------------
+    async def register(self, job: str, member: str, role: str, address: str, last_seq: int,
+                       incarnation: int) -> Registration:
+        check_name(job)
+        check_member(member)
+        if not incarnation:
+            raise BadInput("register needs the caller's incarnation (a non-zero random id per process)")
+        js = await self._job_for_register(job)
+        old = js.members.find(member)
+        if old is not None and old.incarnation != incarnation:
+            if incarnation in self.replaced.get(member, ()):
+                raise Conflict(f"member id {member!r} is used by two processes (incarnation "
+                               f"{incarnation:#x} was replaced by {old.incarnation:#x}); give each "
+                               "worker or relay its own id")
+            kept = self.replaced.setdefault(member, [])
+            kept.append(old.incarnation)
+            del kept[:-_REPLACED_KEPT]
+            js.members.leave(member)
+            js.stats.members_replaced += 1
+            self._drop_member(js, member, "was replaced by a new incarnation (it restarted)")
+            log.info("%s: %r in job %s is a new incarnation %#x (was %#x)", self.role, member, job,
+                     incarnation, old.incarnation)
+        start_clock = js.view.clock_min  # a late joiner must not hold the others back (SSP)
+        m = js.members.join(member, self.clock(), js.round.round, role, address, floor=start_clock,
+                            incarnation=incarnation)
+        js.joined = True
+        book = js.book(member, incarnation)
+        if not book.pending:
+            # A (re)starting member continues after the last sequence number it used.
+            book.highest = max(book.highest, last_seq)
+        log.info("%s: %s %r joined job %s at round %d", self.role, role, member, job, m.first_round)
+        return Registration(js.config, js.layout, max(m.first_round, js.round.round), self.epoch,
+                            start_clock)
+
+    async def _job_for_register(self, job: str) -> JobState:
+        return self.job(job)
+
+    def heartbeat(self, member: str, jobs: list[str], role: str = "worker", address: str = "") -> list[str]:
+        now = self.clock()
+        if address:  # a relay child: remembered for `hps status` even while it has no job
+            self.children[member] = (role, address[:256], now)
+        return [j for j in jobs if j not in self.jobs or not self.jobs[j].members.touch(member, now)]
+
+    async def leave(self, job: str, member: str) -> None:
+        js = self.job(job)
+        if js.members.leave(member):
+            log.info("%s: %r left job %s", self.role, member, job)
+            js.stats.members_left += 1
+            self._drop_member(js, member, "left")
+            await self._members_changed(js)
+
+    # -- push ------------------------------------------------------------------------------
+    def open_push(self, meta: PushMeta) -> PushIntake:
+        """Check a push's header before its body arrives, and reserve what decoding it needs."""
+        js = self.job(meta.job)
+        member = js.members.get(meta.sender)
+        if meta.incarnation != member.incarnation:
+            raise NotMember(f"this process is not the registered incarnation of {meta.sender!r} (it "
+                            "was replaced by a newer one, or never registered); register again")
+        if meta.sources and member.role == "worker":
+            raise BadInput("a worker's push names no sources: it is its own")
+        kind = js.book(meta.sender, meta.incarnation).classify(meta.seq)
+        if member.in_flight >= MAX_IN_FLIGHT + 2:
+            raise Exhausted(f"{meta.sender!r} has {member.in_flight} pushes in flight here (at most "
+                            f"{MAX_IN_FLIGHT}); wait for their acknowledgements")
+        decode = kind in ("new", "retry") and meta.contributors > 0
+
+        def done() -> None:
+            member.in_flight -= 1
+        intake = PushIntake(js.layout, meta, decode, self.budget, release=done)
+        member.in_flight += 1
+        return intake
+
+    async def commit_push(self, intake: PushIntake, digest: bytes) -> Ack:
+        """The whole push has arrived (``digest`` of its frames): answer it, or add it to the open
+        batch and wait for the batch's outcome."""
+        meta = intake.meta
+        js = self.job(meta.job)  # ended while the body arrived: UnknownJob
+        member = js.members.get(meta.sender)
+        if member.incarnation != meta.incarnation:
+            raise NotMember(f"{meta.sender!r} was replaced by a new incarnation while this push arrived; "
+                            "register again")
+        book = js.book(meta.sender, meta.incarnation)
+        kind = book.classify(meta.seq)
+        if kind in ("duplicate", "pending"):
+            book.check_body(meta.seq, digest)
+        if kind == "duplicate":
+            js.stats.duplicates += 1
+            return replace(book.ack_of(meta.seq), duplicate=True)
+        pkey = (meta.sender, meta.incarnation, meta.seq)
+        if kind == "pending":  # the same push is still in a batch: share its outcome
+            return replace(await asyncio.shield(js.pending[pkey]), duplicate=True)
+        if not intake.decoded and meta.contributors:
+            # It was a retry of a pending push when its header came; that batch failed since.
+            raise Unavailable("the push this one retries was refused while it arrived; send it again")
+        grad = intake.gradient()
+        keys = meta.sources or ((PushKey(meta.sender, meta.incarnation, meta.seq, digest),)
+                                if meta.contributors else ())
+        try:
+            self._check_placement(js, meta)
+        except Stale as exc:
+            if not keys:
+                raise
+            return await self._resolve_late(js, book, meta, digest, keys, exc)
+        # Everything is validated: from here the push is committed to the batch.
+        book.accept(meta.seq, digest)
+        nbytes = intake.nbytes
+        clocks = (meta.clock_min, meta.clock_max)
+        if js.bsp:
+            js.round.add(meta.sender, meta.base_version, grad, meta.contributors, clocks)
+        else:
+            js.window.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, nbytes, self.clock())
+        js.add_sources(keys)
+        intake.decoded_into_batch()
+        member.pushes += 1
+        member.floor = max(member.floor, meta.clock_floor)
+        member.workers = meta.workers
+        self._telemetry(js, meta)
+        js.stats.pushes += 1
+        js.stats.bytes_pushed_in += nbytes
+        fut = js.open_future()
+        js.pending[pkey] = fut
+        fut.add_done_callback(lambda f: self._settle(js, book, pkey, f))
+        t0 = self.clock()
+        self._progress(js)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.config.round_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimedOut(f"the push's {'round' if js.bsp else 'window'} did not complete within "
+                           f"{self.config.round_timeout_s:.0f}s; the push stays in it") from None
+        finally:
+            js.stats.round_wait_ms_sum += int((self.clock() - t0) * 1000)
+
+    async def push(self, meta: PushMeta, chunks: list[Chunk], digest: bytes) -> Ack:
+        """A whole push at once (tests and in-process callers): ``open_push`` + ``commit_push``."""
+        intake = self.open_push(meta)
+        try:
+            intake.add(chunks)
+            return await self.commit_push(intake, digest)
+        finally:
+            intake.close()
+
+    def _check_placement(self, js: JobState, meta: PushMeta) -> None:
+        """Raise unless the push fits the open round or window now (changes nothing)."""
+        if meta.view_epoch and js.view.ready and meta.view_epoch != js.view.epoch:
+            raise Stale(f"gradient computed on a view of root epoch {meta.view_epoch:#x}; this tier "
+                        f"holds epoch {js.view.epoch:#x} (the root restarted): pull a snapshot",
+                        wait_version=js.view.version)
+        if js.bsp:
+            if (not js.round.pushed and js.view.ready
+                    and js.round.round < meta.base_version <= js.view.version):
+                # An empty round behind the held version: reopened after a refusal while the
+                # parent went on (seen after a root kill -9: the zone stayed at round 7 holding
+                # version 8, and every push on 8 was told to retry until the worker gave up).
+                # Nobody can complete it any more; the push opens the round of its version.
+                log.info("%s: round %d of %s is behind version %d; moving to round %d", self.role,
+                         js.round.round, meta.job, js.view.version, meta.base_version)
+                js.round = BspRound(round=meta.base_version, numel=js.layout.numel)
+            js.round.check(meta.sender, meta.base_version, meta.contributors)
+        else:
+            js.window.check(meta.sender, meta.contributors)
+            if js.view.ready and meta.base_version > js.view.version:
+                raise NotReady(f"gradient computed on version {meta.base_version}, ahead of this tier's "
+                               f"{js.view.version}; the tier is still catching up, retry shortly")
+
+    async def _resolve_late(self, js: JobState, book, meta: PushMeta, digest: bytes,
+                            keys: tuple[PushKey, ...], stale: Stale) -> Ack:
+        """A push that cannot be placed may have been applied already (its ack was lost in a
+        restart): ask before saying Stale, which means "not applied, and it will not be"."""
+        js.stats.resolved += 1
+        try:
+            outcome, version, epoch = await self.resolve(js.config.name, keys, _RESOLVE_WAIT_S)
+        except NotReady as exc:  # the parent restarted and knows nothing yet: not the pusher's doing
+            raise Unavailable(f"cannot tell yet whether push {meta.seq} from {meta.sender!r} was applied "
+                              f"({exc}); retry shortly") from None
+        if outcome == APPLIED:
+            ack = Ack(version, epoch or js.view.epoch, duplicate=True)  # the root's lineage
+            book.accept(meta.seq, digest)
+            book.settle(meta.seq, ack)
+            return ack
+        if outcome == UNKNOWN:
+            raise Unavailable(f"push {meta.seq} from {meta.sender!r} is still in flight above this tier "
+                              "(its outcome is not known yet); retry shortly")
+        raise stale
+
+    def _telemetry(self, js: JobState, meta: PushMeta) -> bool:
+        """Count what the push reports about training (never part of the update); False when
+        the report is not a number (a NaN loss would poison every sum after it)."""
+        if not (math.isfinite(meta.loss_sum) and math.isfinite(meta.step_seconds_sum)
+                and meta.step_seconds_sum >= 0 and meta.loss_count >= 0):
+            return False
+        st = js.stats
+        st.loss_sum += meta.loss_sum
+        st.loss_count += meta.loss_count
+        st.step_seconds_sum += meta.step_seconds_sum
+        return True
+
+    @staticmethod
+    def _settle(js: JobState, book, pkey: tuple[str, int, int], fut: asyncio.Future) -> None:
+        """Record the outcome even when the pusher is gone (its retry gets the same ack)."""
+        if js.pending.get(pkey) is fut:
+            del js.pending[pkey]
+        ok = not fut.cancelled() and fut.exception() is None
+        book.settle(pkey[2], fut.result() if ok else None)
+
+    # -- batches ---------------------------------------------------------------------------
+    def _progress(self, js: JobState) -> None:
+        """Close the open batch if it is ready: a complete round, or a due window."""
+        if js.bsp:
+            self._maybe_close(js)
+        else:
+            self._maybe_flush(js)
+
+    def _maybe_close(self, js: JobState) -> None:
+        if not js.round.complete(js.members):
+            return
+        agg = js.round.close()
+        fut, keys = js.close_batch()
+        js.round = BspRound(round=agg.round + 1, numel=js.layout.numel)
+        js.stats.rounds += 1
+        self._finish_checked(js, agg, keys, js.members.floor(js.view.clock_min), fut)
+
+    def in_flight_limit(self, js: JobState) -> int:
+        """Closed windows of ``js`` that may be in flight at once at this tier: one (the root
+        applies versions in order; ssp clock floors must reach the parent in order)."""
+        return 1
+
+    def _maybe_flush(self, js: JobState, force: bool = False) -> None:
+        """Close the window when due (time or bytes), with at most ``in_flight_limit``
+        closed batches in flight."""
+        if js.inflight >= self.in_flight_limit(js) or not js.window.pushed:
+            return
+        now, flush_s = self.clock(), self.config.flush_ms / 1000.0
+        if not (force or js.window.due(now, flush_s, self.config.flush_bytes)):
+            if js.timer is None:
+                def fire() -> None:
+                    js.timer = None
+                    self._maybe_flush(js)
+                delay = max(0.0, js.window.opened + flush_s - now)
+                js.timer = asyncio.get_running_loop().call_later(delay, fire)
+            return
+        if js.timer is not None:
+            js.timer.cancel()
+            js.timer = None
+        agg = js.window.close(default_base=js.view.version)
+        fut, keys = js.close_batch()
+        js.window = js.new_window()
+        js.inflight += 1
+        js.stats.rounds += 1
+        fut.add_done_callback(lambda _: self._window_done(js))
+        self._finish_checked(js, agg, keys, js.members.floor(js.view.clock_min), fut)
+
+    def _window_done(self, js: JobState) -> None:
+        js.inflight = max(0, js.inflight - 1)
+        self._maybe_flush(js)
+
+    def _flush_floor(self, js: JobState) -> None:
+        """SSP: membership shrank and the clock floor rose; send the news up even with nothing
+        to aggregate, so a dead worker stops holding the others back."""
+        if js.bsp or js.members.floor(js.view.clock_min) <= js.reported_floor or not len(js.members):
+            return
+        if not js.window.pushed and not js.inflight:
+            js.window.add(f"{self.role}:floor", js.view.version, None, 0, (0, 0), 0, self.clock())
+            self._maybe_flush(js, force=True)
+
+    def _finish_checked(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                        fut: asyncio.Future) -> None:
+        """A batch closed: refuse it whole if its sum is not finite, else finish it."""
+        if agg.contributors and not all_finite(agg.grad):
+            self._refuse(js, agg, fut, BadInput(
+                f"the sum of {agg.contributors} gradients for version {agg.round} of job {js.config.name} "
+                "is not finite (float32 overflow); nothing was applied. Lower the learning rate or "
+                "the loss scale"))
+            return
+        try:
+            self._finish_round(js, agg, keys, floor, fut)
+        except Exception as exc:  # never leave a batch's pushers waiting on a failed finish
+            log.exception("%s: finishing round %d of job %s failed", self.role, agg.round, js.config.name)
+            self._refuse(js, agg, fut, exc if isinstance(exc, HpsError) else Unavailable(
+                f"this {self.role} tier failed to finish the round ({type(exc).__name__}); push again"))
+
+    def _finish_round(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
+                      fut: asyncio.Future) -> None:
+        """Apply (root) or forward (relay) a closed batch; resolve ``fut`` with the Ack."""
+        raise NotImplementedError
+
+    def _refuse(self, js: JobState, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
+        """A closed batch was not applied: fail its pushers with ``exc``. In BSP the round opens
+        again (its pushers resend or recompute on the same version) unless the refusal says the
+        round is gone (Stale) or the round moved on meanwhile."""
+        js.stats.refused_rounds += 1
+        if (js.bsp and not isinstance(exc, Stale) and js.round.round == agg.round + 1
+                and not js.round.pushed and js.view.version <= agg.round):
+            js.round = BspRound(round=agg.round, numel=js.layout.numel)
+        if not fut.done():
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: a batch's pushers may all be gone
+
+    # -- resolve ---------------------------------------------------------------------------
+    async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float) -> tuple[str, int, int]:
+        """What became of these worker pushes: (APPLIED, version, epoch), (NOT_APPLIED, 0, 0) or
+        (UNKNOWN, 0, 0). Pushes still in a batch here are waited for (at most ``wait_s``)."""
+        deadline = self.clock() + max(0.0, wait_s)
+        while True:
+            js = self.job(job)
+            futs = {f for f in (js.batch_of(k) for k in keys) if f is not None}
+            if not futs:
+                return await self._resolve_here(js, keys, max(0.0, deadline - self.clock()))
+            left = deadline - self.clock()
+            if left <= 0:
+                return UNKNOWN, 0, 0
+            await asyncio.wait([asyncio.shield(f) for f in futs], timeout=left)
+
+    async def _resolve_here(self, js: JobState, keys: tuple[PushKey, ...], wait_s: float
+                            ) -> tuple[str, int, int]:
+        """Nothing here holds the keys: the root answers from its record, a relay asks up."""
+        raise NotImplementedError
+
+    # -- pull ------------------------------------------------------------------------------
+    async def pull(self, job: str, member: str, view_epoch: int, since: int, min_version: int,
+                   wait_s: float, min_clock: int = 0) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
+        js = self.job(job)
+        if member not in js.members and member not in self.children:
+            # A guard against mistakes (a worker of one job reading another's keys), not
+            # authentication: the member id is the caller's own word.
+            raise NotMember(f"{short(member) if member else 'an anonymous caller'} is not a member of job "
+                            f"{short(job)} here; register for the job before pulling its parameters")
+        deadline = self.clock() + max(0.0, wait_s)
+
+        def must_wait() -> bool:
+            if not js.view.ready:
+                return True
+            # A caller from another lineage needs a snapshot now: its version numbers do not
+            # compare with ours.
+            return view_epoch == js.view.epoch and (js.view.version < min_version or
+                                                    js.view.clock_min < min_clock)
+
+        while must_wait() and self.clock() < deadline:
+            await js.wait_change(deadline - self.clock())
+            js = self.job(job)  # ended while we waited: UnknownJob
+        if not js.view.ready:
+            raise NotReady(f"this {self.role} tier has no view of job {short(job)} yet (still syncing "
+                           "with its parent); retry shortly")
+        v = js.view.version
+        if view_epoch == js.view.epoch:
+            entries = js.log.since(since, v)
+            nbytes = sum(e.nbytes for e in entries) if entries else 0
+            # A worker keeps no log, so it takes the view itself when that is smaller than the
+            # deltas (dense deltas: any two). ssp/async workers fall several versions behind
+            # between pulls: measured 8 dense deltas per pull on the demo, 8x the bytes.
+            if entries is not None and (len(entries) <= 1 or nbytes <= 4 * js.layout.numel
+                                        or not self._is_worker(js, member)):
+                js.stats.deltas_served += len(entries)
+                js.stats.bytes_pulled_out += nbytes
+                versions = [(VersionMeta(e.version, e.checksum, e.clock_min, e.contributors), list(e.chunks))
+                            for e in entries]
+                return PullMeta(js.view.epoch, since, v, False, self.epoch), versions
+        chunks = js.snapshot_chunks()
+        js.stats.snapshots_served += 1
+        js.stats.bytes_pulled_out += payload_bytes(chunks)
+        return (PullMeta(js.view.epoch, since, v, True, self.epoch),
+                [(VersionMeta(v, js.view.checksum, js.view.clock_min), chunks)])
+
+    @staticmethod
+    def _is_worker(js: JobState, member: str) -> bool:
+        found = js.members.find(member)
+        return found is not None and found.role == "worker"
+
+    # -- what a tier is -----------------------------------------------------------------------
+    def set_address(self, address: str) -> None:
+        """Where this tier serves (a relay tells its parent, for `hps status`)."""
+
+    def parent_reachable(self) -> bool:
+        return True  # the root has no parent
+
+    def parent_link(self):
+        """The upstream link (``ps.net.upstream.Upstream``) of a relay; None at the root."""
+        return None
+
+    def synced(self) -> bool:
+        """Readiness: the tier serves views its parent published (the root always does)."""
+        return True
+
+    def _lag(self, js: JobState, now: float) -> tuple[int, float]:
+        """(the newest version heard of, seconds out of sync): the root is the reference."""
+        return js.view.version, 0.0
+
+    # -- status ----------------------------------------------------------------------------
+    def status(self) -> TierStatus:
+        now = self.clock()
+        jobs = []
+        for name, js in self.jobs.items():
+            parent_version, lag_s = self._lag(js, now)
+            jobs.append(JobStatus(
+                name=name, mode=js.config.mode, version=js.view.version, view_epoch=js.view.epoch,
+                checksum=js.view.checksum, parent_version=parent_version, lag_s=lag_s,
+                round=js.round.round if js.bsp else js.stats.rounds,
+                round_pushed=len(js.round.pushed if js.bsp else js.window.pushed),
+                clock_min=js.view.clock_min, staleness=js.config.staleness, parameters=js.layout.numel,
+                members=tuple(MemberInfo(m.id, m.role, m.address, now - m.last_seen, m.pushes)
+                              for m in js.members),
+                stats=replace(js.stats)))
+        children = tuple(MemberInfo(k, r, a, now - t) for k, (r, a, t) in self.children.items())
+        return TierStatus(role=self.role, name=self.config.display_name, server_epoch=self.epoch,
+                          parent=self.config.parent, parent_reachable=self.parent_reachable(),
+                          ready=self.synced(), uptime_s=now - self.started, jobs=tuple(jobs),
+                          children=children)

@@ -1,0 +1,513 @@
+"""The root's write-ahead log of applied versions: durable appends, crash recovery, exact replay.
+
+    >>> import shutil, tempfile
+    >>> import numpy as np
+    >>> from ps.tiers.wal import WalRecord, WriteAheadLog
+    >>> d = tempfile.mkdtemp()
+    >>> wal = WriteAheadLog(d)              # recovers what a crash left; opens no file yet
+    >>> wal.append(WalRecord(1, contributors=4, clock_min=0, grad=np.ones(3, np.float32), keys=b"w0:1"))
+    >>> wal.append(WalRecord(2, 4, 1, None))  # durable on return; no gradient: nothing applied
+    >>> wal.rotate(next_version=3)          # a checkpoint of version 2 starts ...
+    >>> wal.drop_upto(2)                    # ... and is durable: the segments it covers go
+    >>> wal.append(WalRecord(3, 4, 2, np.zeros(3, np.float32), scale=0.5))
+    >>> wal.close()
+    >>> [(r.version, r.scale) for r in WriteAheadLog(d).records(after=2)]  # a restart replays
+    [(3, 0.5)]
+    >>> wal.stats.appends, wal.stats.append_failures
+    (3, 0)
+    >>> shutil.rmtree(d)
+
+Why: the root acknowledges a version only once its record is fsync'ed (DESIGN.md, invariant 8),
+so after a kill -9 it loads the newest checkpoint and replays the records after it; replay is
+exact because the optimizer and the publication of deltas are deterministic. ``keys`` are the
+identities of the pushes a version applied, so exactly-once holds across root restarts.
+
+Record (little-endian): a 56-byte header
+    b"HPS2" | u64 version | u64 contributors | u64 clock_min | f64 lr scale |
+    u32 keys length | u64 payload length | u64 checksum
+then the keys (opaque bytes from the root), then the payload (the averaged gradient as float32;
+empty when there is none). The checksum is XXH3-64 of the header's first 48 bytes, the keys and
+the payload, hashed incrementally so a large payload is never copied. Segments are files
+``wal-<version of their first record:012d>.log``; ``rotate`` ends one and the next append
+creates the next (a log that never writes holds no file descriptor).
+
+Recovery (``WriteAheadLog(dir)`` calls ``recover()``) reads every segment in order. The first
+record that is short, has a bad magic, lengths past the end of the file (checked before anything
+is allocated) or a bad checksum ends the segment's valid data, and the rest is cut off
+(truncate + fsync, with a warning naming the segment, offset and version):
+  * in the last segment, because that is what a crash during an append leaves, and it was never
+    acknowledged: an acknowledgement waits for the record's fsync, one record at a time;
+  * in an earlier segment only when the next segment continues right after its last valid record
+    (a failed append whose undo failed too, or a torn tail an older build wrote past); otherwise
+    the damaged bytes may have held acknowledged versions, and recovery refuses.
+Versions must be contiguous across the whole log: a gap, or the same version twice with
+different contents (a fork), raises ``WalCorrupt`` and changes nothing on disk, because guessing
+would silently lose acknowledged versions. ``records(after=v)`` also refuses when the log
+resumes after v + 1.
+
+A failed append (ENOSPC, EIO) is cut back out of the segment and raises ``WalWriteError``; the
+same version can be appended again later. If even the cut fails, that segment is abandoned and
+the next append starts a new segment named after its version (recovery then cuts the remains).
+
+Threads: appends run in a worker thread, rotation and cleanup elsewhere; one lock orders them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+__all__ = ["WalCorrupt", "WalRecord", "WalStats", "WalWriteError", "WriteAheadLog"]
+
+log = logging.getLogger("hps.wal")
+
+_MAGIC = b"HPS2"
+_OLD_MAGIC = b"HPSW"  # the first format (u32 contributors, CRC-32, no keys): refused, not read
+# magic, version, contributors, clock_min, lr scale, keys length, payload length
+_FIELDS = struct.Struct("<4sQQQdIQ")
+_SUM = struct.Struct("<Q")
+_HEAD = _FIELDS.size + _SUM.size  # 56 bytes
+_CHUNK = 1 << 20  # recovery hashes payloads in pieces: no allocation as large as a record
+
+
+class WalCorrupt(Exception):
+    """The log cannot be replayed without losing or inventing versions (a gap, a fork, damage
+    in the middle). Recovery changed nothing; the message says what to do."""
+
+
+class WalWriteError(OSError):
+    """A record could not be made durable; it is not in the log (``errno`` is the cause's)."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+@dataclass(frozen=True)
+class WalRecord:
+    version: int
+    contributors: int
+    clock_min: int           # the version's SSP clock floor
+    grad: np.ndarray | None  # None: a batch with no contributors (nothing applied)
+    scale: float = 1.0       # learning-rate scale (async/ssp damping by staleness)
+    keys: bytes = b""        # identities of the pushes applied (opaque to the log)
+
+
+@dataclass
+class WalStats:
+    """Counters for metrics; plain numbers, updated under the log's lock."""
+    appends: int = 0
+    bytes_written: int = 0
+    append_failures: int = 0
+    last_fsync_s: float = 0.0
+    total_fsync_s: float = 0.0
+    recovery_truncations: int = 0
+
+
+class _Entry(NamedTuple):  # a valid record: where it lies and what it hashes to
+    version: int
+    offset: int
+    size: int
+    checksum: int
+
+
+@dataclass(eq=False)
+class _Segment:
+    first: int
+    path: Path
+    entries: list[_Entry] = field(default_factory=list)
+    end: int = 0          # bytes of valid records (the file's size once clean)
+    dirty: bool = False   # the file may hold garbage past ``end`` (cutting it failed)
+    named: bool = True    # its directory entry is durable
+
+    def top(self) -> int:
+        """The newest version it holds (first - 1 when empty)."""
+        return self.entries[-1].version if self.entries else self.first - 1
+
+
+class _Scan(NamedTuple):
+    entries: list[_Entry]
+    end: int   # where the valid records end
+    size: int
+    why: str     # why the bytes at ``end`` are not a record ("" when end == size)
+    old: bool    # they are a record of the older format
+    beyond: int  # bytes after a damaged record whose lengths fit the file
+
+
+def _check_head(head: bytes, pos: int, size: int) -> tuple[str, tuple | None]:
+    if len(head) < _HEAD:
+        return f"a header cut short ({len(head)} of {_HEAD} bytes)", None
+    fields = _FIELDS.unpack_from(head)
+    if fields[0] != _MAGIC:
+        return f"a bad magic {fields[0]!r}", None
+    nkeys, npay = fields[5], fields[6]
+    if nkeys + npay > size - pos - _HEAD:  # a damaged length must not make us allocate
+        return f"lengths ({nkeys} + {npay} bytes) past the end of the file", fields
+    if npay % 4:
+        return f"a payload of {npay} bytes, not float32", fields
+    return "", fields
+
+
+def _scan(path: Path) -> _Scan:
+    entries: list[_Entry] = []
+    pos = 0
+    buf = memoryview(bytearray(_CHUNK))
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        while pos < size:
+            head = f.read(_HEAD)
+            why, fields = _check_head(head, pos, size)
+            if why:
+                return _Scan(entries, pos, size, why, head[:4] == _OLD_MAGIC, 0)
+            h = xxhash.xxh3_64(head[:_FIELDS.size])
+            left = fields[5] + fields[6]
+            while left:
+                n = f.readinto(buf[:min(left, _CHUNK)])
+                if not n:
+                    break
+                h.update(buf[:n])
+                left -= n
+            (checksum,) = _SUM.unpack_from(head, _FIELDS.size)
+            n = _HEAD + fields[5] + fields[6]
+            if left or h.intdigest() != checksum:
+                return _Scan(entries, pos, size, "a checksum mismatch", False, max(0, size - pos - n))
+            entries.append(_Entry(fields[1], pos, n, checksum))
+            pos += n
+    return _Scan(entries, pos, size, "", False, 0)
+
+
+def _cut(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        os.ftruncate(f.fileno(), size)
+        os.fsync(f.fileno())
+
+
+class WriteAheadLog:
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.stats = WalStats()
+        self._lock = threading.Lock()  # appends run in a thread; rotation on the event loop
+        self._file = None              # the open segment's file (unbuffered), None until an append
+        self._cur: _Segment | None = None   # the segment ``_file`` writes
+        self._segs: list[_Segment] = []     # every segment, by first version: the validated index
+        self._last: int | None = None       # the newest durable version
+        self._rotated = False               # the next append starts a new segment
+        self.recover()
+
+    # -- recovery --------------------------------------------------------------------------
+    def segments(self) -> list[tuple[int, Path]]:
+        """The segment files on disk, by first version."""
+        out = []
+        for p in self.dir.glob("wal-*.log"):
+            try:
+                out.append((int(p.stem[4:]), p))
+            except ValueError:
+                continue
+        return sorted(out)
+
+    def recover(self) -> None:
+        """Validate every segment and cut torn tails (see the module docstring for the rules).
+        Raises ``WalCorrupt`` without changing anything when the log has a gap or a fork."""
+        with self._lock:
+            self._close()
+            found = self.segments()
+            segs, cuts = self._validate(found, [_scan(p) for _, p in found])
+            for seg, scan, version, last in cuts:
+                what = ("the tail of the newest segment, torn by a crash during an append: never "
+                        "acknowledged" if last else "left by a failed append or an older build; the "
+                        "next segment continues without it")
+                if scan.beyond:  # a crash tears only the last record: this may be disk damage
+                    what += (f"; but {scan.beyond} bytes follow the damaged record: if versions after "
+                             f"{version} were acknowledged, restore {seg.path.name} from a backup")
+                log.warning("write-ahead log %s: %s at offset %d of %s (%d bytes); cutting it there, "
+                            "at version %d (%s)", self.dir, scan.why, scan.end, seg.path.name,
+                            scan.size - scan.end, version, what)
+                try:
+                    _cut(seg.path, seg.end)
+                    self.stats.recovery_truncations += 1
+                except OSError as exc:  # replay still skips it; the next append retries the cut
+                    seg.dirty = True
+                    log.error("write-ahead log %s: could not cut %s at offset %d: %s",
+                              self.dir, seg.path.name, seg.end, exc)
+            self._segs = segs
+            self._last = next((s.top() for s in reversed(segs) if s.entries), None)
+            self._rotated = False
+
+    def _validate(self, found: list[tuple[int, Path]], scans: list[_Scan]):
+        segs: list[_Segment] = []
+        cuts = []
+        flat: list[tuple[_Entry, Path]] = []  # the accepted records, contiguous versions
+        for i, ((first, path), scan) in enumerate(zip(found, scans)):
+            seg = _Segment(first, path, end=scan.end)
+            if scan.entries and scan.entries[0].version != first:
+                raise self._corrupt(f"segment {path.name} is named for version {first} but its first "
+                                    f"record is version {scan.entries[0].version}")
+            for e in scan.entries:
+                last = flat[-1][0] if flat else None
+                if last is None or e.version == last.version + 1:
+                    seg.entries.append(e)
+                    flat.append((e, path))
+                elif e.version <= last.version and e.version >= flat[0][0].version:
+                    prev, prev_path = flat[e.version - flat[0][0].version]
+                    if prev.checksum != e.checksum:
+                        raise self._corrupt(
+                            f"version {e.version} appears twice with different contents (a fork): in "
+                            f"{prev_path.name} at offset {prev.offset} and in {path.name} at offset "
+                            f"{e.offset}")
+                    # The same record twice: an append whose bytes reached the disk although its
+                    # write or fsync reported a failure, then went again to a new segment because
+                    # cutting it back out failed too. Identical bytes: replaying it once is exact.
+                else:
+                    raise self._corrupt(
+                        f"version {e.version} in {path.name} (offset {e.offset}) follows version "
+                        f"{last.version} in {flat[-1][1].name}: versions {last.version + 1}.."
+                        f"{e.version - 1} are missing (a gap)" if e.version > last.version else
+                        f"version {e.version} in {path.name} (offset {e.offset}) is older than the "
+                        f"log's first version {flat[0][0].version}")
+            if scan.old:  # cutting it would silently drop what an older build acknowledged
+                raise self._corrupt(
+                    f"segment {path.name} holds records of an older format (magic {_OLD_MAGIC!r} at "
+                    f"offset {scan.end}), which this build does not read",
+                    "Start the build that wrote it once and stop it cleanly (a clean stop "
+                    "checkpoints and empties the log), then start this one.")
+            if scan.end < scan.size:
+                expected = flat[-1][0].version + 1 if flat else first
+                if i + 1 < len(found) and found[i + 1][0] > expected:
+                    nxt = found[i + 1]
+                    raise self._corrupt(
+                        f"segment {path.name} has {scan.why} at offset {scan.end} and the next segment "
+                        f"{nxt[1].name} starts at version {nxt[0]}: versions {expected}..{nxt[0] - 1} "
+                        f"are damaged or missing, and may have been acknowledged")
+                cuts.append((seg, scan, expected, i + 1 == len(found)))
+            segs.append(seg)
+        return segs, cuts
+
+    def _corrupt(self, what: str, advice: str = "") -> WalCorrupt:
+        return WalCorrupt(
+            f"the write-ahead log in {self.dir} cannot be replayed: {what}. Nothing was changed. "
+            + (advice or "Restore the missing or damaged segment files from a backup; or, to accept "
+               "losing the versions from that point on, move the segment files from there on out "
+               "of the directory and restart (the job resumes from its newest checkpoint plus the "
+               "log before that point)."))
+
+    # -- replay ----------------------------------------------------------------------------
+    def records(self, after: int) -> Iterator[WalRecord]:
+        """Every record with version > ``after``, in order (not while an append is in flight).
+        Raises ``WalCorrupt`` when the log resumes after ``after + 1``: the versions between the
+        state being replayed onto and the log are in neither."""
+        with self._lock:
+            plan = [(s.path, [e for e in s.entries if e.version > after]) for s in self._segs]
+        plan = [(p, es) for p, es in plan if es]
+        if plan and plan[0][1][0].version != after + 1:
+            first = plan[0][1][0].version
+            raise self._corrupt(
+                f"it resumes at version {first} (segment {plan[0][0].name}) but the state it is "
+                f"replayed onto is at version {after}: versions {after + 1}..{first - 1} are in "
+                "neither the checkpoint nor the log")
+        return self._read(plan)
+
+    def _read(self, plan: list[tuple[Path, list[_Entry]]]) -> Iterator[WalRecord]:
+        for path, entries in plan:
+            with open(path, "rb") as f:
+                for e in entries:
+                    yield self._load(f, path, e)
+
+    def _load(self, f, path: Path, e: _Entry) -> WalRecord:
+        f.seek(e.offset)
+        head = f.read(_HEAD)
+        fields = _FIELDS.unpack_from(head) if len(head) == _HEAD else None
+        ok = (fields is not None and fields[0] == _MAGIC and fields[1] == e.version
+              and _HEAD + fields[5] + fields[6] == e.size)
+        if ok:
+            _, version, contributors, clock_min, scale, nkeys, npay = fields
+            keys = f.read(nkeys)
+            grad = np.empty(npay // 4, "<f4")
+            got = f.readinto(memoryview(grad).cast("B")) if npay else 0
+            h = xxhash.xxh3_64(head[:_FIELDS.size])
+            h.update(keys)
+            h.update(memoryview(grad).cast("B"))
+            ok = len(keys) == nkeys and got == npay and h.intdigest() == e.checksum
+        if not ok:
+            raise self._corrupt(f"the record of version {e.version} at offset {e.offset} of "
+                                f"{path.name} changed after recovery validated it")
+        return WalRecord(version, contributors, clock_min, grad if npay else None, scale, keys)
+
+    # -- appends ---------------------------------------------------------------------------
+    def append(self, rec: WalRecord) -> None:
+        """Write ``rec`` and return once it is durable (fsync'ed). On failure nothing of it stays
+        in the log and ``WalWriteError`` says why; the same version may be appended again."""
+        grad = None if rec.grad is None else np.ascontiguousarray(rec.grad, "<f4")
+        payload = memoryview(grad).cast("B") if grad is not None and grad.size else memoryview(b"")
+        keys = bytes(rec.keys)
+        try:
+            fields = _FIELDS.pack(_MAGIC, rec.version, rec.contributors, rec.clock_min, rec.scale,
+                                  len(keys), payload.nbytes)
+        except struct.error as exc:
+            raise ValueError(f"version {rec.version}: a field does not fit the write-ahead log's "
+                             f"record (u64 counts, u32 keys length): {exc}") from None
+        h = xxhash.xxh3_64(fields)
+        h.update(keys)
+        h.update(payload)  # the array's own memory: no copy of the gradient
+        checksum = h.intdigest()
+        head = fields + _SUM.pack(checksum) + keys
+        size = len(head) + payload.nbytes
+        with self._lock:
+            if self._last is not None and rec.version != self._last + 1:
+                raise ValueError(f"version {rec.version} cannot follow version {self._last} in the "
+                                 f"write-ahead log in {self.dir}: the log must stay contiguous")
+            seg = self._open(rec.version)
+            start = seg.end
+            try:
+                _write_all(self._file, head)
+                _write_all(self._file, payload)
+                t0 = time.perf_counter()
+                os.fsync(self._file.fileno())
+                dt = time.perf_counter() - t0
+            except BaseException as exc:
+                self.stats.append_failures += 1
+                undo = self._undo(seg, start)
+                if not isinstance(exc, OSError):
+                    raise
+                raise WalWriteError(f"version {rec.version} of the write-ahead log in {self.dir} "
+                                    f"could not be made durable: {exc}{undo}", exc.errno) from exc
+            seg.entries.append(_Entry(rec.version, start, size, checksum))
+            seg.end = start + size
+            self._last = rec.version
+            s = self.stats
+            s.appends += 1
+            s.bytes_written += size
+            s.last_fsync_s = dt
+            s.total_fsync_s += dt
+
+    def _open(self, version: int) -> _Segment:
+        """The segment the record of ``version`` goes to, its file open (lock held)."""
+        if self._file is not None:
+            return self._cur
+        tail = self._segs[-1] if self._segs else None
+        if not self._rotated and tail is not None and tail.top() + 1 == version:
+            seg = tail  # continue it (after a restart that did not rotate, or a failed append)
+        else:
+            path = self.dir / f"wal-{version:012d}.log"
+            seg = next((s for s in self._segs if s.path == path), None)
+            if seg is None:
+                if path.exists():
+                    raise self._corrupt(f"{path.name} appeared after recovery (is another root "
+                                        "writing this log?)")
+                seg = _Segment(version, path, named=False)
+            elif seg.entries:
+                raise self._corrupt(f"{path.name} already holds versions {seg.first}..{seg.top()}")
+        for other in self._segs:  # retry cutting what earlier failures left (best effort)
+            if other.dirty and other is not seg:
+                try:
+                    _cut(other.path, other.end)
+                    other.dirty = False
+                except OSError:
+                    pass
+        try:
+            f = open(seg.path, "ab", buffering=0)
+        except OSError as exc:
+            self.stats.append_failures += 1
+            raise WalWriteError(f"version {version} of the write-ahead log in {self.dir} could not "
+                                f"be made durable: {exc}", exc.errno) from exc
+        if seg not in self._segs:
+            self._segs.append(seg)
+            self._segs.sort(key=lambda s: s.first)
+        try:
+            size = os.fstat(f.fileno()).st_size
+            if size < seg.end:
+                f.close()
+                raise self._corrupt(f"{seg.path.name} shrank to {size} bytes after recovery "
+                                    f"validated {seg.end}")
+            if size > seg.end:  # remains of a failed append that could not be cut then
+                os.ftruncate(f.fileno(), seg.end)
+                os.fsync(f.fileno())
+            seg.dirty = False
+            if not seg.named:  # a new file: its directory entry must be durable too
+                _fsync_dir(self.dir)
+                seg.named = True
+        except OSError as exc:
+            f.close()
+            self.stats.append_failures += 1
+            raise WalWriteError(f"version {version} of the write-ahead log in {self.dir} could not "
+                                f"be made durable: {exc}", exc.errno) from exc
+        self._file, self._cur, self._rotated = f, seg, False
+        return seg
+
+    def _undo(self, seg: _Segment, start: int) -> str:
+        """Cut a failed append back out of ``seg`` (lock held); a note for the error message."""
+        try:
+            os.ftruncate(self._file.fileno(), start)
+            os.fsync(self._file.fileno())
+            return ""
+        except OSError as exc:
+            seg.dirty = True
+            self._close(quiet=True)
+            self._rotated = True  # never write after the remains: the next append starts anew
+            log.error("write-ahead log %s: could not cut a failed append back out of %s at offset "
+                      "%d (%s); the next append starts a new segment, and recovery cuts the remains",
+                      self.dir, seg.path.name, start, exc)
+            return (f"; cutting it back out of {seg.path.name} failed too ({exc}), so the next "
+                    "append starts a new segment")
+
+    # -- segments --------------------------------------------------------------------------
+    def rotate(self, next_version: int) -> None:
+        """End the current segment: the next append (normally of ``next_version``) starts a new
+        one, named after the version it holds first. Opens nothing."""
+        with self._lock:
+            self._close()
+            self._rotated = True
+
+    def drop_upto(self, version: int) -> None:
+        """Delete segments holding only versions <= ``version`` (a durable checkpoint covers
+        them), never the one being written."""
+        with self._lock:
+            keep = []
+            for seg in self._segs:
+                if seg is not self._cur and seg.top() <= version:
+                    try:
+                        seg.path.unlink(missing_ok=True)
+                        continue
+                    except OSError as exc:  # harmless: replay skips what a checkpoint covers
+                        log.warning("write-ahead log %s: could not delete %s: %s", self.dir,
+                                    seg.path.name, exc)
+                keep.append(seg)
+            self._segs = keep
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self, quiet: bool = False) -> None:
+        f, self._file, self._cur = self._file, None, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                if not quiet:
+                    raise
+
+
+def _write_all(f, data: memoryview | bytes) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        n = f.write(view)
+        view = view[n:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,219 @@
+"""The ``hps`` command: serve | launch | status | job | demo.
+
+    hps serve --role zone --listen 0.0.0.0:7001 --parent region-eu:7000 --name eu-a
+    hps launch deploy/topology.yaml
+    hps status 127.0.0.1:7000
+    hps job create lm --mode ssp --staleness 2 --optimizer adam --lr 3e-3 --address 127.0.0.1:7000
+    hps demo
+
+Every flag falls back to an ``HPS_*`` environment variable (``--member-timeout-s`` reads
+``HPS_MEMBER_TIMEOUT_S``), which is how Kubernetes configures a pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+__all__ = ["main"]
+
+
+class _EnvDefault(argparse.Action):
+    """argparse action whose default comes from HPS_<FLAG> when set."""
+
+    def __init__(self, option_strings, dest, default=None, required=False, **kw):
+        env = "HPS_" + dest.upper()
+        if env in os.environ:
+            default, required = os.environ[env], False
+        kw["help"] = (kw.get("help") or "") + f" [env {env}]"
+        super().__init__(option_strings, dest, default=default, required=required, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
+def _serve(args) -> int:
+    from ps.core.config import ServerConfig
+    from ps.core.errors import BadInput
+    from ps.server import serve
+
+    try:
+        cfg = ServerConfig(
+            role=args.role, listen=args.listen, parent=args.parent or "", name=args.name or "",
+            metrics_port=int(args.metrics_port), heartbeat_s=float(args.heartbeat_s),
+            member_timeout_s=float(args.member_timeout_s), checkpoint_dir=args.checkpoint_dir or "",
+            checkpoint_every=int(args.checkpoint_every), round_timeout_s=float(args.round_timeout_s),
+            flush_ms=float(args.flush_ms), flush_bytes=int(args.flush_bytes), up_codec=args.up_codec or "",
+            max_job_params=int(args.max_job_params), push_budget_mb=int(args.push_budget_mb),
+            max_jobs=int(args.max_jobs), unjoined_job_ttl_s=float(args.unjoined_job_ttl_s))
+    except (BadInput, ValueError) as exc:
+        print(f"hps serve: {exc}", file=sys.stderr)
+        return 2
+    if args.loop == "uvloop":
+        import uvloop
+
+        uvloop.install()
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def _launch(args) -> int:
+    from ps.tools.launch import Cluster, load_topology
+
+    cluster = Cluster.start(load_topology(args.topology), args.logdir)
+    for t in cluster.tiers.values():
+        print(f"{t.role:9s} {t.name:8s} {t.address:22s} metrics {t.metrics_port}  log {t.log}")
+    for t in cluster.links.values():  # emulated WAN links (latency_ms / bandwidth_mbit edges)
+        print(f"{'link':9s} {t.name:8s} {t.address:22s} -> {t.parent}  log {t.log}")
+    print("cluster up; Ctrl-C stops it", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop and all(t.proc.poll() is None for t in cluster.tiers.values()):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _status(args) -> int:
+    from ps.tools.status import print_tree
+
+    return print_tree(args.address, sys.stdout)
+
+
+def _job(args) -> int:
+    from ps.core.config import JobConfig, OptimizerConfig
+    from ps.core.errors import HpsError
+    from ps.tools import jobctl
+
+    try:
+        if args.action == "create":
+            cfg = JobConfig(name=args.name, mode=args.mode, staleness=int(args.staleness),
+                            damping=args.damping, push_codec=args.push_codec, delta_codec=args.delta_codec,
+                            relay_codec=args.relay_codec, topk=float(args.topk),
+                            topk_warmup_steps=int(args.topk_warmup_steps),
+                            momentum_correction=args.momentum_correction,
+                            optimizer=OptimizerConfig(kind=args.optimizer, lr=float(args.lr),
+                                                      momentum=float(args.momentum),
+                                                      warmup_steps=int(args.warmup_steps)))
+            created = jobctl.declare(args.address, cfg)
+            print(f"job {args.name} {'declared' if created else 'already exists with this configuration'}; "
+                  "its first worker brings the parameters")
+        elif args.action == "list":
+            print(jobctl.format_jobs(jobctl.list_jobs(args.address)))
+        else:
+            print(f"job {args.name} ended at version {jobctl.end(args.address, args.name)}")
+    except HpsError as exc:
+        print(f"hps job {args.action}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _demo(args) -> int:
+    from ps.demo.run import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hps", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run one tier")
+    s.add_argument("--role", action=_EnvDefault, required=True, choices=["global", "regional", "zone"])
+    s.add_argument("--listen", action=_EnvDefault, default="127.0.0.1:0", help="HOST:PORT to bind")
+    s.add_argument("--parent", action=_EnvDefault, help="parent HOST:PORT (relays)")
+    s.add_argument("--name", action=_EnvDefault, help="tier name, e.g. eu-a")
+    s.add_argument("--metrics-port", action=_EnvDefault, default="-1", help="/metrics port (-1 off, 0 any)")
+    s.add_argument("--heartbeat-s", action=_EnvDefault, default="0.5", help="heartbeat interval")
+    s.add_argument("--member-timeout-s", action=_EnvDefault, default="3.0", help="drop silent members after")
+    s.add_argument("--checkpoint-dir", action=_EnvDefault, help="root: checkpoint directory")
+    s.add_argument("--checkpoint-every", action=_EnvDefault, default="50", help="root: versions between checkpoints")
+    s.add_argument("--round-timeout-s", action=_EnvDefault, default="600", help="longest BSP barrier wait")
+    s.add_argument("--flush-ms", action=_EnvDefault, default="5",
+                   help="ssp/async: flush the aggregation window after this many ms")
+    s.add_argument("--flush-bytes", action=_EnvDefault, default=str(64 * 1024 * 1024),
+                   help="ssp/async: ... or once this many payload bytes are waiting")
+    s.add_argument("--up-codec", action=_EnvDefault, default="",
+                   help="relays: codec of this tier's upward edge, overriding the job's relay codec")
+    s.add_argument("--max-job-params", action=_EnvDefault, default=str(1 << 31),
+                   help="the largest job this tier holds, in float32 parameters (larger ones are refused)")
+    s.add_argument("--push-budget-mb", action=_EnvDefault, default="2048",
+                   help="memory for pushes being received at once; past it pushes wait (RESOURCE_EXHAUSTED)")
+    s.add_argument("--max-jobs", action=_EnvDefault, default="1000", help="root: jobs held at once")
+    s.add_argument("--unjoined-job-ttl-s", action=_EnvDefault, default="86400",
+                   help="root: end a job no worker joined within this many seconds (0: never)")
+    s.add_argument("--loop", action=_EnvDefault, default="asyncio", choices=["asyncio", "uvloop"],
+                   help="event loop (benchmarks/bsp_step.py --loops compares them)")
+    s.set_defaults(fn=_serve)
+
+    s = sub.add_parser("launch", help="start a local cluster from a topology")
+    s.add_argument("topology", nargs="?", help="topology YAML (default: the embedded one)")
+    s.add_argument("--logdir", action=_EnvDefault, default="hps-demo/logs", help="tier logs")
+    s.set_defaults(fn=_launch)
+
+    s = sub.add_parser("status", help="show the tree, versions, lag and members")
+    s.add_argument("address", help="any tier's HOST:PORT (the root shows the whole tree)")
+    s.set_defaults(fn=_status)
+
+    s = sub.add_parser("job", help="create, list or end jobs (through any tier)")
+    s.add_argument("action", choices=["create", "list", "end"])
+    s.add_argument("name", nargs="?", help="job name (create, end)")
+    s.add_argument("--address", action=_EnvDefault, default="127.0.0.1:7000", help="any tier's HOST:PORT")
+    s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"])
+    s.add_argument("--staleness", default="0", help="s for --mode ssp")
+    s.add_argument("--damping", action="store_true", help="ssp/async: lr / (1 + staleness)")
+    s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    s.add_argument("--lr", default="0.01")
+    s.add_argument("--momentum", default="0.0")
+    s.add_argument("--warmup-steps", default="0")
+    s.add_argument("--push-codec", default="fp32", help="workers' codec: fp32, fp32+zstd, fp16, bf16, "
+                   "int8, topk, sign, rows (lossy ones run with error feedback)")
+    s.add_argument("--relay-codec", default="", help="relays' codec for aggregates (default: the push codec)")
+    s.add_argument("--delta-codec", default="fp32", help="the root's codec for published-view deltas")
+    s.add_argument("--topk", default="0.01", help="density of the topk codec (fraction of elements)")
+    s.add_argument("--topk-warmup-steps", default="0", help="DGC warm-up: density 25%% down to --topk")
+    s.add_argument("--momentum-correction", action="store_true",
+                   help="DGC: workers keep the sgd momentum and sparsify the velocity (topk, sgd momentum)")
+    s.set_defaults(fn=_job)
+
+    s = sub.add_parser("demo", help="train a small transformer LM on a local cluster")
+    s.add_argument("--steps", type=int, default=int(os.environ.get("HPS_DEMO_STEPS", "150")))
+    s.add_argument("--workers", type=int, default=4, help="worker processes (spread over the zones)")
+    s.add_argument("--batch", type=int, default=16, help="sequences per worker per step")
+    s.add_argument("--out", default="hps-demo", help="where the plot, summary and logs go")
+    s.add_argument("--topology", help="topology YAML (default: the embedded one)")
+    s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"], help="consistency model")
+    s.add_argument("--staleness", type=int, default=2, help="s for --mode ssp")
+    s.add_argument("--codec", default="fp32", help="push codec of workers and relays, e.g. topk")
+    s.add_argument("--topk", type=float, default=0.01, help="density of --codec topk")
+    s.add_argument("--delta-codec", default="fp32",
+                   help="the root's codec for published deltas (fp16, int8: lossy, error kept at the root)")
+    s.add_argument("--slow", type=float, default=1.0,
+                   help="make the last worker this many times slower (e.g. 2), to see the modes differ")
+    s.add_argument("--damping", action="store_true",
+                   help="ssp/async: the root scales each update's lr by 1/(1+staleness)")
+    s.set_defaults(fn=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("HPS_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "action", None) in ("create", "end") and not args.name:
+        parser.error(f"hps job {args.action} needs a job name")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

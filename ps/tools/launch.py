@@ -1,0 +1,246 @@
+"""Start a whole local cluster from a topology, and stop it by PID.
+
+    with Cluster.start(load_topology("deploy/topology.yaml"), logdir="/tmp/hps") as cluster:
+        cluster.address("eu-a")        # "127.0.0.1:41234"
+
+Each tier is one ``hps serve`` process. Tiers bind port 0 unless the topology names a port;
+launch reads each tier's ready line (``hps: serving ... on HOST:PORT``) from its log to learn
+the port, then starts its children pointed at it. Every process started is stopped by its
+PID: SIGTERM (graceful: final checkpoint, leave parent), then SIGKILL after a grace period.
+
+Emulated WAN links (``ps/tools/wanem.py``). A region or zone entry may declare the link to its
+parent, and a top-level ``links`` list may put a link in front of any tier for clients:
+
+    regions:
+      - {name: eu, latency_ms: 100, bandwidth_mbit: 100, zones: [...]}   # eu <-> root
+    links:
+      - {name: eu-wan, to: root, latency_ms: 100, bandwidth_mbit: 100}   # workers -> root
+
+``latency_ms`` is the round trip the link adds, ``bandwidth_mbit`` each direction's rate
+(also ``jitter_ms``, ``loss_pct``). Each declared link is one ``python -m ps.tools.wanem`` process
+(a delaying, rate-limiting TCP relay; this machine has no ``tc netem``); the child's
+``--parent`` points at it, and ``cluster.address("eu-wan")`` is where a worker connects to
+cross that link. Links live in ``cluster.links`` and are stopped after every tier.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from ps.core.errors import BadInput
+from ps.tools.wanem import Link
+
+__all__ = ["Cluster", "TierProcess", "load_topology", "default_topology", "MALLOC_ENV"]
+
+_READY = re.compile(r"hps: serving (\S+) (\S+) on (\S+)(?: metrics (\d+))?")
+# glibc serves every allocation of >= 32 MiB (the most M_MMAP_THRESHOLD can be raised to) with
+# its own mmap and unmaps it on free, so a server that assembles a large model faults every
+# page in again on every message: measured 1.7-2.5x slower pushes of a 100 MB model
+# (benchmarks/dataplane.py). Without mmap, freed memory stays in the heap for the next message.
+# Given to every server process unless the environment already sets them.
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(64 << 20)}
+_LINK_READY = re.compile(r"wanem(?: \S+)?: relaying (\S+) -> ")
+
+
+def default_topology() -> dict:
+    """The embedded default (package data, also at deploy/topology.yaml): one root, regions eu
+    and us with two zones each."""
+    return yaml.safe_load(resources.files("ps.tools").joinpath("topology.yaml").read_text())
+
+
+def load_topology(path: str | None) -> dict:
+    if not path:
+        return default_topology()
+    try:
+        topo = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise BadInput(f"cannot read topology {path}: {exc}") from None
+    if not isinstance(topo, dict) or "root" not in topo:
+        raise BadInput(f"topology {path} needs a 'root' entry")
+    return topo
+
+
+@dataclass
+class TierProcess:
+    name: str
+    role: str
+    proc: subprocess.Popen
+    log: Path
+    cmd: list[str] = field(default_factory=list)
+    address: str = ""
+    metrics_port: int | None = None
+    parent: str = ""
+
+
+@dataclass
+class Cluster:
+    logdir: Path
+    tiers: dict[str, TierProcess] = field(default_factory=dict)
+    links: dict[str, TierProcess] = field(default_factory=dict)  # emulated WAN links (role "link")
+    env: dict = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, topo: dict, logdir: str | Path, extra_root_args: list[str] = (),
+              timeout_s: float = 60.0, env: dict | None = None, tune_malloc: bool = True) -> Cluster:
+        """Start every tier (and link) of ``topo``; ``env`` is added to the servers' environment,
+        as is ``MALLOC_ENV`` (where not set already) unless ``tune_malloc`` is False."""
+        c = cls(Path(logdir), env={**(MALLOC_ENV if tune_malloc else {}), **os.environ, **(env or {})})
+        c.logdir.mkdir(parents=True, exist_ok=True)
+        host = topo.get("host", "127.0.0.1")
+        common = []
+        for k, v in (topo.get("settings") or {}).items():
+            common += [f"--{k.replace('_', '-')}", str(v)]
+        try:
+            r = topo["root"]
+            root = c._spawn(r.get("name", "root"), "global", host, r, "", common + list(extra_root_args))
+            for z in r.get("zones") or []:  # zones straight below the root (no regional tier)
+                c._spawn(z["name"], "zone", host, z, c._edge(z, root), common)
+            for reg in topo.get("regions") or []:
+                rt = c._spawn(reg["name"], "regional", host, reg, c._edge(reg, root), common)
+                for z in reg.get("zones") or []:
+                    c._spawn(z["name"], "zone", host, z, c._edge(z, rt), common)
+            for spec in topo.get("links") or []:
+                to = spec.get("to", "")
+                if to not in c.tiers:
+                    raise BadInput(f"link {spec.get('name')!r} goes to {to!r}, which is not a tier of the topology")
+                c._link(spec.get("name", ""), spec, c.tiers[to])
+            c.wait_ready(timeout_s)
+        except BaseException:
+            c.stop()
+            raise
+        return c
+
+    def _edge(self, spec: dict, parent: TierProcess) -> str:
+        """The address a child dials for its parent: the parent's, or an emulated link's."""
+        link = self._link(f"{spec['name']}-{parent.name}", spec, parent)
+        return link.address if link else parent.address
+
+    def _link(self, name: str, spec: dict, to: TierProcess) -> TierProcess | None:
+        try:
+            link = Link.from_spec(spec)
+        except (TypeError, ValueError) as exc:
+            raise BadInput(f"topology entry {spec.get('name')!r}: {exc}") from None
+        if link is None:
+            return None
+        if not name or name in self.links or name in self.tiers:
+            raise BadInput(f"link name {name!r} is empty or used twice in the topology")
+        log = self.logdir / f"link-{name}.log"
+        log.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "ps.tools.wanem", "--name", name, "--target", to.address,
+               "--latency-ms", str(link.latency_ms), "--bandwidth-mbit", str(link.bandwidth_mbit),
+               "--jitter-ms", str(link.jitter_ms), "--loss-pct", str(link.loss_pct)]
+        t = self._popen(name, "link", cmd, log, to.address)
+        self.links[name] = t
+        self._wait_line(t, 30.0, pattern=_LINK_READY)
+        return t
+
+    def _spawn(self, name: str, role: str, host: str, spec: dict, parent: str, args: list[str]) -> TierProcess:
+        if name in self.tiers:
+            raise BadInput(f"topology names tier {name!r} twice")
+        self.logdir.joinpath(f"{name}.log").unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "ps.tools.cli", "serve", "--role", role, "--name", name,
+               "--listen", f"{host}:{spec.get('port', 0)}", "--metrics-port", str(spec.get("metrics_port", -1))]
+        if parent:
+            cmd += ["--parent", parent]
+        if spec.get("checkpoint_dir"):
+            cmd += ["--checkpoint-dir", str(spec["checkpoint_dir"])]
+        for key in ("flush_ms", "flush_bytes"):  # per tier: a zone flushes sooner than a region
+            if key in spec:
+                cmd += [f"--{key.replace('_', '-')}", str(spec[key])]
+        # Every tier of a local cluster shares one machine: torch's default of one arithmetic
+        # thread per core in each of them oversubscribes it. Measured on the 2-core demo
+        # (py-spy, async): the root's Adam step and a region's encode spent most of their time
+        # waiting for their own threads. One each, unless the environment says otherwise.
+        tier = self._popen(name, role, cmd + list(args), self.logdir / f"{name}.log", parent,
+                           extra_env={"OMP_NUM_THREADS": "1"})
+        self.tiers[name] = tier
+        self._wait_line(tier, 60.0)  # children need the parent's port
+        return tier
+
+    def _popen(self, name: str, role: str, cmd: list[str], log: Path, parent: str,
+               extra_env: dict[str, str] | None = None) -> TierProcess:
+        env = {**(extra_env or {}), **(self.env or os.environ), "PYTHONUNBUFFERED": "1"}
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=env)
+        return TierProcess(name, role, proc, log, cmd=cmd, parent=parent)
+
+    def _wait_line(self, tier: TierProcess, timeout_s: float, offset: int = 0, pattern: re.Pattern = _READY) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with open(tier.log, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+            m = pattern.search(text)
+            if m and pattern is _LINK_READY:
+                tier.address = m.group(1)
+                return
+            if m:
+                tier.address = m.group(3)
+                tier.metrics_port = int(m.group(4)) if m.group(4) else None
+                return
+            if tier.proc.poll() is not None:
+                raise RuntimeError(f"tier {tier.name} exited with {tier.proc.returncode}:\n{text[-2000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"tier {tier.name} did not report ready within {timeout_s:.0f}s (log: {tier.log})")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        for t in self.tiers.values():
+            if not t.address:
+                self._wait_line(t, timeout_s)
+
+    def address(self, name: str) -> str:
+        """A tier's address, or the address of a declared link (where clients cross it)."""
+        return (self.tiers.get(name) or self.links[name]).address
+
+    def stop_tier(self, name: str, signum: int = signal.SIGTERM) -> None:
+        """Stop one tier by PID, keeping its record so ``restart`` can bring it back."""
+        self._kill(self.tiers[name], signum, 5.0)
+
+    def restart(self, name: str, signum: int = signal.SIGKILL) -> TierProcess:
+        """Stop one tier (SIGKILL by default, if still running) and start it again on the same port."""
+        old = self.tiers.pop(name)
+        self._kill(old, signum, 5.0)
+        cmd = list(old.cmd)
+        cmd[cmd.index("--listen") + 1] = old.address  # same port: children reconnect to it
+        offset = old.log.stat().st_size
+        self.tiers[name] = tier = self._popen(name, old.role, cmd, old.log, old.parent)
+        self._wait_line(tier, 60.0, offset)
+        return tier
+
+    @staticmethod
+    def _kill(t: TierProcess, sig: int, grace_s: float) -> None:
+        if t.proc.poll() is not None:
+            return
+        try:
+            os.kill(t.proc.pid, sig)
+            t.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.kill(t.proc.pid, signal.SIGKILL)
+            t.proc.wait(timeout=5)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        # Leaves first, so relays can still say goodbye to their parents; links last, since
+        # those goodbyes cross them.
+        for t in reversed(list(self.tiers.values())):
+            self._kill(t, signal.SIGTERM, grace_s)
+        for t in self.links.values():
+            self._kill(t, signal.SIGTERM, grace_s)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,96 @@
+"""``hps status ADDR``: the tree below a tier, with versions, lag, members and bytes.
+
+    print_tree("127.0.0.1:7000", sys.stdout)
+
+Relays register with the address they serve on, so starting at the root walks the whole tree.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ps.core.errors import HpsError
+from ps.core.types import TierStatus
+from ps.net.rpc import CHANNEL_OPTIONS, Caller
+from ps.net.wire import pb, status_from_pb
+from ps.tools.format import human_bytes
+
+__all__ = ["fetch_status", "fetch_ready", "print_tree", "walk"]
+
+
+def fetch_status(address: str, timeout_s: float = 5.0) -> TierStatus:
+    with Caller(address) as rpc:
+        return status_from_pb(rpc.call("Status", pb.StatusRequest(), timeout_s))
+
+
+def fetch_ready(address: str, timeout_s: float = 5.0) -> str:
+    """What the tier's readiness probe would see: "ready", "NOT READY" or "ready ?" (no answer)."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return "ready ?"
+    return "ready" if r.status == health_pb2.HealthCheckResponse.SERVING else "NOT READY"
+
+
+def walk(address: str, depth: int = 0, seen: set | None = None):
+    """Yield (depth, address, StatusReply or error) for a tier and every relay below it."""
+    seen = seen if seen is not None else set()
+    if address in seen or depth > 8:
+        return
+    seen.add(address)
+    try:
+        st = fetch_status(address)
+    except HpsError as exc:
+        yield depth, address, exc
+        return
+    yield depth, address, st
+    children = sorted({m.address for m in st.children} |
+                      {m.address for j in st.jobs for m in j.members if m.address})
+    for child in children:
+        yield from walk(child, depth + 1, seen)
+
+
+def print_tree(address: str, out) -> int:
+    rc = 0
+    for depth, addr, st in walk(address):
+        pad = "  " * depth
+        if isinstance(st, Exception):
+            print(f"{pad}{addr}: unreachable ({st})", file=out)
+            rc = 1
+            continue
+        parent = "" if not st.parent else f" parent {st.parent} ({'up' if st.parent_reachable else 'UNREACHABLE'})"
+        print(f"{pad}{st.role} {st.name} @ {addr} epoch {st.server_epoch:#x} "
+              f"up {st.uptime_s:.0f}s, {fetch_ready(addr)}{parent}", file=out)
+        for j in st.jobs:
+            workers = [m for m in j.members if m.role == "worker"]
+            s = j.stats
+            print(f"{pad}  job {j.name}: version {j.version} (crc {j.checksum:#010x}) lag {j.lag_versions} "
+                  f"versions / {j.lag_s:.1f}s, round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
+                  f"members {len(j.members)} ({len(workers)} workers)", file=out)
+            if j.mode != "bsp" or s.staleness_count:
+                mean = s.staleness_sum / s.staleness_count if s.staleness_count else 0.0
+                print(f"{pad}    {j.mode}: clock floor {j.clock_min}, staleness mean {mean:.2f} max "
+                      f"{s.staleness_max} over {s.staleness_count} applied pushes", file=out)
+            if s.loss_count:
+                print(f"{pad}    workers report: loss {s.loss_sum / s.loss_count:.4f} (mean of {s.loss_count} "
+                      f"steps), step {1000 * s.step_seconds_sum / s.loss_count:.0f} ms", file=out)
+            waited = s.round_wait_ms_sum / 1000.0
+            if waited:
+                print(f"{pad}    pushes waited {waited:.1f}s in total at this tier for their "
+                      "acknowledgement (barrier / window)", file=out)
+            print(f"{pad}    bytes: push in {human_bytes(s.bytes_pushed_in)}, up {human_bytes(s.bytes_pushed_up)}; "
+                  f"pull in {human_bytes(s.bytes_pulled_in)}, out {human_bytes(s.bytes_pulled_out)}; "
+                  f"snapshots {s.snapshots_served}, deltas {s.deltas_served}", file=out)
+            faults = {"members left": s.members_left, "timed out": s.members_expired,
+                      "restarted": s.members_replaced, "rounds restarted": s.restarted_rounds,
+                      "rounds refused": s.refused_rounds, "retries answered": s.duplicates,
+                      "retries resolved": s.resolved, "durable writes failed": s.durable_failures,
+                      "checkpoints failed": s.checkpoint_failures, "PUSHES APPLIED TWICE": s.double_applied}
+            shown = ", ".join(f"{k} {v}" for k, v in faults.items() if v)
+            if shown:
+                print(f"{pad}    faults: {shown}", file=out)
+            for m in workers:
+                print(f"{pad}    worker {m.member}: {m.pushes} pushes, seen {m.last_seen_s:.1f}s ago", file=out)
+    return rc

@@ -1,0 +1,409 @@
+"""Unit tests for the pure parameter core: ps.core.view, ps.core.tensors and ps.core.deltas.
+
+    .venv/bin/python -m pytest -q tests/core/test_view_deltas.py
+
+No event loop, no network: layouts, the checksummed view (invariants 1 and 5), splitting a
+flat vector into encoded chunks and validating it back, and the bounded delta log.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ps.core.codecs import get_codec
+from ps.core.deltas import DeltaEntry, DeltaLog
+from ps.core.errors import BadInput, Stale
+from ps.core.tensors import Chunk, assemble, split
+from ps.core.view import KeySpec, Layout, View, checksum
+
+__all__: list[str] = []
+
+CODECS = ["fp32", "fp32+zstd"]
+
+
+def _layout() -> Layout:
+    # 12 + 3 + 7 elements: with chunk_elems=5 the first and last keys span several chunks.
+    return Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,)), KeySpec("v", (7,))])
+
+
+def _values(n: int, seed: int = 0) -> np.ndarray:
+    """Awkward but finite float32 values: signed zeros, subnormals, huge and tiny numbers."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    special = np.array([-0.0, 1e-45, -1e-44, 3.0e38, -3.0e38, 1e-30], dtype=np.float32)
+    x[: min(n, special.size)] = special[: min(n, special.size)]
+    return x
+
+
+def _bits(x: np.ndarray) -> bytes:
+    return np.ascontiguousarray(x, dtype="<f4").tobytes()
+
+
+def _ready_view(layout: Layout, epoch: int = 7, version: int = 3) -> View:
+    view = View(layout)
+    vals = _values(layout.numel)
+    view.load_snapshot(epoch=epoch, version=version, values=vals, crc=checksum(vals))
+    return view
+
+
+def _state(view: View) -> tuple:
+    return view.epoch, view.version, view.checksum, _bits(view.values), view.values.dtype
+
+
+# ============================================================================ store: Layout
+
+
+def test_layout_places_keys_contiguously_in_creation_order():
+    layout = _layout()
+    assert layout.numel == 12 + 3 + 7
+    assert [layout.offset(k) for k in ("w", "b", "v")] == [0, 12, 15]
+    assert [s.key for s in layout] == ["w", "b", "v"]
+
+
+def test_layout_rejects_duplicate_keys():
+    with pytest.raises(BadInput, match="'w'"):
+        Layout([KeySpec("w", (2,)), KeySpec("b", (1,)), KeySpec("w", (3,))])
+
+
+@pytest.mark.parametrize("specs", [
+    [],
+    [KeySpec("", (2,))],
+    [KeySpec("w", (2, -1))],
+    [KeySpec("w", (2,), dtype="float16")],
+], ids=["no-keys", "empty-key", "negative-dim", "bad-dtype"])
+def test_layout_rejects_malformed_specs(specs):
+    with pytest.raises(BadInput):
+        Layout(specs)
+
+
+def test_layout_check_reports_wrong_shape_with_key_name():
+    layout = _layout()
+    with pytest.raises(BadInput) as exc:
+        layout.check("w", "float32", (3, 4))
+    msg = str(exc.value)
+    assert "'w'" in msg and "(3, 4)" in msg and "(4, 3)" in msg
+
+
+def test_layout_check_reports_wrong_dtype_with_key_name():
+    layout = _layout()
+    with pytest.raises(BadInput) as exc:
+        layout.check("b", "float16", (3,))
+    msg = str(exc.value)
+    assert "'b'" in msg and "float16" in msg
+
+
+def test_layout_check_reports_unknown_key_by_name():
+    with pytest.raises(BadInput, match="'nope'"):
+        _layout().check("nope", "float32", (1,))
+
+
+def test_layout_check_accepts_the_matching_spec():
+    layout = _layout()
+    assert layout.check("w", "float32", [4, 3]) == KeySpec("w", (4, 3))
+
+
+# ============================================================================ store: checksum
+
+
+def test_checksum_changes_with_every_single_bit_flip():
+    x = _values(16)
+    base = checksum(x)
+    raw = np.frombuffer(_bits(x), dtype=np.uint8).copy()
+    seen = set()
+    for byte in range(raw.size):
+        for bit in range(8):
+            flipped = raw.copy()
+            flipped[byte] ^= np.uint8(1 << bit)
+            crc = checksum(flipped.view("<f4"))
+            assert crc != base, f"flip of byte {byte} bit {bit} kept the checksum"
+            seen.add(crc)
+    assert len(seen) == raw.size * 8  # and no two flips collide either
+
+
+def test_checksum_is_of_the_float32_bytes():
+    x = _values(9)
+    assert checksum(x) == checksum(x.astype(np.float64))  # held and compared as float32
+    assert checksum(x) != checksum(x[::-1].copy())        # order matters
+
+
+# ============================================================================ store: View
+
+
+def test_new_view_is_not_ready():
+    view = View(_layout())
+    assert not view.ready and view.version == 0
+
+
+def test_load_snapshot_installs_a_copy():
+    layout = _layout()
+    vals = _values(layout.numel)
+    view = View(layout)
+    view.load_snapshot(epoch=5, version=9, values=vals, crc=checksum(vals))
+    assert view.ready and (view.epoch, view.version) == (5, 9)
+    assert view.checksum == checksum(vals) and _bits(view.values) == _bits(vals)
+    vals[:] = 0  # the caller's buffer is not the view
+    assert view.checksum == checksum(view.values) != checksum(vals)
+
+
+def test_load_snapshot_verifies_the_checksum_and_changes_nothing():
+    view = _ready_view(_layout())
+    before = _state(view)
+    vals = _values(view.layout.numel, seed=1)
+    with pytest.raises(Stale, match="checksum"):
+        view.load_snapshot(epoch=8, version=1, values=vals, crc=checksum(vals) ^ 1)
+    assert _state(view) == before
+
+
+def test_load_snapshot_refuses_the_wrong_size():
+    view = View(_layout())
+    vals = _values(view.layout.numel + 1)
+    with pytest.raises(BadInput):
+        view.load_snapshot(epoch=8, version=1, values=vals, crc=checksum(vals))
+    assert not view.ready
+
+
+def test_apply_delta_onto_the_exact_base():
+    view = _ready_view(_layout(), epoch=7, version=3)
+    d = _values(view.layout.numel, seed=2) * np.float32(1e-3)
+    want = view.values + d
+    view.apply_delta(epoch=7, version=4, delta=d, crc=checksum(want))
+    assert (view.epoch, view.version) == (7, 4)
+    assert _bits(view.values) == _bits(want) and view.checksum == checksum(want)
+
+
+@pytest.mark.parametrize("epoch,version", [(8, 4), (6, 4), (7, 3), (7, 5), (7, 2)],
+                         ids=["newer-epoch", "older-epoch", "replay", "skip", "behind"])
+def test_apply_delta_refuses_a_wrong_base_and_changes_nothing(epoch, version):
+    view = _ready_view(_layout(), epoch=7, version=3)
+    before = _state(view)
+    d = np.ones(view.layout.numel, np.float32)
+    with pytest.raises(Stale, match="resync"):
+        # The checksum is right for the result: only the base is wrong.
+        view.apply_delta(epoch=epoch, version=version, delta=d, crc=checksum(view.values + d))
+    assert _state(view) == before
+
+
+def test_apply_delta_refuses_a_checksum_mismatch_and_changes_nothing():
+    view = _ready_view(_layout(), epoch=7, version=3)
+    before = _state(view)
+    d = np.ones(view.layout.numel, np.float32)
+    with pytest.raises(Stale, match="checksum"):
+        view.apply_delta(epoch=7, version=4, delta=d, crc=checksum(view.values + d) ^ 0x80)
+    assert _state(view) == before
+    # The same delta with the right checksum still applies: nothing was half-done.
+    view.apply_delta(epoch=7, version=4, delta=d, crc=checksum(view.values + d))
+    assert view.version == 4
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_replica_following_root_deltas_is_bit_exact(codec):
+    """Invariant 1: the root publishes view_v = view_{v-1} + decode(d_v); a replica that
+    applies the same encoded deltas holds the same bits and verifies every checksum."""
+    layout, c = _layout(), get_codec(codec)
+    rng = np.random.default_rng(3)
+    params = _values(layout.numel)
+    root = View(layout)
+    root.load_snapshot(epoch=11, version=0, values=params, crc=checksum(params))
+    replica = View(layout)
+    replica.load_snapshot(epoch=11, version=0, values=root.values.copy(), crc=root.checksum)
+    for v in range(1, 8):
+        params = params - np.float32(0.01) * rng.standard_normal(layout.numel).astype(np.float32)
+        chunks = split(layout, params - root.values, c, chunk_elems=5)
+        d = assemble(layout, chunks, what="delta", require_all=True)
+        root.apply_delta(11, v, d, checksum(root.values + d))
+        replica.apply_delta(11, v, assemble(layout, chunks, what="delta"), root.checksum)
+        assert _bits(replica.values) == _bits(root.values)
+    assert replica.version == 7 and replica.checksum == root.checksum
+
+
+# ============================================================================ tensors
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_split_assemble_round_trip_is_bit_exact(codec):
+    layout = _layout()
+    x = _values(layout.numel, seed=4)
+    chunks = split(layout, x, get_codec(codec), chunk_elems=5)
+    # w (12) -> 5, 5, 2; b (3) -> 3; v (7) -> 5, 2
+    assert [(c.key, c.offset, c.numel) for c in chunks] == [
+        ("w", 0, 5), ("w", 5, 5), ("w", 10, 2), ("b", 0, 3), ("v", 0, 5), ("v", 5, 2)]
+    assert all(c.codec == codec and c.shape == layout.spec(c.key).shape for c in chunks)
+    y = assemble(layout, chunks, what="push", require_all=True)
+    assert y.dtype == np.float32 and _bits(y) == _bits(x)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_round_trip_survives_chunk_order_and_default_chunk_size(codec):
+    layout = _layout()
+    x = _values(layout.numel, seed=5)
+    chunks = split(layout, x, get_codec(codec), chunk_elems=4)
+    assert _bits(assemble(layout, chunks[::-1], what="push", require_all=True)) == _bits(x)
+    one_each = split(layout, x, get_codec(codec))
+    assert len(one_each) == 3
+    assert _bits(assemble(layout, one_each, what="push", require_all=True)) == _bits(x)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_scalar_and_empty_keys_round_trip(codec):
+    layout = Layout([KeySpec("scale", ()), KeySpec("none", (0, 3)), KeySpec("v", (4,))])
+    x = _values(layout.numel, seed=8)
+    chunks = split(layout, x, get_codec(codec), chunk_elems=3)
+    assert [(c.key, c.offset, c.numel) for c in chunks] == [("scale", 0, 1), ("v", 0, 3), ("v", 3, 1)]
+    assert _bits(assemble(layout, chunks, what="snapshot", require_all=True)) == _bits(x)
+
+
+def test_keys_not_sent_are_zero():
+    layout = _layout()
+    x = _values(layout.numel, seed=6)
+    only_b = [c for c in split(layout, x, get_codec("fp32"), chunk_elems=5) if c.key == "b"]
+    y = assemble(layout, only_b, what="push")
+    assert _bits(y[12:15]) == _bits(x[12:15])
+    assert not y[:12].any() and not y[15:].any()
+
+
+def test_require_all_catches_missing_elements():
+    layout = _layout()
+    chunks = split(layout, _values(layout.numel), get_codec("fp32"), chunk_elems=5)
+    missing = [c for c in chunks if not (c.key == "w" and c.offset == 5)]
+    assemble(layout, missing, what="push")  # fine for a gradient
+    with pytest.raises(BadInput, match="'w' has 7 of its 12"):
+        assemble(layout, missing, what="snapshot", require_all=True)
+    with pytest.raises(BadInput, match="'b'"):
+        assemble(layout, [c for c in chunks if c.key != "b"], what="snapshot", require_all=True)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_assemble_rejects_non_finite_values(codec, bad):
+    layout = _layout()
+    x = _values(layout.numel)
+    x[13] = bad
+    chunks = split(layout, x, get_codec(codec), chunk_elems=5)
+    with pytest.raises(BadInput, match="non-finite") as exc:
+        assemble(layout, chunks, what="push 3 from 'w0'")
+    assert "'b'" in str(exc.value) and "push 3 from 'w0'" in str(exc.value)
+    # Callers that hold raw parameters may opt out, and then get the bits they sent.
+    y = assemble(layout, chunks, what="snapshot", check_finite=False)
+    assert _bits(y) == _bits(x)
+
+
+def _one(layout: Layout, **change) -> list[Chunk]:
+    """A valid fp32 chunk set for ``layout`` with the first chunk of key "w" altered."""
+    x = _values(layout.numel)
+    chunks = split(layout, x, get_codec("fp32"), chunk_elems=5)
+    i = next(i for i, c in enumerate(chunks) if c.key == "w" and c.offset == 0)
+    c = chunks[i]
+    fields = dict(key=c.key, shape=c.shape, dtype=c.dtype, offset=c.offset, numel=c.numel,
+                  codec=c.codec, payload=c.payload)
+    fields.update(change)
+    chunks[i] = Chunk(**fields)
+    return chunks
+
+
+def test_assemble_rejects_overlapping_chunks():
+    layout = _layout()
+    chunks = split(layout, _values(layout.numel), get_codec("fp32"), chunk_elems=5)
+    with pytest.raises(BadInput, match="overlapping"):
+        assemble(layout, chunks + [chunks[1]], what="push")  # the same slice twice
+    x = _values(5, seed=9)
+    shifted = Chunk("w", (4, 3), "float32", 3, 5, "fp32", get_codec("fp32").encode(x))
+    with pytest.raises(BadInput, match="overlapping"):
+        assemble(layout, chunks + [shifted], what="push")    # [3, 8) against [0, 5) and [5, 10)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(offset=10), "outside"),                         # [10, 15) of a 12-element key
+    (dict(offset=1 << 40), "outside"),
+    (dict(numel=0, payload=b""), "outside"),
+    (dict(key="zz"), "'zz'"),
+    (dict(shape=(3, 4)), r"\(3, 4\)"),
+    (dict(shape=(12,)), r"\(12,\)"),
+    (dict(dtype="float16"), "float16"),
+    (dict(codec="nope"), "unknown codec"),
+], ids=["offset-past-end", "offset-huge", "empty-chunk", "unknown-key", "transposed-shape",
+        "flat-shape", "dtype", "codec"])
+def test_assemble_rejects_malformed_chunks(change, match):
+    with pytest.raises(BadInput, match=match):
+        assemble(_layout(), _one(_layout(), **change), what="push")
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_assemble_rejects_truncated_payload(codec):
+    layout = _layout()
+    chunks = split(layout, _values(layout.numel), get_codec(codec), chunk_elems=5)
+    for cut in (1, 4, len(chunks[0].payload) // 2):
+        c = chunks[0]
+        short = Chunk(c.key, c.shape, c.dtype, c.offset, c.numel, c.codec, c.payload[:-cut])
+        with pytest.raises(BadInput):
+            assemble(layout, [short] + chunks[1:], what="push")
+
+
+def test_assemble_rejects_payload_that_disagrees_with_numel():
+    layout = _layout()
+    with pytest.raises(BadInput, match="bytes"):
+        assemble(layout, _one(layout, numel=4), what="push")  # 5 elements of payload, says 4
+
+
+# ============================================================================ deltas
+
+
+def _entry(v: int) -> DeltaEntry:
+    payload = np.full(2, v, np.float32).tobytes()
+    return DeltaEntry(version=v, checksum=v * 101, chunks=(
+        Chunk("b", (2,), "float32", 0, 2, "fp32", payload),), clock_min=v, contributors=2)
+
+
+def _log(capacity: int, versions) -> tuple[DeltaLog, dict[int, DeltaEntry]]:
+    log, made = DeltaLog(capacity), {}
+    for v in versions:
+        made[v] = _entry(v)
+        log.append(made[v])
+    return log, made
+
+
+def test_since_returns_exact_contiguous_entries():
+    log, made = _log(8, range(1, 7))
+    got = log.since(2, 6)
+    assert [e.version for e in got] == [3, 4, 5, 6]
+    assert all(e is made[e.version] for e in got)  # verbatim: what was appended, not a copy
+    assert [e.version for e in log.since(0, 6)] == [1, 2, 3, 4, 5, 6]
+    assert [e.version for e in log.since(3, 4)] == [4]
+    assert log.since(2, 6)[0].nbytes == 8
+
+
+def test_since_is_empty_when_up_to_date():
+    log, _ = _log(4, range(1, 4))
+    assert log.since(3, 3) == []
+    assert DeltaLog(4).since(0, 0) == []
+
+
+def test_since_needs_a_snapshot_once_the_base_left_the_log():
+    log, _ = _log(4, range(1, 11))  # holds 7..10
+    assert len(log) == 4 and log.newest == 10 and log.oldest_base == 6
+    assert [e.version for e in log.since(6, 10)] == [7, 8, 9, 10]
+    for base in (0, 3, 5):
+        assert log.since(base, 10) is None
+    assert DeltaLog(4).since(0, 1) is None  # nothing logged yet
+
+
+def test_since_refuses_what_the_log_does_not_hold():
+    log, _ = _log(8, range(1, 5))
+    assert log.since(2, 5) is None  # past the newest
+    assert log.since(4, 2) is None  # backwards
+
+
+def test_a_version_gap_clears_older_entries():
+    log, made = _log(8, [1, 2, 3])
+    gap = _entry(7)   # the lineage jumped (a snapshot at 6): 1..3 no longer lead to 7
+    log.append(gap)
+    assert len(log) == 1 and log.oldest_base == 6
+    assert log.since(3, 7) is None and log.since(2, 3) is None
+    assert log.since(6, 7) == [gap]
+    log.append(_entry(8))
+    assert [e.version for e in log.since(6, 8)] == [7, 8]
+
+
+def test_delta_log_capacity_must_be_positive():
+    with pytest.raises(ValueError):
+        DeltaLog(0)

@@ -1,0 +1,102 @@
+"""Shared test helpers (imported by tests; fixtures live in conftest.py).
+
+    lt = LoopThread()                    # an asyncio loop in a thread
+    tree = Tree(lt)                      # real tiers on 127.0.0.1:0 in this process
+    root = tree.add("root", "global")    # its address
+    zone = tree.add("z", "zone", parent="root")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+
+from ps.core.config import ServerConfig
+from ps.server import create_server, shutdown
+
+__all__ = ["FAST", "LoopThread", "Tree", "same_bits", "bsp_rounds"]
+
+FAST = dict(heartbeat_s=0.1, member_timeout_s=1.0)
+
+
+class LoopThread:
+    """An asyncio loop in a background thread; ``run`` executes a coroutine on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn, timeout: float = 30):
+        """Run ``fn()`` on the loop thread (safe access to a tier's state)."""
+        async def _c():
+            return fn()
+        return self.run(_c(), timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+class Tree:
+    """An in-process tree: root, optional region, zones below it."""
+
+    def __init__(self, lt: LoopThread) -> None:
+        self.lt = lt
+        self.servers: dict[str, tuple] = {}
+
+    def add(self, name: str, role: str, parent: str = "", **kw) -> str:
+        cfg = ServerConfig(role=role, name=name, parent=self.addr(parent) if parent else "",
+                           **{**FAST, **kw})
+        self.servers[name] = self.lt.run(create_server(cfg))
+        return self.addr(name)
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.servers[name][1]}"
+
+    def tier(self, name: str):
+        return self.servers[name][2]
+
+    def view(self, name: str, job: str):
+        """(epoch, version, checksum, values copy) of a tier's view, read on the loop."""
+        def get():
+            v = self.tier(name).jobs[job].view
+            return v.epoch, v.version, v.checksum, v.values.copy()
+        return self.lt.call(get)
+
+    def stop(self, name: str) -> None:
+        server, _, tier = self.servers.pop(name)
+        self.lt.run(shutdown(server, tier, grace=0.5))
+
+    def close(self) -> None:
+        for name in reversed(list(self.servers)):
+            self.stop(name)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def bsp_rounds(clients, steps: int, grad, report=None) -> None:
+    """BSP with ParameterClients: each pushes ``grad(i, step)`` once per round (one thread per
+    client: a round waits for all), then pulls the new version. ``report(step)``: telemetry."""
+    errors = []
+
+    def run(i, c):
+        try:
+            for s in range(steps):
+                extra = {} if report is None else {"report": report(s)}
+                v, _ = c.push(grad(i, s), clock=s, **extra)
+                c.pull(min_version=v)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    assert not errors, errors

@@ -1,0 +1,139 @@
+"""ps.tiers.metrics without a server: lag from a state snapshot, bounded labels, training metrics,
+reconnect counting, and promtool's lint of what the families render to."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ps.core.types import JobStats, JobStatus, MemberInfo, TierStatus
+from ps.tiers.metrics import LinkWatch, RpcMetrics, _families
+from worker.metrics import TrainingMetrics
+
+
+def _job(**kw) -> JobStatus:
+    stats = JobStats(pushes=8, bytes_pushed_in=800, bytes_pulled_out=400, bytes_pushed_up=200,
+                     bytes_pulled_in=100, deltas_served=6, snapshots_served=2, rounds=4,
+                     restarted_rounds=1, duplicates=2, resolved=1, members_left=1,
+                     round_wait_ms_sum=1500, loss_sum=6.0, loss_count=3, step_seconds_sum=0.3,
+                     staleness_count=3, staleness_sum=6, staleness_max=4)
+    members = (MemberInfo("w0", "worker", "", 0.1), MemberInfo("w1", "worker", "", 0.2))
+    job = dict(name="lm", mode="ssp", staleness=2, version=10, view_epoch=7, checksum=1, parent_version=10,
+               lag_s=0.0, round=4, round_pushed=1, clock_min=3, parameters=25, members=members, stats=stats)
+    return JobStatus(**{**job, **kw})
+
+
+def _snap(role: str, link: dict | None, **job) -> dict:
+    status = TierStatus(role=role, name="eu-a", server_epoch=9, parent="region:7000" if link else "",
+                        parent_reachable=link is None or link["reachable"], ready=True, uptime_s=5.0,
+                        jobs=(_job(**job),))
+    return dict(status=status, link=link)
+
+
+class _Families:
+    """A collector over fixed families, to render them as a scrape would."""
+
+    def __init__(self, fams) -> None:
+        self.fams = fams
+
+    def collect(self):
+        return self.fams
+
+
+def _render(fams) -> str:
+    registry = CollectorRegistry()
+    registry.register(_Families(fams))
+    return generate_latest(registry).decode()
+
+
+def _value(text: str, name: str, **labels) -> float:
+    (v,) = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name and all(s.labels.get(k) == x for k, x in labels.items())]
+    return v
+
+
+_UP = dict(reachable=True, errors=0, reconnects=0)
+
+
+def test_families_render_state_with_bounded_labels():
+    text = _render(_families(_snap("zone", _UP, parent_version=12, lag_s=10.0), {"tier": "zone", "zone": "eu-a"}))
+    lz = dict(tier="zone", zone="eu-a", job="lm")
+    assert _value(text, "hps_replica_lag_versions", **lz) == 2
+    assert _value(text, "hps_replica_lag_seconds", **lz) == 10.0
+    assert _value(text, "hps_members", **lz) == 2
+    assert _value(text, "hps_push_bytes_total", edge="children", **lz) == 800
+    assert _value(text, "hps_push_bytes_total", edge="parent", **lz) == 200
+    assert _value(text, "hps_push_decoded_bytes_total", edge="children", **lz) == 8 * 25 * 4
+    assert _value(text, "hps_pull_decoded_bytes_total", edge="children", **lz) == (6 + 2) * 25 * 4
+    assert _value(text, "hps_barrier_wait_seconds_sum", **lz) == 1.5
+    assert _value(text, "hps_job_staleness_bound", **lz) == 2
+    assert _value(text, "hps_upstream_reachable", tier="zone", zone="eu-a") == 1
+    labels = {k for f in text_string_to_metric_families(text) for s in f.samples for k in s.labels}
+    # reason: left | expired | replaced (member departures), a fixed set like edge's.
+    assert labels <= {"tier", "region", "zone", "job", "edge", "reason", "name", "parent", "quantile"}
+    # The root: staleness, no parent edge, no link.
+    text = _render(_families(_snap("global", None), {"tier": "global"}))
+    assert _value(text, "hps_update_staleness_versions_sum", job="lm") == 6
+    assert _value(text, "hps_update_staleness_max_versions", job="lm") == 4
+    assert "edge=\"parent\"" not in text and "hps_upstream_reachable" not in text
+
+
+def test_rpc_latency_labels_only_jobs_the_tier_holds():
+    registry = CollectorRegistry()
+    rpc = RpcMetrics(registry, {"tier": "zone"}, known_job=lambda job: job == "lm")
+    for job in ("lm", "random-1", "random-2", ""):
+        with rpc.timed("push") as t:
+            t.job = job
+    text = generate_latest(registry).decode()
+    assert _value(text, "hps_push_duration_seconds_count", job="lm") == 1
+    assert _value(text, "hps_push_duration_seconds_count", job="_unknown") == 3
+
+
+def test_training_metrics_count_steps_and_step_time():
+    registry = CollectorRegistry()
+    train = TrainingMetrics("lm", registry)
+    train.report(loss=2.5, steps=4, seconds=2.0)
+    train.report(loss=2.25, steps=2)
+    text = generate_latest(registry).decode()
+    assert _value(text, "hps_training_loss", job="lm") == 2.25
+    assert _value(text, "hps_training_steps_total", job="lm") == 6
+    assert _value(text, "hps_training_step_duration_seconds_count", job="lm") == 4
+    assert _value(text, "hps_training_step_duration_seconds_sum", job="lm") == 2.0
+    with pytest.raises(ValueError, match="steps must be >= 0"):
+        train.report(loss=1.0, steps=-1)
+    with pytest.raises(ValueError, match="cover at least one step"):
+        train.report(loss=1.0, steps=0, seconds=1.0)
+
+
+class _Link:
+    reachable = False
+
+
+def test_link_watch_counts_a_reconnect_once_per_outage_and_not_the_first_connect():
+    link = _Link()
+    watch = LinkWatch(link, poll_s=1.0)
+    for reachable in (False, True, True, False, False, True, True, False, True):
+        link.reachable = reachable
+        watch.poll()
+    assert watch.reconnects == 2
+
+
+def test_promtool_lints_every_family():
+    promtool = Path(sys.executable).parent / "promtool"
+    promtool = str(promtool) if promtool.exists() else shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (`make tools` extracts it from Debian's "
+                    "prometheus package)")
+    registry = CollectorRegistry()
+    registry.register(_Families(_families(_snap("zone", _UP), {"tier": "zone", "zone": "eu-a"})))
+    TrainingMetrics("lm", registry).report(loss=1.0, steps=1, seconds=0.1)
+    RpcMetrics(registry, {"tier": "zone"})
+    r = subprocess.run([promtool, "check", "metrics"], input=generate_latest(registry).decode(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
