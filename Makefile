@@ -8,14 +8,14 @@ STAMP  := $(VENV)/.installed
 PB     := ps/net/proto/hps_pb2.py
 TORCH  := torch==2.13.0
 
-.PHONY: install proto tools test demo bench clean
+.PHONY: install proto tools test lint demo bench clean
 
 install: $(STAMP) $(PB)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,demo,uvloop,lint]'
 	touch $@
 
 # Generated code is never edited nor committed; protoc is run from the venv's grpcio-tools.
@@ -47,6 +47,11 @@ tools: $(STAMP)
 
 test: install tools
 	$(BIN)/python -m pytest -q tests
+
+# ruff (style, imports, bugbear) over everything; mypy over the pure core and the worker.
+lint: install
+	$(BIN)/ruff check ps worker tests benchmarks
+	$(BIN)/mypy
 
 demo: install
 	$(BIN)/hps demo
