@@ -152,6 +152,9 @@ class AppliedBook:
                 raise BadInput(f"applied-push record cut short at byte {pos}")
             v, n = _VERSION.unpack_from(view, pos)
             pos += _VERSION.size
+            if pos + n > len(view):  # a slice would quietly load the keys that are there
+                raise BadInput(f"applied-push record of version {v} cut short: {n} bytes of keys "
+                               f"declared, {len(view) - pos} present")
             self.add(v, decode_keys(bytes(view[pos:pos + n])))
             pos += n
 
@@ -182,6 +185,10 @@ def decode_keys(data: bytes) -> tuple[PushKey, ...]:
         pos += _KEY.size
         if pos + n + d > len(view):
             raise BadInput(f"push keys cut short at byte {pos} of {len(view)}")
-        out.append(PushKey(bytes(view[pos:pos + n]).decode(), inc, seq, bytes(view[pos + n:pos + n + d])))
+        try:
+            member = bytes(view[pos:pos + n]).decode()
+        except UnicodeDecodeError:
+            raise BadInput(f"push keys hold a member id that is not UTF-8 at byte {pos}") from None
+        out.append(PushKey(member, inc, seq, bytes(view[pos + n:pos + n + d])))
         pos += n + d
     return tuple(out)

@@ -69,12 +69,16 @@ class Assembler:
             a.add(chunk)                 # BadInput on an unknown key, a bad slice, NaN, ...
         grad = a.finish()                # overlaps (and, if asked, gaps) checked
 
-    The vector is the assembler's own, so a stream refused halfway changes nothing else.
+    The vector is the assembler's own, so a stream refused halfway changes nothing else. It is
+    allocated, not zeroed: memory is touched only where chunks land, and ``finish`` zeroes what
+    none covered. A zeroed vector made a ~100-byte CreateJob header that declared 2^27
+    parameters cost the tier 512 MiB before its first value was refused (under the allocator
+    settings `hps launch` uses, calloc writes the reused heap).
     """
 
     def __init__(self, layout: Layout, what: str, check_finite: bool = True) -> None:
         self.layout, self.what, self.check_finite = layout, what, check_finite
-        self.out = np.zeros(layout.numel, dtype=np.float32)
+        self.out = np.empty(layout.numel, dtype=np.float32)
         self.chunks = 0
         self._covered: dict[str, list[tuple[int, int]]] = {}
 
@@ -104,11 +108,16 @@ class Assembler:
                 if b0 < a1:
                     raise BadInput(f"{self.what}: key {short(key)} has overlapping chunks [{a0}, {a1}) "
                                    f"and [{b0}, {b1})")
-        if require_all:
-            for spec in self.layout:
-                have = sum(b - a for a, b in self._covered.get(spec.key, []))
-                if have != spec.numel:
-                    raise BadInput(f"{self.what}: key {short(spec.key)} has {have} of its {spec.numel} elements")
+        for spec in self.layout:
+            spans = self._covered.get(spec.key, [])
+            have = sum(b - a for a, b in spans)
+            if require_all and have != spec.numel:
+                raise BadInput(f"{self.what}: key {short(spec.key)} has {have} of its {spec.numel} elements")
+            if have != spec.numel:  # zero the gaps between the chunks that came
+                base, pos = self.layout.offset(spec.key), 0
+                for a, b in [*spans, (spec.numel, spec.numel)]:
+                    self.out[base + pos: base + a] = 0.0
+                    pos = b
         return self.out
 
 

@@ -201,6 +201,11 @@ class Tier:
                             "was replaced by a newer one, or never registered); register again")
         if meta.sources and member.role == "worker":
             raise BadInput("a worker's push names no sources: it is its own")
+        for k in meta.sources:  # worker push keys, as the root's log records them
+            check_member(k.member)
+            if len(k.digest) != 16:
+                raise BadInput(f"push source {short(k.member)}/{k.seq} has a {len(k.digest)}-byte digest; a "
+                               "push's digest is its end marker's XXH3-128, 16 bytes")
         kind = js.book(meta.sender, meta.incarnation).classify(meta.seq)
         if member.in_flight >= MAX_IN_FLIGHT + 2:
             raise Exhausted(f"{meta.sender!r} has {member.in_flight} pushes in flight here (at most "
@@ -244,6 +249,14 @@ class Tier:
             if not keys:
                 raise
             return await self._resolve_late(js, book, meta, digest, keys, exc)
+        if kind == "retry" and keys and meta.seq + book.keep <= book.highest:
+            # Older than every acknowledgement this tier keeps for the sender, so it may have been
+            # applied: a push reusing such a number with another body, on the open round, was
+            # applied twice (found by the request fuzzer). The root's record decides; a number
+            # that old that was never applied is no retry a sender makes, and is refused too.
+            return await self._resolve_late(js, book, meta, digest, keys, Conflict(
+                f"push {meta.seq} of {meta.sender!r} is older than the last {book.keep} this tier "
+                "remembers and was not applied; a new gradient takes the next sequence number"))
         # Everything is validated: from here the push is committed to the batch.
         book.accept(meta.seq, digest)
         nbytes = intake.nbytes
@@ -306,7 +319,7 @@ class Tier:
                                f"{js.view.version}; the tier is still catching up, retry shortly")
 
     async def _resolve_late(self, js: JobState, book, meta: PushMeta, digest: bytes,
-                            keys: tuple[PushKey, ...], stale: Stale) -> Ack:
+                            keys: tuple[PushKey, ...], stale: HpsError) -> Ack:
         """A push that cannot be placed may have been applied already (its ack was lost in a
         restart): ask before saying Stale, which means "not applied, and it will not be"."""
         js.stats.resolved += 1

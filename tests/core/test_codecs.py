@@ -3,9 +3,12 @@ the sum, top-k selects the true top k, malformed payloads are refused with BadIn
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -287,6 +290,32 @@ def test_a_payload_for_another_size_is_bad_input(name):
     payload, n = _payload(name)
     with pytest.raises(BadInput):
         get_codec(name).decode(payload, n + 9)
+
+
+def _zstd_header(size: int) -> bytes:
+    """A zstd frame that declares ``size`` bytes and holds none (magic, 8-byte content size,
+    single segment, then one empty last raw block)."""
+    return struct.pack("<IBQ", 0xFD2FB528, 0xE0, size) + b"\x01\x00\x00"
+
+
+def test_a_tiny_payload_claiming_a_huge_size_is_refused_before_anything_is_allocated():
+    """Found by the decoder fuzzer: both raised MemoryError (the decompressor allocated what the
+    frame claimed, or max_output_size when it claimed nothing) instead of BadInput."""
+    numel = 1 << 40
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 16)
+    with pytest.raises(BadInput, match="cannot decompress to"):
+        get_codec("fp32+zstd").decode(unsized, numel)
+    with pytest.raises(BadInput, match="does not declare its size"):
+        get_codec("fp32+zstd").decode(unsized, 4)  # the size is required, however small
+    with pytest.raises(BadInput, match="cannot decompress to"):
+        get_codec("fp32+zstd").decode(_zstd_header(4 * numel), numel)
+    count = 1 << 38
+    topk = struct.pack("<Bxh4xQQ", 1, 0, count, numel) + _zstd_header(6 * count)
+    with pytest.raises(BadInput, match="cannot decompress to"):
+        get_codec("topk").decode(topk, numel)
+    # A frame that can hold what it declares is still read, and must then hold it.
+    with pytest.raises(BadInput, match="does not decompress"):
+        get_codec("fp32+zstd").decode(_zstd_header(4096), 1024)
 
 
 def test_unknown_codec_options_are_refused_naming_them():

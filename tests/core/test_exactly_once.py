@@ -124,3 +124,20 @@ def test_push_keys_round_trip_and_damage_is_bad_input():
     for cut in (1, len(data) - 1):
         with pytest.raises(BadInput, match="cut short"):
             decode_keys(data[:cut])
+
+
+def test_a_member_id_that_is_not_utf8_is_bad_input():
+    """Found by the decoder fuzzer: it raised UnicodeDecodeError."""
+    bad = encode_keys([PushKey("ab", 1, 1, A)]).replace(b"ab", b"\xff\xfe")
+    with pytest.raises(BadInput, match="not UTF-8"):
+        decode_keys(bad)
+
+
+def test_an_applied_record_cut_short_is_bad_input_not_a_shorter_record():
+    """Found by the decoder fuzzer: a record cut at a key boundary loaded its first keys only."""
+    book = AppliedBook()
+    book.add(5, [PushKey("w0", 1, 1, A), PushKey("w1", 1, 1, B)])
+    data = book.dump(last=1)
+    one_key = len(data) - len(encode_keys([PushKey("w1", 1, 1, B)]))
+    with pytest.raises(BadInput, match="cut short"):
+        AppliedBook().load(data[:one_key])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from ps.core.tensors import split
 from ps.core.types import PushMeta
 from ps.core.view import KeySpec, Layout
 from ps.net.wire import encode_push, stubs
+from tests.helpers import bsp_rounds
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (10,))])
@@ -73,3 +76,26 @@ def test_duplicate_while_the_round_is_still_open_waits_for_the_same_ack(tree):
     assert tree.view("root", "j")[1] == 1
     for c in (a, b):
         c.close()
+
+
+@pytest.mark.parametrize("through_zone", [False, True], ids=["at-root", "through-zone"])
+def test_a_sequence_number_older_than_the_acknowledgements_kept_is_refused_not_applied_again(tree, through_zone):
+    """Found by the request fuzzer: a push reusing a sequence number acknowledged more than 64
+    pushes ago (the acknowledgements a tier keeps per sender), with another body, was taken for
+    the retry of a refused push and applied a second time; the root logged it CRITICAL (a worker
+    push applied by two versions) and counted it in hps_double_applied."""
+    addr, a, b = _setup(tree, through_zone)
+    one = np.ones(10, np.float32)
+    bsp_rounds([a, b], 70, lambda i, step: one)
+    version = tree.view("root", "j")[1]
+    forged = stubs(grpc.insecure_channel(addr))["Push"].future(
+        iter(_frames(a, 1, np.full(10, 5.0, np.float32), base=version, epoch=a.view.epoch)), timeout=5)
+    with ThreadPoolExecutor(1) as pool:
+        b_push = pool.submit(b.push, one)  # b's part of the round
+        with pytest.raises(grpc.RpcError) as err:
+            forged.result()
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "another body" in err.value.details()
+        a.push(one)  # a's real gradient closes the round
+        assert b_push.result(10)[0] == version + 1
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
+    assert tree.view("root", "j")[3].tobytes() == np.full(10, -LR * 71, np.float32).tobytes()

@@ -24,7 +24,7 @@ from ps.core.errors import BadInput
 
 __all__ = [
     "FORMAT", "as_tensor", "to_numpy", "pack", "read_header", "check_size", "host_tensor",
-    "unzstd", "pow2_exponent", "Generators",
+    "unzstd", "ZSTD_MAX_RATIO", "pow2_exponent", "Generators",
 ]
 
 # Payloads are little-endian on the wire, and torch's ``.view(dtype)`` reinterprets bytes in
@@ -96,17 +96,28 @@ def host_tensor(buf: memoryview | bytes, dtype: str, offset: int, count: int) ->
     return torch.from_numpy(np.frombuffer(buf, dtype=dtype, count=count, offset=offset).copy())
 
 
+# No zstd frame decompresses to more than this many times its own size: a block regenerates
+# at most 128 KiB and takes at least 4 bytes (an RLE block: a 3-byte header and the byte it
+# repeats; RFC 8878, 3.1.1.2). A size past this is a lie, refused before anything is allocated.
+ZSTD_MAX_RATIO = 1 << 15
+
+
 def unzstd(frame: memoryview | bytes, size: int, what: str) -> bytes:
     """Decompress one zstd frame that must hold exactly ``size`` bytes; BadInput otherwise.
 
-    The declared size is checked before decompressing (as in Fp32Zstd.decode), so a hostile
-    header cannot make the receiver allocate more than the chunk's own size implies.
+    The size is checked before decompressing, against the chunk (the frame must declare exactly
+    ``size``) and against the frame's own length (``ZSTD_MAX_RATIO``), so a few hostile bytes
+    cannot make the receiver allocate what a huge declared element count implies: a 39-byte
+    top-k payload claiming 2**38 of 2**40 elements raised MemoryError (it allocated first).
     """
+    if size > ZSTD_MAX_RATIO * len(frame):
+        raise BadInput(f"{what} payload of {len(frame)} bytes cannot decompress to the {size} bytes "
+                       "its element count needs")
     try:
         declared = zstandard.frame_content_size(frame)
         if declared != size:
-            raise BadInput(f"{what} payload declares {declared} compressed-stage bytes, "
-                           f"expected {size}")
+            said = "does not declare its size" if declared == -1 else f"declares {declared} bytes"
+            raise BadInput(f"{what} payload's zstd frame {said}; its element count needs {size}")
         out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise BadInput(f"{what} payload does not decompress: {exc}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from ps.core.codecs._common import to_numpy
+from ps.core.codecs._common import to_numpy, unzstd
 from ps.core.codecs.base import Array, Payload
 from ps.core.errors import BadInput
 
@@ -48,14 +48,7 @@ class Fp32Zstd:
         return zstandard.ZstdCompressor(level=self._level).compress(raw)
 
     def decode(self, payload: Payload, numel: int) -> np.ndarray:
-        try:
-            # The frame header declares its size; check it before decompressing, so a hostile
-            # header cannot make the receiver allocate what it claims (max_output_size is
-            # ignored when the header states a size).
-            declared = zstandard.frame_content_size(payload)
-            if declared not in (-1, 4 * numel):
-                raise BadInput(f"fp32+zstd payload declares {declared} bytes, expected {4 * numel}")
-            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=4 * numel)
-        except zstandard.ZstdError as exc:
-            raise BadInput(f"fp32+zstd payload does not decompress: {exc}") from None
-        return Fp32().decode(raw, numel)
+        # The frame must declare its size (this encoder always writes it), checked before
+        # anything is allocated: a frame without one made the decompressor allocate
+        # max_output_size up front, and a 16-byte payload for 2**40 elements raised MemoryError.
+        return Fp32().decode(unzstd(payload, 4 * numel, self.name), numel)
