@@ -86,7 +86,9 @@ def _wire_server(params: int, key_elems: int) -> None:
 
     import grpc
 
-    from ps.net.wire import GRPC_OPTIONS, SERVICE, PullMeta, VersionMeta, encode_pull_reply, pb
+    from ps.core.types import PullMeta, VersionMeta
+    from ps.net.rpc import SERVER_OPTIONS
+    from ps.net.wire import SERVICE, encode_pull_reply, pb
 
     frames = list(encode_pull_reply(PullMeta(1, 0, 1, False, 1), [(VersionMeta(1, 0), _chunks(params, key_elems))]))
 
@@ -100,7 +102,7 @@ def _wire_server(params: int, key_elems: int) -> None:
             yield f
 
     async def serve():
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
             "Push": grpc.stream_unary_rpc_method_handler(push, response_serializer=pb.PushAck.SerializeToString),
             "Pull": grpc.unary_stream_rpc_method_handler(pull, request_deserializer=pb.PullRequest.FromString)})])
@@ -131,7 +133,9 @@ def wire_rows(params: int, key_elems: int, reps: int, env: dict) -> dict:
     """hps's frames over gRPC to a server that does no work: the transport alone."""
     import grpc
 
-    from ps.net.wire import GRPC_OPTIONS, PushMeta, encode_push, pb, stubs
+    from ps.core.types import PushMeta
+    from ps.net.rpc import CHANNEL_OPTIONS
+    from ps.net.wire import encode_push, pb, stubs
 
     proc = subprocess.Popen([sys.executable, __file__, "--wire-server", "--params", str(params),
                              "--key-elems", str(key_elems)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
@@ -139,7 +143,7 @@ def wire_rows(params: int, key_elems: int, reps: int, env: dict) -> dict:
     try:
         port = int(proc.stdout.readline())
         frames = encode_push(PushMeta("big", "w0", 1, 0), _chunks(params, key_elems))
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
         rpc = stubs(channel)
         push, pull = [], []
         for _ in range(reps + 1):  # the first is a warm-up (connection, first allocations)
