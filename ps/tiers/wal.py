@@ -22,14 +22,8 @@ so after a kill -9 it loads the newest checkpoint and replays the records after 
 exact because the optimizer and the publication of deltas are deterministic. ``keys`` are the
 identities of the pushes a version applied, so exactly-once holds across root restarts.
 
-Record (little-endian): a 56-byte header
-    b"HPS2" | u64 version | u64 contributors | u64 clock_min | f64 lr scale |
-    u32 keys length | u64 payload length | u64 checksum
-then the keys (opaque bytes from the root), then the payload (the averaged gradient as float32;
-empty when there is none). The checksum is XXH3-64 of the header's first 48 bytes, the keys and
-the payload, hashed incrementally so a large payload is never copied. Segments are files
-``wal-<version of their first record:012d>.log``; ``rotate`` ends one and the next append
-creates the next (a log that never writes holds no file descriptor).
+The record format (and reading one) is ``ps.tiers.walrecord``; this module is the log: its
+segments, what recovery keeps and cuts, and appends.
 
 Recovery (``WriteAheadLog(dir)`` calls ``recover()``) reads every segment in order. The first
 record that is short, has a bad magic, lengths past the end of the file (checked before anything
@@ -56,28 +50,18 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
-import numpy as np
-import xxhash
+from ps.tiers.walrecord import OLD_MAGIC, Entry, Scan, WalRecord, cut, encode, load
+from ps.tiers.walrecord import scan as scan_segment
 
 __all__ = ["WalCorrupt", "WalRecord", "WalStats", "WalWriteError", "WriteAheadLog"]
 
 log = logging.getLogger("hps.wal")
-
-_MAGIC = b"HPS2"
-_OLD_MAGIC = b"HPSW"  # the first format (u32 contributors, CRC-32, no keys): refused, not read
-# magic, version, contributors, clock_min, lr scale, keys length, payload length
-_FIELDS = struct.Struct("<4sQQQdIQ")
-_SUM = struct.Struct("<Q")
-_HEAD = _FIELDS.size + _SUM.size  # 56 bytes
-_CHUNK = 1 << 20  # recovery hashes payloads in pieces: no allocation as large as a record
 
 
 class WalCorrupt(Exception):
@@ -93,16 +77,6 @@ class WalWriteError(OSError):
         self.errno = errno
 
 
-@dataclass(frozen=True)
-class WalRecord:
-    version: int
-    contributors: int
-    clock_min: int           # the version's SSP clock floor
-    grad: np.ndarray | None  # None: a batch with no contributors (nothing applied)
-    scale: float = 1.0       # learning-rate scale (async/ssp damping by staleness)
-    keys: bytes = b""        # identities of the pushes applied (opaque to the log)
-
-
 @dataclass
 class WalStats:
     """Counters for metrics; plain numbers, updated under the log's lock."""
@@ -114,18 +88,11 @@ class WalStats:
     recovery_truncations: int = 0
 
 
-class _Entry(NamedTuple):  # a valid record: where it lies and what it hashes to
-    version: int
-    offset: int
-    size: int
-    checksum: int
-
-
 @dataclass(eq=False)
 class _Segment:
     first: int
     path: Path
-    entries: list[_Entry] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
     end: int = 0          # bytes of valid records (the file's size once clean)
     dirty: bool = False   # the file may hold garbage past ``end`` (cutting it failed)
     named: bool = True    # its directory entry is durable
@@ -135,64 +102,10 @@ class _Segment:
         return self.entries[-1].version if self.entries else self.first - 1
 
 
-class _Scan(NamedTuple):
-    entries: list[_Entry]
-    end: int   # where the valid records end
-    size: int
-    why: str     # why the bytes at ``end`` are not a record ("" when end == size)
-    old: bool    # they are a record of the older format
-    beyond: int  # bytes after a damaged record whose lengths fit the file
-
-
-def _check_head(head: bytes, pos: int, size: int) -> tuple[str, tuple | None]:
-    if len(head) < _HEAD:
-        return f"a header cut short ({len(head)} of {_HEAD} bytes)", None
-    fields = _FIELDS.unpack_from(head)
-    if fields[0] != _MAGIC:
-        return f"a bad magic {fields[0]!r}", None
-    nkeys, npay = fields[5], fields[6]
-    if nkeys + npay > size - pos - _HEAD:  # a damaged length must not make us allocate
-        return f"lengths ({nkeys} + {npay} bytes) past the end of the file", fields
-    if npay % 4:
-        return f"a payload of {npay} bytes, not float32", fields
-    return "", fields
-
-
-def _scan(path: Path) -> _Scan:
-    entries: list[_Entry] = []
-    pos = 0
-    buf = memoryview(bytearray(_CHUNK))
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        while pos < size:
-            head = f.read(_HEAD)
-            why, fields = _check_head(head, pos, size)
-            if why:
-                return _Scan(entries, pos, size, why, head[:4] == _OLD_MAGIC, 0)
-            h = xxhash.xxh3_64(head[:_FIELDS.size])
-            left = fields[5] + fields[6]
-            while left:
-                n = f.readinto(buf[:min(left, _CHUNK)])
-                if not n:
-                    break
-                h.update(buf[:n])
-                left -= n
-            (checksum,) = _SUM.unpack_from(head, _FIELDS.size)
-            n = _HEAD + fields[5] + fields[6]
-            if left or h.intdigest() != checksum:
-                return _Scan(entries, pos, size, "a checksum mismatch", False, max(0, size - pos - n))
-            entries.append(_Entry(fields[1], pos, n, checksum))
-            pos += n
-    return _Scan(entries, pos, size, "", False, 0)
-
-
-def _cut(path: Path, size: int) -> None:
-    with open(path, "r+b") as f:
-        os.ftruncate(f.fileno(), size)
-        os.fsync(f.fileno())
-
-
 class WriteAheadLog:
+    """The log in one directory: recovered on construction, appended to from one thread at a
+    time, rotated and trimmed as checkpoints become durable (see the module docstring)."""
+
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +135,7 @@ class WriteAheadLog:
         with self._lock:
             self._close()
             found = self.segments()
-            segs, cuts = self._validate(found, [_scan(p) for _, p in found])
+            segs, cuts = self._validate(found, [scan_segment(p) for _, p in found])
             for seg, scan, version, last in cuts:
                 what = ("the tail of the newest segment, torn by a crash during an append: never "
                         "acknowledged" if last else "left by a failed append or an older build; the "
@@ -234,7 +147,7 @@ class WriteAheadLog:
                             "at version %d (%s)", self.dir, scan.why, scan.end, seg.path.name,
                             scan.size - scan.end, version, what)
                 try:
-                    _cut(seg.path, seg.end)
+                    cut(seg.path, seg.end)
                     self.stats.recovery_truncations += 1
                 except OSError as exc:  # replay still skips it; the next append retries the cut
                     seg.dirty = True
@@ -244,10 +157,10 @@ class WriteAheadLog:
             self._last = next((s.top() for s in reversed(segs) if s.entries), None)
             self._rotated = False
 
-    def _validate(self, found: list[tuple[int, Path]], scans: list[_Scan]):
+    def _validate(self, found: list[tuple[int, Path]], scans: list[Scan]):
         segs: list[_Segment] = []
         cuts = []
-        flat: list[tuple[_Entry, Path]] = []  # the accepted records, contiguous versions
+        flat: list[tuple[Entry, Path]] = []  # the accepted records, contiguous versions
         for i, ((first, path), scan) in enumerate(zip(found, scans)):
             seg = _Segment(first, path, end=scan.end)
             if scan.entries and scan.entries[0].version != first:
@@ -277,7 +190,7 @@ class WriteAheadLog:
                         f"log's first version {flat[0][0].version}")
             if scan.old:  # cutting it would silently drop what an older build acknowledged
                 raise self._corrupt(
-                    f"segment {path.name} holds records of an older format (magic {_OLD_MAGIC!r} at "
+                    f"segment {path.name} holds records of an older format (magic {OLD_MAGIC!r} at "
                     f"offset {scan.end}), which this build does not read",
                     "Start the build that wrote it once and stop it cleanly (a clean stop "
                     "checkpoints and empties the log), then start this one.")
@@ -317,50 +230,24 @@ class WriteAheadLog:
                 "neither the checkpoint nor the log")
         return self._read(plan)
 
-    def _read(self, plan: list[tuple[Path, list[_Entry]]]) -> Iterator[WalRecord]:
+    def _read(self, plan: list[tuple[Path, list[Entry]]]) -> Iterator[WalRecord]:
         for path, entries in plan:
             with open(path, "rb") as f:
                 for e in entries:
                     yield self._load(f, path, e)
 
-    def _load(self, f, path: Path, e: _Entry) -> WalRecord:
-        f.seek(e.offset)
-        head = f.read(_HEAD)
-        fields = _FIELDS.unpack_from(head) if len(head) == _HEAD else None
-        ok = (fields is not None and fields[0] == _MAGIC and fields[1] == e.version
-              and _HEAD + fields[5] + fields[6] == e.size)
-        if ok:
-            _, version, contributors, clock_min, scale, nkeys, npay = fields
-            keys = f.read(nkeys)
-            grad = np.empty(npay // 4, "<f4")
-            got = f.readinto(memoryview(grad).cast("B")) if npay else 0
-            h = xxhash.xxh3_64(head[:_FIELDS.size])
-            h.update(keys)
-            h.update(memoryview(grad).cast("B"))
-            ok = len(keys) == nkeys and got == npay and h.intdigest() == e.checksum
-        if not ok:
+    def _load(self, f, path: Path, e: Entry) -> WalRecord:
+        rec = load(f, e)
+        if rec is None:
             raise self._corrupt(f"the record of version {e.version} at offset {e.offset} of "
                                 f"{path.name} changed after recovery validated it")
-        return WalRecord(version, contributors, clock_min, grad if npay else None, scale, keys)
+        return rec
 
     # -- appends ---------------------------------------------------------------------------
     def append(self, rec: WalRecord) -> None:
         """Write ``rec`` and return once it is durable (fsync'ed). On failure nothing of it stays
         in the log and ``WalWriteError`` says why; the same version may be appended again."""
-        grad = None if rec.grad is None else np.ascontiguousarray(rec.grad, "<f4")
-        payload = memoryview(grad).cast("B") if grad is not None and grad.size else memoryview(b"")
-        keys = bytes(rec.keys)
-        try:
-            fields = _FIELDS.pack(_MAGIC, rec.version, rec.contributors, rec.clock_min, rec.scale,
-                                  len(keys), payload.nbytes)
-        except struct.error as exc:
-            raise ValueError(f"version {rec.version}: a field does not fit the write-ahead log's "
-                             f"record (u64 counts, u32 keys length): {exc}") from None
-        h = xxhash.xxh3_64(fields)
-        h.update(keys)
-        h.update(payload)  # the array's own memory: no copy of the gradient
-        checksum = h.intdigest()
-        head = fields + _SUM.pack(checksum) + keys
+        head, payload, checksum = encode(rec)  # the payload is the gradient's memory: no copy
         size = len(head) + payload.nbytes
         with self._lock:
             if self._last is not None and rec.version != self._last + 1:
@@ -381,7 +268,7 @@ class WriteAheadLog:
                     raise
                 raise WalWriteError(f"version {rec.version} of the write-ahead log in {self.dir} "
                                     f"could not be made durable: {exc}{undo}", exc.errno) from exc
-            seg.entries.append(_Entry(rec.version, start, size, checksum))
+            seg.entries.append(Entry(rec.version, start, size, checksum))
             seg.end = start + size
             self._last = rec.version
             s = self.stats
@@ -410,7 +297,7 @@ class WriteAheadLog:
         for other in self._segs:  # retry cutting what earlier failures left (best effort)
             if other.dirty and other is not seg:
                 try:
-                    _cut(other.path, other.end)
+                    cut(other.path, other.end)
                     other.dirty = False
                 except OSError:
                     pass

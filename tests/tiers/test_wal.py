@@ -14,6 +14,7 @@ import pytest
 import xxhash
 
 import ps.tiers.wal as walmod
+import ps.tiers.walrecord as walrecord
 from ps.tiers.wal import WalCorrupt, WalRecord, WalWriteError, WriteAheadLog
 
 
@@ -101,7 +102,7 @@ def test_the_checksum_hashes_the_gradient_in_place(tmp_path, monkeypatch):
         def intdigest(self):
             return self.h.intdigest()
 
-    monkeypatch.setattr(walmod.xxhash, "xxh3_64", Spy)
+    monkeypatch.setattr(walrecord.xxhash, "xxh3_64", Spy)
     grad = np.arange(1000, dtype=np.float32)
     wal = WriteAheadLog(tmp_path)
     wal.append(WalRecord(1, 1, 0, grad, keys=b"k"))
@@ -112,8 +113,10 @@ def test_the_checksum_hashes_the_gradient_in_place(tmp_path, monkeypatch):
     assert max(len(memoryview(a).cast("B")) for a in seen) == grad.nbytes
 
 
-def test_the_module_docstring_example_runs():
-    assert doctest.testmod(walmod).failed == 0
+@pytest.mark.parametrize("module", [walmod, walrecord])
+def test_the_module_docstring_example_runs(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_a_log_that_never_writes_holds_no_file(tmp_path):

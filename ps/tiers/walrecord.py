@@ -1,0 +1,166 @@
+"""One record of the root's write-ahead log: its bytes, and finding the valid ones in a file.
+
+    >>> import io
+    >>> import numpy as np
+    >>> from ps.tiers.walrecord import WalRecord, encode, scan_file
+    >>> head, payload, checksum = encode(WalRecord(7, contributors=2, clock_min=0,
+    ...                                            grad=np.ones(3, np.float32), keys=b"w0:1"))
+    >>> data = head + bytes(payload)
+    >>> len(data)                      # 56-byte header, 4 bytes of keys, 3 float32
+    72
+    >>> found = scan_file(io.BytesIO(data + data[:30]), len(data) + 30)   # a torn second record
+    >>> [e.version for e in found.entries], found.end, found.why
+    ([7], 72, 'a header cut short (30 of 56 bytes)')
+
+Record (little-endian): a 56-byte header
+    b"HPS2" | u64 version | u64 contributors | u64 clock_min | f64 lr scale |
+    u32 keys length | u64 payload length | u64 checksum
+then the keys (opaque bytes from the root), then the payload (the averaged gradient as float32;
+empty when there is none). The checksum is XXH3-64 of the header's first 48 bytes, the keys and
+the payload, hashed incrementally so a large payload is never copied. Segments are files
+``wal-<version of their first record:012d>.log``; ``rotate`` ends one and the next append
+creates the next (a log that never writes holds no file descriptor).
+
+The policy (what recovery keeps, cuts or refuses, and appends) is ``ps.tiers.wal``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+__all__ = ["WalRecord", "Entry", "Scan", "encode", "scan", "scan_file", "load", "cut",
+           "MAGIC", "OLD_MAGIC", "HEAD"]
+
+MAGIC = b"HPS2"
+OLD_MAGIC = b"HPSW"  # the first format (u32 contributors, CRC-32, no keys): refused, not read
+# magic, version, contributors, clock_min, lr scale, keys length, payload length
+_FIELDS = struct.Struct("<4sQQQdIQ")
+_SUM = struct.Struct("<Q")
+HEAD = _FIELDS.size + _SUM.size  # 56 bytes
+_CHUNK = 1 << 20  # recovery hashes payloads in pieces: no allocation as large as a record
+
+
+@dataclass(frozen=True)
+class WalRecord:
+    version: int
+    contributors: int
+    clock_min: int           # the version's SSP clock floor
+    grad: np.ndarray | None  # None: a batch with no contributors (nothing applied)
+    scale: float = 1.0       # learning-rate scale (async/ssp damping by staleness)
+    keys: bytes = b""        # identities of the pushes applied (opaque to the log)
+
+
+class Entry(NamedTuple):  # a valid record: where it lies and what it hashes to
+    version: int
+    offset: int
+    size: int
+    checksum: int
+
+
+class Scan(NamedTuple):
+    entries: list[Entry]
+    end: int   # where the valid records end
+    size: int
+    why: str     # why the bytes at ``end`` are not a record ("" when end == size)
+    old: bool    # they are a record of the older format
+    beyond: int  # bytes after a damaged record whose lengths fit the file
+
+
+def encode(rec: WalRecord) -> tuple[bytes, memoryview, int]:
+    """The record's header and keys, its payload (the gradient's own memory, not a copy) and
+    its checksum. ValueError when a field does not fit (u64 counts, u32 keys length)."""
+    grad = None if rec.grad is None else np.ascontiguousarray(rec.grad, "<f4")
+    payload = memoryview(grad).cast("B") if grad is not None and grad.size else memoryview(b"")
+    keys = bytes(rec.keys)
+    try:
+        fields = _FIELDS.pack(MAGIC, rec.version, rec.contributors, rec.clock_min, rec.scale,
+                              len(keys), payload.nbytes)
+    except struct.error as exc:
+        raise ValueError(f"version {rec.version}: a field does not fit the write-ahead log's "
+                         f"record (u64 counts, u32 keys length): {exc}") from None
+    h = xxhash.xxh3_64(fields)
+    h.update(keys)
+    h.update(payload)
+    checksum = h.intdigest()
+    return fields + _SUM.pack(checksum) + keys, payload, checksum
+
+
+def _check_head(head: bytes, pos: int, size: int) -> tuple[str, tuple | None]:
+    if len(head) < HEAD:
+        return f"a header cut short ({len(head)} of {HEAD} bytes)", None
+    fields = _FIELDS.unpack_from(head)
+    if fields[0] != MAGIC:
+        return f"a bad magic {fields[0]!r}", None
+    nkeys, npay = fields[5], fields[6]
+    if nkeys + npay > size - pos - HEAD:  # a damaged length must not make us allocate
+        return f"lengths ({nkeys} + {npay} bytes) past the end of the file", fields
+    if npay % 4:
+        return f"a payload of {npay} bytes, not float32", fields
+    return "", fields
+
+
+def scan_file(f, size: int) -> Scan:
+    """The valid records from the start of ``f`` (``size`` bytes) up to the first that is not
+    one, and why it is not. Memory stays one piece of ``_CHUNK`` bytes whatever the records."""
+    entries: list[Entry] = []
+    pos = 0
+    buf = memoryview(bytearray(_CHUNK))
+    while pos < size:
+        head = f.read(HEAD)
+        why, fields = _check_head(head, pos, size)
+        if why:
+            return Scan(entries, pos, size, why, head[:4] == OLD_MAGIC, 0)
+        h = xxhash.xxh3_64(head[:_FIELDS.size])
+        left = fields[5] + fields[6]
+        while left:
+            n = f.readinto(buf[:min(left, _CHUNK)])
+            if not n:
+                break
+            h.update(buf[:n])
+            left -= n
+        (checksum,) = _SUM.unpack_from(head, _FIELDS.size)
+        n = HEAD + fields[5] + fields[6]
+        if left or h.intdigest() != checksum:
+            return Scan(entries, pos, size, "a checksum mismatch", False, max(0, size - pos - n))
+        entries.append(Entry(fields[1], pos, n, checksum))
+        pos += n
+    return Scan(entries, pos, size, "", False, 0)
+
+
+def scan(path: Path) -> Scan:
+    with open(path, "rb") as f:
+        return scan_file(f, os.fstat(f.fileno()).st_size)
+
+
+def load(f, e: Entry) -> WalRecord | None:
+    """The record ``e`` locates in ``f``, or None when its bytes no longer match ``e``."""
+    f.seek(e.offset)
+    head = f.read(HEAD)
+    fields = _FIELDS.unpack_from(head) if len(head) == HEAD else None
+    if not (fields is not None and fields[0] == MAGIC and fields[1] == e.version
+            and HEAD + fields[5] + fields[6] == e.size):
+        return None
+    _, version, contributors, clock_min, scale, nkeys, npay = fields
+    keys = f.read(nkeys)
+    grad = np.empty(npay // 4, "<f4")
+    got = f.readinto(memoryview(grad).cast("B")) if npay else 0
+    h = xxhash.xxh3_64(head[:_FIELDS.size])
+    h.update(keys)
+    h.update(memoryview(grad).cast("B"))
+    if len(keys) != nkeys or got != npay or h.intdigest() != e.checksum:
+        return None
+    return WalRecord(version, contributors, clock_min, grad if npay else None, scale, keys)
+
+
+def cut(path: Path, size: int) -> None:
+    """Truncate ``path`` to ``size`` bytes, durably."""
+    with open(path, "r+b") as f:
+        os.ftruncate(f.fileno(), size)
+        os.fsync(f.fileno())
