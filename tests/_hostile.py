@@ -20,7 +20,8 @@ import xxhash
 from google.protobuf.descriptor import FieldDescriptor as F
 
 from ps.core.errors import BadInput
-from ps.net.wire import decode_frame, encode_frame, pb
+from ps.net.frames import decode_frame, encode_frame
+from ps.net.wire import pb
 
 __all__ = ["hostile_int", "hostile_float", "hostile_str", "hostile_message", "mutate_message",
            "mutate_stream", "mutate_frame_header", "restamp", "flip"]

@@ -1,17 +1,10 @@
-"""The only place generated protobuf meets domain types; raw tensor frames.
+"""The only place generated protobuf meets domain types: pushes, pull replies, jobs, status.
 
     frames = encode_push(PushMeta(job="lm", sender="w0", seq=1, base_version=0), chunks)
     meta, chunks, digest = decode_push(frames)   # payloads are zero-copy memoryview slices
 
-A frame is the protobuf encoding of ``hps.v1.Frame`` written by hand:
-``0x0a varint(len(header)) header 0x12 varint(len(payload)) payload``. Decoding parses the
-small header with protobuf and slices the payload without copying it (a protobuf ``bytes``
-field would copy on access: measured 0.41x of raw TCP against 0.91x for raw frames).
-
-Client-streamed bodies (Push, CreateJob) end with a ``StreamEnd`` frame that counts and digests
-the frames before it (XXH3-128). ``BodyReader`` checks the order of the frames and the end
-as they arrive, so a receiver can act on the header first and never takes a cut stream for a
-whole one; the digest is the push's identity for recognising retries.
+How a message is cut into frames, and how a streamed body proves it is whole, is
+``ps.net.frames``; this module says what the frames carry.
 """
 
 from __future__ import annotations
@@ -20,17 +13,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
-import xxhash
-from google.protobuf.message import DecodeError
-
 from ps.core.config import CODEC_NAMES, MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from ps.core.errors import BadInput, short
 from ps.core.types import Chunk, JobStats, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, TierStatus, VersionMeta
 from ps.core.view import KeySpec, Layout
+from ps.net.frames import MAX_FRAME_PAYLOAD, BodyReader, decode_frame, encode_frame, with_end
 from ps.net.proto import hps_pb2 as pb
 
 __all__ = [
-    "pb", "encode_frame", "decode_frame", "BodyReader", "encode_push", "decode_push",
+    "pb", "encode_push", "decode_push",
     "push_meta_of", "chunks_of", "keys_to_pb", "keys_from_pb", "encode_pull_reply",
     "decode_pull_reply", "encode_create_job", "decode_create_job", "create_job_of", "job_to_pb",
     "job_from_pb", "jobs_to_pb", "jobs_from_pb", "status_to_pb", "status_from_pb", "layout_to_pb",
@@ -67,125 +58,6 @@ def _name(table: Mapping[str, int], value: int, what: str) -> str:
         if v == value:
             return k
     raise BadInput(f"unknown {what} enum value {value}")
-
-
-# ---- varint + frames ----------------------------------------------------------------------
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise BadInput("malformed frame: truncated length prefix")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-
-
-def encode_frame(header: pb.FrameHeader, payload: bytes | memoryview = b"") -> bytes:
-    h = header.SerializeToString()
-    return b"".join((b"\x0a", _varint(len(h)), h, b"\x12", _varint(len(payload)), payload))
-
-
-def decode_frame(data: bytes) -> tuple[pb.FrameHeader, memoryview]:
-    buf = memoryview(data)
-    if len(buf) < 2 or buf[0] != 0x0A:
-        raise BadInput(f"malformed frame: {len(buf)} bytes not starting with a header field")
-    n, pos = _read_varint(buf, 1)
-    if pos + n > len(buf):
-        raise BadInput(f"malformed frame: header of {n} bytes overruns the {len(buf)}-byte frame")
-    header = pb.FrameHeader()
-    try:
-        header.ParseFromString(buf[pos:pos + n])
-    except DecodeError as exc:
-        raise BadInput(f"malformed frame: header does not parse ({exc})") from None
-    pos += n
-    payload = buf[pos:pos]
-    if pos < len(buf):
-        if buf[pos] != 0x12:
-            raise BadInput("malformed frame: unexpected field after the header")
-        m, pos = _read_varint(buf, pos + 1)
-        if pos + m != len(buf):
-            raise BadInput(f"malformed frame: payload says {m} bytes, {len(buf) - pos} present")
-        payload = buf[pos:pos + m]
-    if header.WhichOneof("kind") is None:
-        raise BadInput("malformed frame: header has no kind")
-    return header, payload
-
-
-MAX_FRAME_PAYLOAD = 4 * 1024 * 1024
-
-
-def _with_end(frames: list[bytes]) -> list[bytes]:
-    """``frames`` and the StreamEnd that counts and digests them."""
-    h, payload = xxhash.xxh3_128(), 0
-    for f in frames:
-        h.update(f)
-        payload += len(decode_frame(f)[1])
-    end = pb.StreamEnd(frames=len(frames), payload_bytes=payload, digest=h.digest())
-    return [*frames, encode_frame(pb.FrameHeader(end=end))]
-
-
-class BodyReader:
-    """Checks a client-streamed body frame by frame: ``first`` kind, then chunk frames, then
-    the StreamEnd, whose counts and digest must match what arrived.
-
-        reader = BodyReader("push", what="push")
-        for data in frames:
-            kind, header, payload = reader.feed(data)
-        digest = reader.finish()        # BadInput if the stream was cut before its end
-    """
-
-    def __init__(self, first: str, what: str) -> None:
-        self.first, self.what = first, what
-        self.frames = 0
-        self.payload_bytes = 0
-        self.digest: bytes | None = None
-        self._hash = xxhash.xxh3_128()
-
-    def feed(self, data: bytes) -> tuple[str, pb.FrameHeader, memoryview]:
-        if self.digest is not None:
-            raise BadInput(f"malformed {self.what}: a frame after the stream's end marker")
-        h, payload = decode_frame(data)
-        kind = h.WhichOneof("kind")
-        if self.frames == 0 and kind != self.first:
-            raise BadInput(f"malformed {self.what}: first frame is {kind!r}, expected a {self.first} header")
-        if self.frames and kind not in ("chunks", "end"):
-            raise BadInput(f"malformed {self.what}: frame {self.frames} is {kind!r}, expected tensor "
-                           "chunks or the end marker")
-        if kind == "end":
-            e, digest = h.end, self._hash.digest()
-            if (e.frames, e.payload_bytes, e.digest) != (self.frames, self.payload_bytes, digest):
-                raise BadInput(f"malformed {self.what}: the end marker counts {e.frames} frames and "
-                               f"{e.payload_bytes} payload bytes, {self.frames} and {self.payload_bytes} "
-                               "arrived (or their digest differs); nothing was applied")
-            self.digest = digest
-        else:
-            self._hash.update(data)
-            self.frames += 1
-            self.payload_bytes += len(payload)
-        return kind, h, payload
-
-    def finish(self) -> bytes:
-        """The body's digest; BadInput if the stream ended before its end marker."""
-        if self.digest is None:
-            raise BadInput(f"{self.what} stream ended after {self.frames} frames without its end "
-                           "marker: it was cut (cancelled, timed out or disconnected); nothing was applied")
-        return self.digest
 
 
 def _chunk_frames(chunks: Iterable[Chunk]) -> Iterator[bytes]:
@@ -241,7 +113,7 @@ def encode_push(meta: PushMeta, chunks: Iterable[Chunk]) -> list[bytes]:
     """A whole push: header frame, chunk frames, and the end marker that digests them."""
     fields = {k: v for k, v in meta.__dict__.items() if k != "sources"}
     h = pb.FrameHeader(push=pb.PushHeader(**fields, sources=keys_to_pb(meta.sources)))
-    return _with_end([encode_frame(h), *_chunk_frames(chunks)])
+    return with_end([encode_frame(h), *_chunk_frames(chunks)])
 
 
 def push_meta_of(h: pb.FrameHeader) -> PushMeta:
@@ -402,7 +274,7 @@ def encode_create_job(cfg: JobConfig | str, layout: Layout | None, chunks: Itera
     """
     config = job_to_pb(cfg) if isinstance(cfg, JobConfig) else pb.JobConfig(name=cfg)
     h = pb.FrameHeader(job=pb.JobHeader(config=config, keys=layout_to_pb(layout) if layout else []))
-    return _with_end([encode_frame(h), *_chunk_frames(chunks)])
+    return with_end([encode_frame(h), *_chunk_frames(chunks)])
 
 
 def create_job_of(h: pb.FrameHeader) -> tuple[JobConfig | str, Layout | None]:

@@ -28,13 +28,13 @@ from google.protobuf.message import DecodeError
 from ps.core.config import check_name
 from ps.core.errors import BadInput, HpsError, Internal, short
 from ps.core.tensors import Assembler
+from ps.net.frames import BodyReader
 from ps.net.rpc import abort
 from ps.net.wire import (
     METHODS,
     OUTCOME,
     ROLE_NAME,
     SERVICE,
-    BodyReader,
     chunks_of,
     create_job_of,
     encode_pull_reply,

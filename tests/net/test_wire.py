@@ -18,14 +18,12 @@ from ps.core.errors import BadInput
 from ps.core.tensors import assemble, split
 from ps.core.types import PullMeta, PushKey, PushMeta, VersionMeta
 from ps.core.view import KeySpec, Layout
+from ps.net.frames import BodyReader, decode_frame, encode_frame
 from ps.net.wire import (
-    BodyReader,
     decode_create_job,
-    decode_frame,
     decode_pull_reply,
     decode_push,
     encode_create_job,
-    encode_frame,
     encode_pull_reply,
     encode_push,
     job_from_pb,
@@ -281,7 +279,7 @@ def test_a_chunk_frame_truncated_at_its_header_is_refused():
 
 
 def test_large_chunks_are_spread_over_frames_of_at_most_4_mib():
-    from ps.net.wire import MAX_FRAME_PAYLOAD
+    from ps.net.frames import MAX_FRAME_PAYLOAD
 
     big = Layout([KeySpec("a", (3 << 20,)), KeySpec("b", (5,))])
     flat = np.arange(big.numel, dtype=np.float32)

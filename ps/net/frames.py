@@ -1,0 +1,156 @@
+"""Frames: how every streamed message of hps is cut, and how a streamed body proves it is whole.
+
+    >>> from ps.net.frames import BodyReader, decode_frame, encode_frame, with_end
+    >>> from ps.net.proto import hps_pb2 as pb
+    >>> body = with_end([encode_frame(pb.FrameHeader(push=pb.PushHeader(job="lm", seq=1))),
+    ...                  encode_frame(pb.FrameHeader(chunks=pb.ChunkBatch()), bytes(8))])
+    >>> reader = BodyReader("push", what="push")
+    >>> [reader.feed(f)[0] for f in body]            # header, chunks, end marker
+    ['push', 'chunks', 'end']
+    >>> len(reader.finish())                         # the body's XXH3-128 digest: its identity
+    16
+    >>> cut = BodyReader("push", what="push")
+    >>> _ = cut.feed(body[0])
+    >>> cut.finish()                                 # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ps.core.errors.BadInput: push stream ended after 1 frames without its end marker: it was cut ...
+
+A frame is the protobuf encoding of ``hps.v1.Frame`` written by hand:
+``0x0a varint(len(header)) header 0x12 varint(len(payload)) payload``. Decoding parses the
+small header with protobuf and slices the payload without copying it (a protobuf ``bytes``
+field would copy on access: measured 0.41x of raw TCP against 0.91x for raw frames).
+
+Client-streamed bodies (Push, CreateJob) end with a ``StreamEnd`` frame that counts and digests
+the frames before it (XXH3-128). ``BodyReader`` checks the order of the frames and the end
+as they arrive, so a receiver can act on the header first and never takes a cut stream for a
+whole one: gRPC ends a server's request iterator normally when the client is cancelled, times
+out or disconnects mid-stream. Server-streamed replies (Pull) need no marker: the client sees
+the call's status, and every version's checksum is verified before it is applied.
+"""
+
+from __future__ import annotations
+
+import xxhash
+from google.protobuf.message import DecodeError
+
+from ps.core.errors import BadInput
+from ps.net.proto import hps_pb2 as pb
+
+__all__ = ["MAX_FRAME_PAYLOAD", "encode_frame", "decode_frame", "with_end", "BodyReader"]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise BadInput("malformed frame: truncated length prefix")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def encode_frame(header: pb.FrameHeader, payload: bytes | memoryview = b"") -> bytes:
+    h = header.SerializeToString()
+    return b"".join((b"\x0a", _varint(len(h)), h, b"\x12", _varint(len(payload)), payload))
+
+
+def decode_frame(data: bytes) -> tuple[pb.FrameHeader, memoryview]:
+    buf = memoryview(data)
+    if len(buf) < 2 or buf[0] != 0x0A:
+        raise BadInput(f"malformed frame: {len(buf)} bytes not starting with a header field")
+    n, pos = _read_varint(buf, 1)
+    if pos + n > len(buf):
+        raise BadInput(f"malformed frame: header of {n} bytes overruns the {len(buf)}-byte frame")
+    header = pb.FrameHeader()
+    try:
+        header.ParseFromString(buf[pos:pos + n])
+    except DecodeError as exc:
+        raise BadInput(f"malformed frame: header does not parse ({exc})") from None
+    pos += n
+    payload = buf[pos:pos]
+    if pos < len(buf):
+        if buf[pos] != 0x12:
+            raise BadInput("malformed frame: unexpected field after the header")
+        m, pos = _read_varint(buf, pos + 1)
+        if pos + m != len(buf):
+            raise BadInput(f"malformed frame: payload says {m} bytes, {len(buf) - pos} present")
+        payload = buf[pos:pos + m]
+    if header.WhichOneof("kind") is None:
+        raise BadInput("malformed frame: header has no kind")
+    return header, payload
+
+
+MAX_FRAME_PAYLOAD = 4 * 1024 * 1024
+
+
+def with_end(frames: list[bytes]) -> list[bytes]:
+    """``frames`` and the StreamEnd that counts and digests them."""
+    h, payload = xxhash.xxh3_128(), 0
+    for f in frames:
+        h.update(f)
+        payload += len(decode_frame(f)[1])
+    end = pb.StreamEnd(frames=len(frames), payload_bytes=payload, digest=h.digest())
+    return [*frames, encode_frame(pb.FrameHeader(end=end))]
+
+
+class BodyReader:
+    """Checks a client-streamed body frame by frame: ``first`` kind, then chunk frames, then
+    the StreamEnd, whose counts and digest must match what arrived.
+
+        reader = BodyReader("push", what="push")
+        for data in frames:
+            kind, header, payload = reader.feed(data)
+        digest = reader.finish()        # BadInput if the stream was cut before its end
+    """
+
+    def __init__(self, first: str, what: str) -> None:
+        self.first, self.what = first, what
+        self.frames = 0
+        self.payload_bytes = 0
+        self.digest: bytes | None = None
+        self._hash = xxhash.xxh3_128()
+
+    def feed(self, data: bytes) -> tuple[str, pb.FrameHeader, memoryview]:
+        if self.digest is not None:
+            raise BadInput(f"malformed {self.what}: a frame after the stream's end marker")
+        h, payload = decode_frame(data)
+        kind = h.WhichOneof("kind")
+        if self.frames == 0 and kind != self.first:
+            raise BadInput(f"malformed {self.what}: first frame is {kind!r}, expected a {self.first} header")
+        if self.frames and kind not in ("chunks", "end"):
+            raise BadInput(f"malformed {self.what}: frame {self.frames} is {kind!r}, expected tensor "
+                           "chunks or the end marker")
+        if kind == "end":
+            e, digest = h.end, self._hash.digest()
+            if (e.frames, e.payload_bytes, e.digest) != (self.frames, self.payload_bytes, digest):
+                raise BadInput(f"malformed {self.what}: the end marker counts {e.frames} frames and "
+                               f"{e.payload_bytes} payload bytes, {self.frames} and {self.payload_bytes} "
+                               "arrived (or their digest differs); nothing was applied")
+            self.digest = digest
+        else:
+            self._hash.update(data)
+            self.frames += 1
+            self.payload_bytes += len(payload)
+        return kind, h, payload
+
+    def finish(self) -> bytes:
+        """The body's digest; BadInput if the stream ended before its end marker."""
+        if self.digest is None:
+            raise BadInput(f"{self.what} stream ended after {self.frames} frames without its end "
+                           "marker: it was cut (cancelled, timed out or disconnected); nothing was applied")
+        return self.digest
