@@ -1,6 +1,6 @@
 """Property-based fuzzing of everything that parses untrusted bytes (pure, a few seconds).
 
-    cd /work/main && .venv/bin/python -m pytest -q tests/unit/test_fuzz_decoders.py
+    .venv/bin/python -m pytest -q tests/core/test_fuzz_decoders.py
 
 Each decoder -- raw frames, client-streamed bodies (``BodyReader`` through ``decode_push`` and
 ``decode_create_job``), pull replies, protobuf-to-domain conversions, every codec, the
@@ -15,7 +15,7 @@ marker or had a frame altered never decodes to a whole push with the original di
 
 Hypothesis runs derandomized with a bounded number of examples: the same inputs every run
 (set ``derandomize=False`` and raise ``max_examples`` locally to explore anew).
-``tests/unit/test_wire.py`` and ``tests/unit/test_codecs.py`` hold the hand-written cases.
+``tests/net/test_wire.py`` and ``tests/core/test_codecs.py`` hold the hand-written cases.
 """
 
 from __future__ import annotations

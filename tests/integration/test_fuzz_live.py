@@ -1,6 +1,6 @@
 """A bounded request fuzzer against live tiers: a root and a zone below it, as processes.
 
-    cd /work/main && .venv/bin/python -m pytest -q tests/integration/test_fuzz_live.py
+    .venv/bin/python -m pytest -q tests/integration/test_fuzz_live.py
 
 The zone serves a real job ("real", bsp) with two workers that trained a few steps. Two more
 jobs are the fuzzer's own: "fz" at the zone and "fzr" at the root, each with one worker whose
