@@ -33,6 +33,7 @@ BENCHES = {
     # the demo's 150 steps: at 40 the loss still falls steeply and one run's noise is ~10%
     "modes": (["--steps", "150", "--repeats", "2"], ["--steps", "20"]),
     "delayed": (["--steps", "150"], ["--steps", "10", "--delays", "0,3"]),
+    "reconnect": ([], ["--quick"]),
 }
 
 
@@ -60,6 +61,8 @@ def headline(name: str) -> dict:
                 for k, v in r.get("modes", {}).items()}
     if name == "delayed":
         return {k: round(v["val_loss_vs_bsp_pct"], 1) for k, v in r.get("rows", {}).items()}
+    if name == "reconnect":
+        return {f"{row['options']} after {row['outage_s']:g}s": round(row["median_s"], 2) for row in r["rows"]}
     return {}
 
 
