@@ -3,7 +3,8 @@
 Each module of ``DOCTESTED`` is one test: its docstrings' ``>>>`` examples run with doctest,
 and a module whose examples vanished fails too. Examples that need a tier (``LIVE``) find the
 address of a root on 127.0.0.1:0, started in this process, as ``address``; each such module
-uses its own job names. (ps.tiers.wal and the demo run their examples in their own tests.)
+uses its own job names. ps.tools.launch starts (and stops) its own processes. ps.tiers.wal and
+the demo run their examples in their own tests.
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ DOCTESTED = (
     "ps.core.tensors",
     "ps.core.types",
     "ps.core.view",
+    "ps.net.rpc",
+    "ps.net.upstream",
+    "ps.tiers.checkpoint",
+    "ps.tiers.jobstate",
+    "ps.tiers.metrics",
+    "ps.tiers.relay",
+    "ps.tools.launch",
+    "ps.tools.wanem",
     "worker",
     "worker.client",
     "worker.metrics",
@@ -47,7 +56,8 @@ DOCTESTED = (
 )
 
 # Modules whose examples talk to a tier: they get ``address`` (a live root) in their globals.
-LIVE = frozenset({"worker", "worker.client", "worker.optimizer", "worker.sender"})
+LIVE = frozenset({"ps.net.rpc", "ps.net.upstream", "ps.tiers.metrics", "ps.tiers.relay", "ps.tools.wanem",
+                  "worker", "worker.client", "worker.optimizer", "worker.sender"})
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
