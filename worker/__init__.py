@@ -1,11 +1,17 @@
 """The hps worker library: what a training script imports.
 
-    from worker import HpsOptimizer, JobConfig, OptimizerConfig
-    opt = HpsOptimizer(model, "zone-eu-a:7001", JobConfig(name="lm", optimizer=OptimizerConfig(lr=0.1)))
-    for x, y in batches:
-        opt.zero_grad(); model(x, y)[1].backward(); opt.step()
+>>> import torch
+>>> from worker import HpsOptimizer, JobConfig, OptimizerConfig
+>>> model = torch.nn.Linear(4, 1)
+>>> opt = HpsOptimizer(model, address, JobConfig(name="lm", optimizer=OptimizerConfig(lr=0.1)))
+>>> for x, y in [(torch.ones(8, 4), torch.zeros(8, 1))] * 2:
+...     opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+StepResult(version=1, applied=True, bytes_up=20, bytes_down=20)
+StepResult(version=2, applied=True, bytes_up=20, bytes_down=20)
+>>> opt.close()
 
-``ParameterClient`` is the lower level (push/pull) for people who want control.
+``address`` is the worker's tier (``"zone-eu-a:7001"``). ``ParameterClient`` is the lower level
+(push/pull) for people who want control.
 """
 
 from ps.core.config import JobConfig, OptimizerConfig

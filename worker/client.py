@@ -1,10 +1,17 @@
 """The worker's link to its tier: register, push gradients, pull the published view.
 
-    client = ParameterClient("127.0.0.1:7001", job="lm", worker_id="w0")
-    client.create_job(config, layout, initial_flat)        # idempotent; first caller wins
-    client.register()
-    ack = client.push(flat_grad)                           # returns once applied (BSP)
-    client.pull(min_version=ack.applied_version)           # client.view is the root's view_v
+>>> from ps.core.view import KeySpec
+>>> layout = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
+>>> client = ParameterClient(address, job="linear", worker_id="w0")
+>>> client.create_job(JobConfig(name="linear"), layout, np.zeros(15, np.float32))  # first caller wins
+True
+>>> client.register()
+>>> version, nbytes = client.push(np.ones(15, np.float32))    # returns once applied (BSP)
+>>> client.pull(min_version=version)                           # payload bytes received
+60
+>>> client.view.version, client.view.values[:3]                # the root's view_v, bit for bit
+(1, array([-0.01, -0.01, -0.01], dtype=float32))
+>>> client.close()
 
 The client keeps its own replica (``ps.core.view.View``) and verifies every version's checksum,
 so what a training script sees is the root's published view bit for bit (invariant 1). A
@@ -51,6 +58,12 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class StepResult:
+    """What ``HpsOptimizer.step`` did: the version now held, and the payload bytes it moved.
+
+    >>> StepResult(version=42, applied=True, bytes_up=4096, bytes_down=4096).applied
+    True
+    """
+
     version: int          # version the worker now holds
     applied: bool         # False: the gradient was not applied (round aborted); see log
     bytes_up: int         # payload bytes pushed this step
@@ -58,6 +71,23 @@ class StepResult:
 
 
 class ParameterClient:
+    """One worker's link to job ``job`` at the tier ``address``: push gradients, pull the view.
+
+    >>> client = ParameterClient(address, job="linear", worker_id="w1")   # a job created above
+    >>> client.register()                       # joins; client.config and client.layout arrive
+    >>> client.pull(min_version=client.start_version) > 0    # a snapshot of the published view
+    True
+    >>> client.config.name, client.view.version
+    ('linear', 1)
+    >>> client.close()                          # leaves: it no longer holds up bsp rounds
+
+    ``worker_id`` names the worker in the job (a random one if None); each client is a new
+    incarnation of it. ``timeout_s`` bounds each call, ``round_timeout_s`` a wait for a round
+    or a version, ``retry_s`` how long transient faults are retried (seconds). Every method
+    raises the hps errors of ``ps.core.errors`` (``UnknownJob``, ``Conflict``, ``TimedOut``,
+    ...); ``config``, ``layout``, ``view`` and ``encoder`` raise NotReady before ``register``.
+    """
+
     def __init__(self, address: str, job: str, worker_id: str | None = None,
                  timeout_s: float = 30.0, round_timeout_s: float = 600.0, retry_s: float = 60.0) -> None:
         self.address = address
@@ -141,6 +171,7 @@ class ParameterClient:
                         pass  # the next attempt says so again
 
     def close(self) -> None:
+        """Stop heart-beating, leave the job (best effort) and close the channel."""
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
@@ -160,6 +191,9 @@ class ParameterClient:
         return reply.created
 
     def register(self) -> None:
+        """Join the job (again, after a tier restart): fetches its configuration and layout,
+        sets ``start_version``/``start_clock`` and starts heart-beating. UnknownJob if the tier
+        knows no such job."""
         r = self._retrying("register", lambda: self._call("Register", pb.RegisterRequest(
             job=self.job, member=self.worker_id, role=ROLE["worker"], last_seq=self.last_seq,
             incarnation=self.incarnation)), register_again=False)
@@ -198,7 +232,9 @@ class ParameterClient:
     # -- data plane ------------------------------------------------------------------------
     def pull(self, min_version: int = 0, wait_s: float | None = None, min_clock: int = 0) -> int:
         """Bring the local view to at least ``min_version`` (and, for SSP, a clock floor of at
-        least ``min_clock``); returns payload bytes received."""
+        least ``min_clock``); returns payload bytes received. Waits at most ``wait_s`` seconds
+        (default ``round_timeout_s``), then raises TimedOut; a version that fails its checksum
+        is dropped and a snapshot pulled instead."""
         deadline = time.monotonic() + (self.round_timeout_s if wait_s is None else wait_s)
         received = 0
         start_epoch = self.view.epoch

@@ -1,9 +1,15 @@
 """Metrics a training script serves about its own job: loss, steps and step time.
 
-    registry = CollectorRegistry()
-    train = TrainingMetrics("lm", registry)
-    serve_metrics(registry, 9200, host="0.0.0.0")       # ps.tiers.metrics: GET /metrics
-    train.report(loss=2.31, steps=10)                   # feeds the loss-anomaly alert
+>>> from urllib.request import urlopen
+>>> from ps.tiers.metrics import serve_metrics
+>>> registry = CollectorRegistry()
+>>> train = TrainingMetrics("lm", registry)
+>>> httpd = serve_metrics(registry, 0)       # GET /metrics (a real script: 9200, host="0.0.0.0")
+>>> train.report(loss=2.31, steps=10, seconds=4.2)    # feeds the loss-anomaly alert
+>>> page = urlopen(f"http://127.0.0.1:{httpd.server_port}/metrics").read().decode()
+>>> [line for line in page.splitlines() if line.startswith("hps_training_loss")]
+['hps_training_loss{job="lm"} 2.31']
+>>> httpd.shutdown()
 
 The tiers' own metrics are in ps.tiers.metrics.
 """
@@ -22,7 +28,7 @@ class TrainingMetrics:
 
         registry = CollectorRegistry()
         train = TrainingMetrics("lm", registry)
-        serve_metrics(registry, 9200, host="0.0.0.0")
+        serve_metrics(registry, 9200, host="0.0.0.0")    # ps.tiers.metrics
         t0 = time.perf_counter()
         for step, batch in enumerate(batches):
             loss = ...; opt.step()

@@ -1,10 +1,14 @@
 """The three-line integration: an optimizer-like object whose ``step()`` trains through hps.
 
-    opt = HpsOptimizer(model, "127.0.0.1:7001", JobConfig(name="lm"), worker_id="w0")
-    for x, y in batches:
-        opt.zero_grad()
-        model(x, y)[1].backward()
-        opt.step()          # push gradients, wait for the round, bring parameters back
+>>> model = torch.nn.Linear(4, 1)
+>>> opt = HpsOptimizer(model, address, JobConfig(name="mlp"), worker_id="w0")
+>>> for x, y in [(torch.ones(8, 4), torch.zeros(8, 1))] * 3:
+...     opt.zero_grad()
+...     torch.nn.functional.mse_loss(model(x), y).backward()
+...     result = opt.step()   # push gradients, wait for the round, bring parameters back
+>>> result.version, result.applied
+(3, True)
+>>> opt.close()
 
 The model's parameters are overwritten with the published view on construction (every
 worker starts from the same values) and after every step. Gradients are gathered on the
@@ -43,6 +47,28 @@ def _named(params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]
 
 
 class HpsOptimizer:
+    """Trains ``params`` through the job ``job`` at the tier ``address``, like a torch optimizer.
+
+    >>> model = torch.nn.Linear(4, 1)
+    >>> job = JobConfig(name="mlp-ssp", mode="ssp", staleness=1)
+    >>> with HpsOptimizer(model, address, job, worker_id="w0") as opt:   # leaves the job on exit
+    ...     model(torch.ones(2, 4)).sum().backward()
+    ...     _ = opt.step(loss=0.5)       # the loss rides along for the tiers' metrics
+    ...     version = opt.sync()         # ssp/async: wait for the last push, load the newest view
+    ...     ckpt = opt.state_dict()      # clock and error-feedback residuals, for a checkpoint
+    >>> version, ckpt["clock"]
+    (1, 1)
+
+    ``params``: a module or ``(name, parameter)`` pairs; parameters that do not require grad
+    are left out. ``job``: a ``JobConfig`` creates the job if it does not exist (the first
+    worker's values win; a running job with another configuration raises Conflict), a name
+    joins one declared with ``hps job create``. On construction the worker registers, and the
+    model's parameters are overwritten with the published view. ``timeout_s`` bounds each
+    call, ``round_timeout_s`` a wait for a round or a clock floor (seconds). ``record`` keeps
+    ``trace``: (clock, version computed on) per step, for tests. Raises ValueError when the
+    model's parameters do not match the job's, and the hps errors of ``ParameterClient``.
+    """
+
     def __init__(self, params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
                  address: str, job: JobConfig | str, worker_id: str | None = None,
                  timeout_s: float = 30.0, round_timeout_s: float = 600.0, record: bool = False) -> None:
@@ -90,6 +116,7 @@ class HpsOptimizer:
 
     @property
     def version(self) -> int:
+        """The version of the parameters the model holds now."""
         return self.client.view.version
 
     def _flat(self, get: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
@@ -119,6 +146,7 @@ class HpsOptimizer:
                 off += n
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does."""
         for _, p in self.params:
             if set_to_none:
                 p.grad = None
@@ -133,6 +161,9 @@ class HpsOptimizer:
         are in the held version. async: takes whatever version the tier holds now.
         ``loss`` (optional) travels with the push, with the time since the previous step, so
         every tier exports the job's training loss and step time (``hps_worker_loss``).
+        Raises TimedOut when the round or the clock floor does not come within
+        ``round_timeout_s``; ssp/async raise here what a background push ended with (UnknownJob
+        once the job ended). A push refused as Stale is logged and counted, not raised.
         """
         t0 = time.perf_counter()
         report = (0.0, 0, 0.0)
@@ -195,6 +226,7 @@ class HpsOptimizer:
         return {"clock": self.clock, "residuals": enc.state_dict() if enc is not None else {}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved: the clock (never moved back) and the residuals."""
         self._quiesce()
         self.clock = max(self.clock, int(state["clock"]))
         self.client.encoder.load_state_dict(state["residuals"])
@@ -206,6 +238,7 @@ class HpsOptimizer:
             raise TimedOut(f"pushes still unacknowledged after {timeout_s:.0f}s")
 
     def close(self) -> None:
+        """Drain the background sender (ssp/async), stop heart-beating and leave the job."""
         if self.sender is not None:
             self.sender.close(self.client.timeout_s)
         self.client.close()

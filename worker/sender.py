@@ -1,8 +1,18 @@
 """The background sender of ssp/async workers: pushes in flight, gradients summed meanwhile.
 
-    sender = Sender(client, in_flight=4)
-    sender.submit(grad, clock=7, base_version=41, view_epoch=e)   # returns at once
-    sender.drain(timeout_s=30)                                     # before leaving
+>>> from ps.core.config import JobConfig
+>>> from ps.core.view import KeySpec, Layout
+>>> client = ParameterClient(address, job="async-lm", worker_id="w0")
+>>> client.create_job(JobConfig(name="async-lm", mode="async"), Layout([KeySpec("w", (3,))]),
+...                   np.zeros(3, np.float32))
+True
+>>> client.register(); _ = client.pull()
+>>> sender = Sender(client, in_flight=4)
+>>> for clock in range(3):                  # returns at once
+...     sender.submit(np.ones(3, np.float32), clock, client.view.version, client.view.epoch)
+>>> sender.drain(timeout_s=30)              # before leaving: True once all are acknowledged
+True
+>>> sender.close(); client.close()
 
 A push is acknowledged only once the root applied it, which across an ocean takes a while; the
 training loop must not wait for that in ssp/async. Up to ``in_flight`` pushes are out at once
@@ -29,6 +39,14 @@ log = logging.getLogger("hps.worker")
 
 
 class Sender:
+    """Pushes what ``submit`` hands it from ``in_flight`` background threads (see the module).
+
+    ``record`` keeps ``applied``: (lowest clock, highest clock, version) per push, for tests.
+    ``bytes_up``, ``pushes`` and ``peak_in_flight`` count what it sent. A push refused as
+    Stale is logged and counted in ``client.lost_steps``; any other hps error is raised by
+    the next ``submit``. Raises ValueError when ``in_flight`` < 1.
+    """
+
     def __init__(self, client: ParameterClient, record: bool = False, in_flight: int = 1) -> None:
         if in_flight < 1:
             raise ValueError(f"a sender needs at least one push in flight, got {in_flight}")
@@ -114,6 +132,7 @@ class Sender:
             return self._cv.wait_for(lambda: self._sum is None and self._busy == 0, timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Drain for up to ``timeout_s`` seconds, then stop the sending threads."""
         self.drain(timeout_s)
         with self._cv:
             self._stop = True

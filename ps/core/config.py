@@ -1,7 +1,10 @@
 """Validated, frozen configuration: one dataclass per job and per server role.
 
-    job = JobConfig(name="lm", optimizer=OptimizerConfig(kind="adam", lr=3e-4))
-    srv = ServerConfig(role="zone", listen="127.0.0.1:0", parent="127.0.0.1:7000")
+>>> job = JobConfig(name="lm", optimizer=OptimizerConfig(kind="adam", lr=3e-4))
+>>> srv = ServerConfig(role="zone", listen="127.0.0.1:0", parent="127.0.0.1:7000")
+>>> JobConfig(name="lm", mode="bsp", staleness=2)
+Traceback (most recent call last):
+ps.core.errors.BadInput: staleness 2 only applies to mode ssp, not 'bsp'
 
 Every check runs at construction and names the bad value, so a typo in a flag or a YAML
 file fails at start-up with a sentence rather than mid-run.

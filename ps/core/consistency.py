@@ -1,10 +1,15 @@
 """Membership, BSP rounds and SSP/async windows (pure, time injected; exactly-once: ps.core.exactly_once).
 
-    members = Membership()
-    members.join("w0", now=0.0, first_round=0)
-    rnd = BspRound(round=0, numel=10)
-    rnd.add("w0", base_version=0, grad=g, contributors=1, clocks=(0, 0))
-    if rnd.complete(members): agg = rnd.close()     # sum, contributors, clock range
+>>> members = Membership()
+>>> _ = members.join("w0", now=0.0, first_round=0), members.join("w1", now=0.0, first_round=0)
+>>> rnd = BspRound(round=0, numel=3)
+>>> rnd.add("w0", base_version=0, grad=np.ones(3, np.float32), contributors=1, clocks=(0, 0))
+>>> rnd.complete(members)                       # w1 still holds the round
+False
+>>> rnd.add("w1", base_version=0, grad=np.ones(3, np.float32), contributors=1, clocks=(0, 0))
+>>> agg = rnd.close()                           # sum, contributors, clock range
+>>> agg.grad, agg.contributors
+(array([2., 2., 2.], dtype=float32), 2)
 
 A round r aggregates gradients computed on version r. It is complete when every live member
 expected in it (joined at or before r) has pushed: a member that stops heart-beating is

@@ -1,8 +1,12 @@
-"""The bounded delta log: ``since(u)`` gives d_{u+1..v}, or None when a snapshot is needed (pure).
+"""The bounded delta log: ``since(u, v)`` gives d_{u+1..v}, or None when a snapshot is needed (pure).
 
-    log = DeltaLog(capacity=64)
-    log.append(DeltaEntry(version=1, checksum=c, chunks=chunks))
-    log.since(0)   # [entry 1]; log.since(-5) -> None (left the log): send a snapshot
+>>> log = DeltaLog(capacity=2)
+>>> for v in (1, 2, 3):
+...     log.append(DeltaEntry(version=v, checksum=0, chunks=()))
+>>> [d.version for d in log.since(1, upto=3)]
+[2, 3]
+>>> log.since(0, upto=3) is None       # d_1 left the log: send a snapshot
+True
 
 Entries keep the encoded chunks exactly as the root produced them, so a relay forwards the
 bytes it received verbatim and decodes nothing twice.

@@ -1,8 +1,14 @@
 """What one sender keeps for one edge: codec, density warm-up, error feedback, rows (pure).
 
-    enc = Encoder("topk", topk=0.01, warmup_steps=100, seed="w0")
-    chunks = enc.split(layout, grad, step=7)       # grad: numpy, or torch on the training device
-    ckpt["encoder"] = enc.state_dict()             # residuals survive a restart
+>>> from ps.core.view import KeySpec
+>>> layout = Layout([KeySpec("fc.weight", (100, 10))])
+>>> enc = Encoder("topk", topk=0.01, warmup_steps=100, seed="w0")
+>>> grad = torch.randn(layout.numel)             # numpy, or torch on the training device
+>>> chunks = enc.split(layout, grad, step=7)     # density 25% during the warm-up
+>>> [(c.key, c.offset) for c in chunks]
+[('fc.weight', 0)]
+>>> {k: v.shape for k, v in enc.state_dict().items()}   # residuals survive a restart
+{'fc.weight@0': (1000,)}
 
 A worker's push edge and each relay's upward edge own one (design invariant 6). Lossy codecs
 always run under error feedback; with ``momentum`` (DGC's momentum correction) the sender also

@@ -1,6 +1,11 @@
 """The small error vocabulary of hps, and the one table that names each error's gRPC status.
 
-    raise BadInput(f"gradient for key {short(key)} has shape {shape}, the job holds {want}")
+>>> key = "fc.weight"
+>>> raise BadInput(f"gradient for key {short(key)} has shape (3, 4), the job holds (4, 3)")
+Traceback (most recent call last):
+ps.core.errors.BadInput: gradient for key 'fc.weight' has shape (3, 4), the job holds (4, 3)
+>>> Stale("round 41 closed", wait_version=42).code, ERRORS["NotMember"].code
+('ABORTED', 'FAILED_PRECONDITION')
 
 Domain modules raise these. The network layer (``ps.net.rpc``) turns them into gRPC statuses with
 the sentence as details and the class name in the trailing metadata, and turns statuses back

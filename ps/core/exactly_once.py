@@ -1,13 +1,19 @@
 """Exactly-once bookkeeping (invariant 4), pure: per-sender sequence books, the root's record
 of applied worker pushes, and a compact encoding of push keys for the write-ahead log.
 
-    book = SeqBook(incarnation=0x5eed)
-    book.classify(1)                  # "new"
-    book.accept(1, digest)            # in a round now
-    book.settle(1, ack)               # applied: a retry with the same body gets this ack
-    applied = AppliedBook(horizon=1024)
-    applied.add(version=42, keys=[PushKey("w0", 0x5eed, 1, digest)])
-    applied.lookup(PushKey("w0", 0x5eed, 1, digest))   # 42
+>>> digest = bytes(16)                # the push body's digest
+>>> book = SeqBook(incarnation=0x5eed)
+>>> book.classify(1)
+'new'
+>>> book.accept(1, digest)           # in a round now
+>>> book.settle(1, ack="ack of v42") # applied: a retry with the same body gets this ack
+>>> book.classify(1), book.ack_of(1)
+('duplicate', 'ack of v42')
+>>> applied = AppliedBook(horizon=1024)
+>>> applied.add(version=42, keys=[PushKey("w0", 0x5eed, 1, digest)])    # no double applications
+0
+>>> applied.lookup(PushKey("w0", 0x5eed, 1, digest))
+42
 
 A push is one sender incarnation's sequence number with one body (its digest). A retry is
 recognised only when all three match; the same number with another body is refused. A new

@@ -1,12 +1,22 @@
 """Receiving one push within budgets: memory is reserved before it is allocated, and the body
 is decoded frame by frame as it arrives (pure: no event loop, no protobuf).
 
-    budget = ByteBudget(2 << 30, what="zone eu-a")
-    intake = PushIntake(layout, meta, decode=True, budget=budget, release=member_done)
-    for chunks in frames_as_they_arrive:
-        intake.add(chunks)             # BadInput on the first bad chunk, Exhausted past a bound
-    grad = intake.gradient()           # the decoded push (overlaps checked), or None
-    intake.close()                     # gives the reservation back (idempotent)
+>>> from ps.core.codecs import get_codec
+>>> from ps.core.tensors import split
+>>> from ps.core.view import KeySpec
+>>> layout = Layout([KeySpec("w", (4, 3))])
+>>> frames = split(layout, np.ones(12, np.float32), get_codec("fp32"), chunk_elems=6)
+>>> budget = ByteBudget(2 << 30, what="zone eu-a")
+>>> meta = PushMeta(job="lm", sender="w0", seq=1, base_version=0)
+>>> intake = PushIntake(layout, meta, decode=True, budget=budget)   # Exhausted past the budget
+>>> budget.used                    # reserved before anything is allocated
+48
+>>> for chunk in frames:           # as they arrive: BadInput on the first bad chunk
+...     intake.add([chunk])
+>>> intake.gradient()              # the decoded push (overlaps checked), or None
+array([1., 1., 1., 1., 1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
+>>> intake.close(); budget.used    # gives the reservation back (idempotent)
+0
 
 A push's decode buffer is its own, so a stream refused or cut halfway changes nothing: the
 tier adds it to a round only once the whole stream has arrived and checked out. Before this,

@@ -1,8 +1,12 @@
 """Server-side optimizers as state objects (pure; only the root holds one).
 
-    opt = ServerOptimizer(OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9), params)
-    opt.step(grad)            # params (a flat float32 numpy vector) updated in place
-    state = opt.state_dict()  # numpy arrays + counters: what a checkpoint saves
+>>> params = np.ones(3, np.float32)      # the job's flat float32 vector
+>>> opt = ServerOptimizer(OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9), params)
+>>> opt.step(np.array([1, 2, 3], np.float32))
+>>> params                              # updated in place
+array([0.9, 0.8, 0.7], dtype=float32)
+>>> sorted(opt.state_dict())            # numpy arrays + counters: what a checkpoint saves
+['state.momentum_buffer', 'steps']
 
 The arithmetic is torch.optim's own, run on a tensor that shares memory with the numpy
 vector: the root then matches a single process using torch.optim to fp32 rounding

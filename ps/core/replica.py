@@ -1,8 +1,20 @@
 """A replica follows its parent: apply what a pull brought to a view, verified (pure).
 
-    pulled = apply_pull(view, layout, meta, versions)   # a snapshot, or deltas in order
-    pulled.entries        # the deltas applied, as the log keeps them (relays serve them on)
-    pulled.new_lineage    # the root restarted: residuals computed on the old view are void
+>>> import numpy as np
+>>> from ps.core.codecs import get_codec
+>>> from ps.core.tensors import split
+>>> from ps.core.view import KeySpec, checksum
+>>> layout = Layout([KeySpec("w", (3,))]); view = View(layout); one = np.ones(3, np.float32)
+>>> snapshot = [(VersionMeta(3, checksum(one)), split(layout, one, get_codec("fp32")))]
+>>> pulled = apply_pull(view, layout, PullMeta(7, 0, 3, snapshot=True, server_epoch=7), snapshot)
+>>> deltas = [(VersionMeta(4, checksum(2 * one)), split(layout, one, get_codec("fp32")))]  # d_4
+>>> pulled = apply_pull(view, layout, PullMeta(7, 3, 4, snapshot=False, server_epoch=7), deltas)
+>>> view.version, view.values
+(4, array([2., 2., 2.], dtype=float32))
+>>> [d.version for d in pulled.entries]   # the deltas applied, as the log keeps them
+[4]
+>>> pulled.new_lineage                    # the root restarted: residuals on the old view are void
+False
 
 Relays and workers hold replicas the same way: every version's checksum is verified before the
 view changes (invariant 1), a delta applies only onto its exact base (invariant 5), and a

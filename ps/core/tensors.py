@@ -1,7 +1,16 @@
 """Splitting a flat vector into encoded per-key chunks and assembling it back (pure).
 
-    chunks = split(layout, grad, get_codec("fp32"))
-    grad2 = assemble(layout, chunks, what="push")          # validated, bit-identical
+>>> from ps.core.view import KeySpec
+>>> layout = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
+>>> grad = np.arange(15, dtype=np.float32)
+>>> chunks = split(layout, grad, get_codec("fp32"))
+>>> [(c.key, c.shape, c.numel) for c in chunks]
+[('w', (4, 3), 12), ('b', (3,), 3)]
+>>> assemble(layout, chunks, what="push").tobytes() == grad.tobytes()   # validated, bit-identical
+True
+>>> assemble(layout, chunks[:1] * 2, what="push")
+Traceback (most recent call last):
+ps.core.errors.BadInput: ...overlap...
 
 A chunk is at most ``CHUNK_ELEMS`` elements, so every frame stays under the 4 MiB payload
 limit of the wire. ``assemble`` is where untrusted input is checked: unknown keys, wrong

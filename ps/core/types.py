@@ -1,8 +1,10 @@
 """The domain types that cross the wire, as plain frozen dataclasses (no protobuf here).
 
-    key = PushKey("w0", incarnation=0x5eed, seq=7, digest=b"...16 bytes...")
-    meta = PushMeta(job="lm", sender="w0", seq=7, base_version=41, incarnation=0x5eed)
-    ack = Ack(applied_version=42, view_epoch=0x1f)
+>>> key = PushKey("w0", incarnation=0x5eed, seq=7, digest=bytes(16))
+>>> meta = PushMeta(job="lm", sender="w0", seq=7, base_version=41, incarnation=0x5eed)
+>>> ack = Ack(applied_version=42, view_epoch=0x1f)
+>>> meta.contributors, ack.applied_version - meta.base_version
+(1, 1)
 
 ``ps.net.wire`` converts these to and from protobuf; every other module uses only these.
 """

@@ -1,9 +1,15 @@
 """Parameters, layouts and the published view with its checksums (pure).
 
-    layout = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
-    view = View(layout)
-    view.load_snapshot(epoch=7, version=0, values=np.zeros(layout.numel, np.float32), checksum=c)
-    view.apply_delta(epoch=7, version=1, delta=d, checksum=c1)   # invariant 5: base must match
+>>> layout = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
+>>> layout.numel, layout.offset("b")
+(15, 12)
+>>> view = View(layout)
+>>> zeros, d = np.zeros(15, np.float32), np.ones(15, np.float32)
+>>> view.load_snapshot(epoch=7, version=0, values=zeros, crc=checksum(zeros))
+>>> view.apply_delta(epoch=7, version=1, delta=d, crc=checksum(zeros + d))
+>>> view.apply_delta(epoch=7, version=1, delta=d, crc=checksum(zeros + d))   # invariant 5
+Traceback (most recent call last):
+ps.core.errors.Stale: delta for version 1 of epoch 0x7 does not apply to the held view ...
 
 A job's parameters are held as one flat float32 vector; each key is a slice of it, in the
 order the job was created with. Every version's view has a CRC-32 that replicas verify

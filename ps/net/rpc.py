@@ -1,10 +1,15 @@
 """gRPC plumbing every caller and the server share: the status table, channel options, and one
 call helper that turns a failed call back into the hps error the server raised.
 
-    rpc = Caller("127.0.0.1:7001")                      # or AsyncCaller(...) on an event loop
-    reply = rpc.call("ListJobs", pb.ListJobsRequest(), timeout=5)   # raises HpsError subclasses
-    ...
-    await abort(context, BadInput("..."))                # a servicer refusing a call
+>>> from ps.net.wire import pb
+>>> rpc = Caller(address)                          # or AsyncCaller(...) on an event loop
+>>> reply = rpc.call("ListJobs", pb.ListJobsRequest(), timeout=5)
+>>> rpc.call("EndJob", pb.EndJobRequest(job="no-such-job"), timeout=5)   # raises HpsError subclasses
+Traceback (most recent call last):
+ps.core.errors.UnknownJob: job 'no-such-job' is not known at this global tier; ...
+>>> rpc.close()
+
+A servicer refuses a call with ``await abort(context, BadInput("..."))``.
 
 An hps error travels as its gRPC status code with the sentence as details, plus trailing
 metadata ``hps-error: <class name>`` (so ``NotMember`` and ``NotReady`` stay apart although

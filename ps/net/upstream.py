@@ -1,8 +1,16 @@
 """A relay's link to its parent: register, heartbeat, push aggregates up, pull deltas down.
 
-    up = Upstream("region-eu:7000", member="eu-a", role="zone", incarnation=epoch)
-    reg = await up.register("lm", last_seq=0)
-    meta, versions = await up.pull("lm", epoch, since=3, min_version=4, wait_s=5)
+>>> import asyncio
+>>> from ps.core.view import KeySpec
+>>> async def follow(parent):
+...     up = Upstream(parent, member="eu-a", role="zone", incarnation=0x5eed)
+...     await up.create_job(JobConfig(name="relayed"), Layout([KeySpec("w", (3,))]), np.zeros(3, np.float32))
+...     reg = await up.register("relayed", last_seq=0)
+...     meta, versions = await up.pull("relayed", view_epoch=0, since=0, min_version=0, wait_s=5)
+...     await up.leave("relayed"); await up.close()
+...     return reg.start_version, meta.snapshot, [vm.version for vm, chunks in versions]
+>>> asyncio.run(follow(address))   # a view epoch of 0 holds nothing: a snapshot of version 0
+(0, True, [0])
 
 Transport only: every gRPC error becomes an hps exception (``ps.net.rpc``) and every call has a
 deadline. What to do about an error is the relay's business (ps/tiers/relay.py).

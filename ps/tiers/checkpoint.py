@@ -1,7 +1,16 @@
 """Atomic root checkpoints: temp file, fsync, rename; the last K kept (sync, no event loop).
 
-    path = save(directory, state)       # state: a dict of numpy arrays and JSON-able values
-    state = load_latest(directory)      # None when there is none
+>>> import tempfile
+>>> directory = tempfile.mkdtemp()
+>>> load_latest(directory) is None                # None when there is none
+True
+>>> for version in (10, 20, 30):
+...     path = save(directory, version, {"values": np.ones(3, np.float32)}, {"job": "lm"}, keep=2)
+>>> path.name, [p.name for p in list_checkpoints(directory)]   # the last ``keep`` kept
+('ckpt-000000000030.npz', ['ckpt-000000000020.npz', 'ckpt-000000000030.npz'])
+>>> arrays, meta = load_latest(directory)         # numpy arrays, and the JSON-able meta
+>>> arrays["values"], meta
+(array([1., 1., 1.], dtype=float32), {'job': 'lm'})
 
 The root takes an in-memory copy and calls ``save`` in a thread, so training does not stall
 on the disk. A crash mid-write leaves only a ``.tmp`` file, which loading ignores.

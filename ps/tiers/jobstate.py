@@ -1,9 +1,17 @@
 """One job's state at one tier (plain data for the async shell): what every tier keeps
 (``JobState``), and what only the root (``RootJob``) or a relay (``RelayJob``) adds.
 
-    js = RelayJob(config, layout)        # view, delta log, members, the open round or window
-    js.notify()                          # wakes every pull waiting for a newer version
-    ack = await asyncio.shield(js.open_future())
+>>> from ps.core.view import KeySpec
+>>> async def one_round():
+...     js = RelayJob(JobConfig(name="lm"), Layout([KeySpec("w", (3,))]))   # view, delta log,
+...     pull = asyncio.create_task(js.wait_change(timeout=5))   # members, the open round or window
+...     await asyncio.sleep(0); js.notify()    # wakes every pull waiting for a newer version
+...     await pull
+...     push = asyncio.shield(js.open_future())    # each push in the open round waits on this
+...     fut, sources = js.close_batch(); fut.set_result("ack of v1")
+...     return await push
+>>> asyncio.run(one_round())
+'ack of v1'
 
 ``ps.tiers.tier`` drives these; they hold no I/O of their own besides the event-loop futures that
 pushes and pulls wait on.

@@ -1,12 +1,24 @@
 """Prometheus metrics of every tier, registry injected (a training script's own: worker.metrics).
 
-    registry = process_registry()                       # or a bare CollectorRegistry() in tests
-    metrics = TierMetrics(tier, registry)               # on the tier's event loop
-    server.add_generic_rpc_handlers([handler(tier, metrics.rpc)])
-    metrics.start()                                     # relays: watch the upstream link
-    httpd = serve_metrics(registry, 9100, host="0.0.0.0")   # GET /metrics
-    ...
-    await metrics.stop(); httpd.shutdown()
+>>> from urllib.request import urlopen
+>>> from ps.core.config import ServerConfig
+>>> from ps.tiers.relay import Relay
+>>> async def scrape(parent):
+...     zone = Relay(ServerConfig(role="zone", parent=parent, name="eu-a"))
+...     registry = CollectorRegistry()          # a server: process_registry()
+...     metrics = TierMetrics(zone, registry)   # on the tier's event loop
+...     await zone.start(); metrics.start()     # relays: watch the upstream link
+...     while not zone.synced(): await asyncio.sleep(0.05)      # the parent's first answer
+...     httpd = serve_metrics(registry, 0)      # GET /metrics (a server: 9100, host="0.0.0.0")
+...     url = f"http://127.0.0.1:{httpd.server_port}/metrics"
+...     page = (await asyncio.to_thread(urlopen, url)).read().decode()   # scrapes wait for the loop
+...     await metrics.stop(); await zone.stop(); httpd.shutdown()
+...     return [line for line in page.splitlines() if line.startswith(("hps_ready", "hps_upstream_reach"))]
+>>> asyncio.run(scrape(address))
+['hps_ready{tier="zone",zone="eu-a"} 1.0', 'hps_upstream_reachable{tier="zone",zone="eu-a"} 1.0']
+
+A server also hands ``metrics.rpc`` to its servicer (``handler(tier, metrics.rpc)``), which
+times every Push, Pull and Register.
 
 Names follow the Prometheus conventions: counters end in ``_total``, units are base units in
 the name (``_seconds``, ``_bytes``). Labels are bounded: ``tier`` (global|regional|zone),

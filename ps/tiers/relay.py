@@ -1,7 +1,14 @@
 """A relay (regional master or zone replica): a server to its children, a client of its parent.
 
-    relay = Relay(ServerConfig(role="zone", parent="region-eu:7000", name="eu-a"))
-    await relay.start()
+>>> async def zone(parent):
+...     relay = Relay(ServerConfig(role="zone", parent=parent, name="eu-a"))
+...     await relay.start()                    # ps.server.create_server also serves it
+...     while not relay.synced():              # ready once its parent answered
+...         await asyncio.sleep(0.05)
+...     print(relay.role, relay.member_id, "ready, parent reachable:", relay.up.reachable)
+...     await relay.stop()                     # leaves every job at its parent
+>>> asyncio.run(zone(address))
+zone eu-a ready, parent reachable: True
 
 What it does with what passes through:
 - upward: sums its children's pushes per round and forwards one aggregate (with the number

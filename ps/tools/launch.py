@@ -1,7 +1,10 @@
 """Start a whole local cluster from a topology, and stop it by PID.
 
-    with Cluster.start(load_topology("deploy/topology.yaml"), logdir="/tmp/hps") as cluster:
-        cluster.address("eu-a")        # "127.0.0.1:41234"
+>>> import tempfile
+>>> topology = {"root": {"name": "root", "zones": [{"name": "eu-a"}]}}   # or load_topology(path)
+>>> with Cluster.start(topology, logdir=tempfile.mkdtemp()) as cluster:   # stopped on exit
+...     print(sorted(cluster.tiers), cluster.address("eu-a"))
+['eu-a', 'root'] 127.0.0.1:...
 
 Each tier is one ``hps serve`` process. Tiers bind port 0 unless the topology names a port;
 launch reads each tier's ready line (``hps: serving ... on HOST:PORT``) from its log to learn

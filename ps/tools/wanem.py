@@ -3,9 +3,20 @@
     python -m ps.tools.wanem --target 127.0.0.1:7000 --latency-ms 100 --bandwidth-mbit 100
     # wanem: relaying 127.0.0.1:41234 -> 127.0.0.1:7000 (latency 100 ms RTT, 100 Mbit/s each way)
 
-    link = Link(latency_ms=100, bandwidth_mbit=100)          # in-process (tests, benchmarks)
-    async with LinkProxy(link, "127.0.0.1:7000") as proxy:
-        proxy.address                                          # connect here instead
+In-process (tests, benchmarks), here in front of a tier at ``address``:
+
+>>> from ps.net.rpc import AsyncCaller
+>>> from ps.net.wire import pb
+>>> async def round_trip(target):
+...     async with LinkProxy(Link(latency_ms=100, bandwidth_mbit=100), target) as proxy:
+...         rpc = AsyncCaller(proxy.address)                # connect here instead
+...         await rpc.call("ListJobs", pb.ListJobsRequest(), timeout=5)   # connected
+...         t0 = time.perf_counter()
+...         await rpc.call("ListJobs", pb.ListJobsRequest(), timeout=5)
+...         await rpc.close()
+...         return time.perf_counter() - t0
+>>> 0.1 <= asyncio.run(round_trip(address)) < 0.5      # latency_ms is the round trip
+True
 
 Point a child at the proxy instead of its parent and every byte between them crosses an
 emulated link. gRPC works through it unchanged: it is only TCP. This exists because the

@@ -1,12 +1,17 @@
 """Codecs: how a flat float32 tensor slice becomes payload bytes and back.
 
-    codec = get_codec("fp32+zstd")
-    payload = codec.encode(x)             # x: numpy array or torch tensor (any device)
-    y = codec.decode(payload, x.size)     # float32 numpy on the host; bit-identical if lossless
-
-    topk = get_codec("topk", k=0.01)      # a codec with options: name plus keywords
-    ef = ErrorFeedback()                  # lossy codecs run under error feedback
-    payload = ef.encode("fc.weight", topk, grad)
+>>> import numpy as np
+>>> x = np.linspace(-1, 1, 1000, dtype=np.float32)
+>>> codec = get_codec("fp32+zstd")
+>>> payload = codec.encode(x)             # x: numpy array or torch tensor (any device)
+>>> y = codec.decode(payload, x.size)     # float32 numpy on the host; bit-identical if lossless
+>>> y.tobytes() == x.tobytes()
+True
+>>> topk = get_codec("topk", k=0.01)      # a codec with options: name plus keywords
+>>> ef = ErrorFeedback()                  # lossy codecs run under error feedback
+>>> payload = ef.encode("fc.weight", topk, x)
+>>> int(np.count_nonzero(topk.decode(payload, x.size)))   # 1% sent, the rest kept for later
+10
 
 A codec is a pure object. Lossy codecs (fp16, bf16, int8, topk, sign; rows is lossless) keep no residual
 themselves: the sender's ``ErrorFeedback`` state does (design invariant 6). Their payloads

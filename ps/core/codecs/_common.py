@@ -1,8 +1,14 @@
 """Helpers shared by the codecs: input coercion, payload headers, exact zstd, scales (pure).
 
-    x = as_tensor(grad)                                   # numpy (zero-copy) or torch -> 1-D float32
-    fmt, e, numel = read_header(payload, HEAD, "fp16", numel)
-    payload = pack(HEAD.pack(FORMAT, e, x.numel()), h)    # one host copy of the compact parts
+>>> HEAD = struct.Struct("<Bxh4xQ")                    # fp16's: format, exponent e, numel
+>>> x = as_tensor(np.full(4, 8, np.float32))          # numpy (zero-copy) or torch -> 1-D float32
+>>> e = pow2_exponent(float(x.abs().max()))
+>>> payload = pack(HEAD.pack(FORMAT, e, x.numel()), (x * 2.0**-e).half())   # one host copy
+>>> read_header(payload, HEAD, "fp16", 4)             # the fields after the format byte
+(-11, 4)
+>>> read_header(payload, HEAD, "fp16", 5)
+Traceback (most recent call last):
+ps.core.errors.BadInput: fp16 payload encodes 4 elements, the chunk declares 5
 
 Every lossy payload starts with a fixed little-endian header whose first byte is the payload
 format and which records the element count, so a payload describes itself and a decoder can

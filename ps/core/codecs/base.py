@@ -1,4 +1,14 @@
-"""The codec interface, and the base class of the torch-implemented (lossy) codecs."""
+"""The codec interface, and the base class of the torch-implemented (lossy) codecs.
+
+>>> from ps.core.codecs import get_codec
+>>> codec = get_codec("fp16")                      # a LossyCodec (a TensorCodec underneath)
+>>> payload = codec.encode(np.ones(4, np.float32))  # or a torch tensor, on any device
+>>> codec.decode(payload, 4)                        # float32 numpy array on the host
+array([1., 1., 1., 1.], dtype=float32)
+>>> y = torch.full((4,), 3.0)
+>>> codec.subtract_decoded_(y, payload); y          # what error feedback keeps, on y's device
+tensor([2., 2., 2., 2.])
+"""
 
 from __future__ import annotations
 

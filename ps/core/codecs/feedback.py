@@ -1,11 +1,14 @@
 """Error feedback: the state a lossy sender keeps so that compression loses nothing over time.
 
-    ef = ErrorFeedback()
-    codec = get_codec("topk", k=0.01)
-    for step, grad in enumerate(grads):
-        payload = ef.encode("fc.weight", codec.with_k(dgc_density(step, 0.01, 1000)), grad)
-        send(payload)                          # receivers add codec.decode(payload, n)
-    checkpoint["ef"] = ef.state_dict()         # residuals survive a restart
+>>> from ps.core.codecs import get_codec
+>>> ef, codec, sent = ErrorFeedback(), get_codec("topk", k=0.01), torch.zeros(1000)
+>>> grads = [torch.randn(1000) for _ in range(50)]
+>>> for step, grad in enumerate(grads):
+...     payload = ef.encode("fc.weight", codec.with_k(dgc_density(step, 0.01, 40)), grad)
+...     sent += codec.decode_tensor(payload, 1000)      # what receivers add up
+>>> torch.allclose(sent + ef.residuals["fc.weight"], sum(grads), atol=1e-4)   # nothing lost
+True
+>>> checkpoint = {"ef": ef.state_dict()}                # residuals survive a restart
 
 Every encode computes y = x + residual, sends encode(y) and keeps residual = y - decode(payload),
 decoding the payload itself exactly as receivers do. So the sum of everything decoded plus the
@@ -86,8 +89,10 @@ def dgc_density(step: int, final: float, warmup_steps: int, start: float = 0.25,
                 factor: float = 4.0) -> float:
     """Top-k density at ``step`` under Deep Gradient Compression's exponential warm-up.
 
-        dgc_density(0, 0.001, 400)   # 0.25, then 0.0625, 0.015625, 0.00390625 per 100 steps
-        dgc_density(400, 0.001, 400) # 0.001 from warmup_steps on
+    >>> [dgc_density(step, 0.001, 400) for step in (0, 100, 200, 300)]   # per 100 steps
+    [0.25, 0.0625, 0.015625, 0.00390625]
+    >>> dgc_density(400, 0.001, 400)   # from warmup_steps on
+    0.001
 
     DGC (Lin et al. 2018, section 3.3) starts dense and divides the density by 4 in equal
     stages until it reaches the target, so early, fast-changing gradients are not starved.

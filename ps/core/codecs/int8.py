@@ -1,7 +1,14 @@
 """int8 with one float32 scale per chunk and stochastic rounding (lossy, ~1 byte per element).
 
-    codec = Int8(chunk=4096, seed=0)
-    y = codec.decode(codec.encode(x), x.size)   # |y - x| < scale of x's chunk, E[y] = x
+>>> import numpy as np
+>>> x = np.linspace(-1, 1, 10_000, dtype=np.float32)
+>>> codec = Int8(chunk=4096, seed=0)
+>>> payload = codec.encode(x)
+>>> len(payload)                             # a 16-byte header, 3 scales, one byte per element
+10028
+>>> y = codec.decode(payload, x.size)
+>>> bool((abs(y - x) < 1 / 127).all())       # |y - x| < scale of x's chunk, E[y] = x
+True
 
 Each chunk of ``chunk`` elements is scaled so its largest |x| maps to 127 and rounded up or
 down at random with the probability that makes the rounding unbiased (QSGD, Alistarh et al.

@@ -1,4 +1,11 @@
-"""Lossless codecs: raw float32, and float32 behind a zstandard stage."""
+"""Lossless codecs: raw float32, and float32 behind a zstandard stage.
+
+>>> x = np.zeros(1000, np.float32)
+>>> len(Fp32().encode(x)), len(Fp32Zstd(level=1).encode(x))   # zeros compress, gradients little
+(4000, 19)
+>>> Fp32Zstd().decode(Fp32Zstd().encode(x), x.size).tobytes() == x.tobytes()   # bit for bit
+True
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,14 @@
 """Row-sparse tensors as rows: the indices of the non-zero rows and their float32 values.
 
-    codec = Rows(width=512)                      # an embedding gradient, 512 floats per row
-    payload = codec.encode(grad)                 # grad: flat, a whole number of rows
-    dense = codec.decode(payload, grad.numel())  # bit-identical values; absent rows are zero
+>>> grad = torch.zeros(1000, 512)             # an embedding gradient, 512 floats per row
+>>> grad[[3, 700]] = 1.0                         # the batch touched two rows
+>>> codec = Rows(width=512)
+>>> payload = codec.encode(grad.flatten())       # flat, a whole number of rows
+>>> len(payload) // 1024, 4 * grad.numel() // 1024   # KiB: two rows' floats, not the table's
+(4, 2000)
+>>> dense = codec.decode(payload, grad.numel())  # bit-identical values; absent rows are zero
+>>> dense.tobytes() == grad.numpy().tobytes()
+True
 
 An ``nn.Embedding(sparse=True)`` gradient, or any gradient whose batch touched few rows of a
 table, costs its touched rows, not the table. After a 24-byte header (format, width, count,

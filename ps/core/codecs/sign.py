@@ -1,7 +1,10 @@
 """Scaled sign: one bit per element and one scale, mean |x| (lossy, 32x smaller than float32).
 
-    codec = Sign()
-    y = codec.decode(codec.encode(x), x.size)   # y = mean(|x|) * sign(x), zeros as +
+>>> import numpy as np
+>>> x = np.array([1, -3, 0, 2], np.float32)
+>>> codec = Sign()
+>>> codec.decode(codec.encode(x), x.size)   # y = mean(|x|) * sign(x), zeros as +
+array([ 1.5, -1.5,  1.5,  1.5], dtype=float32)
 
 The scale mean |x| = ||x||_1 / d is the one that makes sign compression work with error
 feedback (EF-SignSGD, Karimireddy et al. 2019); without the residual, signSGD is biased.

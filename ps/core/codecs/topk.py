@@ -1,9 +1,13 @@
 """Top-k sparsification: the k largest |x| as delta-coded indices and float16 values, zstd'd.
 
-    codec = TopK(k=0.01)                       # keep 1% of the elements
-    ef = ErrorFeedback()                       # what is not sent now is sent later
-    payload = ef.encode("fc.weight", codec, grad)
-    dense = codec.decode(payload, grad.numel())
+>>> from ps.core.codecs import ErrorFeedback
+>>> grad = torch.randn(100_000)
+>>> codec = TopK(k=0.01)                         # keep 1% of the elements
+>>> ef = ErrorFeedback()                         # what is not sent now is sent later
+>>> payload = ef.encode("fc.weight", codec, grad)
+>>> dense = codec.decode(payload, grad.numel())
+>>> int((dense != 0).sum()), len(payload) < 6 * 1000   # < 6 bytes (int32 gap + fp16) per element
+(1000, True)
 
 Selection never runs a full ``torch.topk`` on a large tensor (~300 ms for 16M elements on a
 2-core CPU): it estimates the threshold from a random sample of |x|, gathers every element
