@@ -15,7 +15,7 @@ In-process (tests, benchmarks), here in front of a tier at ``address``:
 ...         await rpc.call("ListJobs", pb.ListJobsRequest(), timeout=5)
 ...         await rpc.close()
 ...         return time.perf_counter() - t0
->>> 0.1 <= asyncio.run(round_trip(address)) < 0.5      # latency_ms is the round trip
+>>> asyncio.run(round_trip(address)) >= 0.1             # latency_ms is the round trip: never less
 True
 
 Point a child at the proxy instead of its parent and every byte between them crosses an
