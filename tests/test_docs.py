@@ -3,8 +3,9 @@
 Each module of ``DOCTESTED`` is one test: its docstrings' ``>>>`` examples run with doctest,
 and a module whose examples vanished fails too. Examples that need a tier (``LIVE``) find the
 address of a root on 127.0.0.1:0, started in this process, as ``address``; each such module
-uses its own job names. ps.tools.launch starts (and stops) its own processes. ps.tiers.wal and
-the demo run their examples in their own tests.
+uses its own job names. ps.tools.launch starts (and stops) its own processes; ps.server's
+modules start (and stop) their own servers on 127.0.0.1:0. The demo runs its examples in its
+own tests.
 """
 
 from __future__ import annotations
@@ -40,13 +41,26 @@ DOCTESTED = (
     "ps.core.tensors",
     "ps.core.types",
     "ps.core.view",
+    "ps.net.frames",
     "ps.net.rpc",
     "ps.net.upstream",
+    "ps.net.wire",
+    "ps.server",
+    "ps.server.health",
+    "ps.server.lifecycle",
+    "ps.server.service",
     "ps.tiers.checkpoint",
     "ps.tiers.jobstate",
     "ps.tiers.metrics",
     "ps.tiers.relay",
+    "ps.tiers.root",
+    "ps.tiers.tier",
+    "ps.tiers.wal",
+    "ps.tiers.walrecord",
+    "ps.tools.format",
+    "ps.tools.jobctl",
     "ps.tools.launch",
+    "ps.tools.status",
     "ps.tools.wanem",
     "worker",
     "worker.client",
@@ -56,8 +70,9 @@ DOCTESTED = (
 )
 
 # Modules whose examples talk to a tier: they get ``address`` (a live root) in their globals.
-LIVE = frozenset({"ps.net.rpc", "ps.net.upstream", "ps.tiers.metrics", "ps.tiers.relay", "ps.tools.wanem",
-                  "worker", "worker.client", "worker.optimizer", "worker.sender"})
+LIVE = frozenset({"ps.net.rpc", "ps.net.upstream", "ps.tiers.metrics", "ps.tiers.relay", "ps.server.health",
+                  "ps.tools.jobctl", "ps.tools.status", "ps.tools.wanem", "worker", "worker.client", "worker.optimizer",
+                  "worker.sender"})
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

@@ -1,7 +1,17 @@
 """The only place generated protobuf meets domain types: pushes, pull replies, jobs, status.
 
-    frames = encode_push(PushMeta(job="lm", sender="w0", seq=1, base_version=0), chunks)
-    meta, chunks, digest = decode_push(frames)   # payloads are zero-copy memoryview slices
+>>> import numpy as np
+>>> from ps.core.codecs import get_codec
+>>> from ps.core.tensors import split
+>>> chunks = split(Layout([KeySpec("w", (3,))]), np.ones(3, np.float32), get_codec("fp32"))
+>>> frames = encode_push(PushMeta(job="lm", sender="w0", seq=1, base_version=0), chunks)
+>>> len(frames)                                  # header, one chunk batch, end marker
+3
+>>> meta, got, digest = decode_push(frames)      # BadInput if malformed or cut
+>>> meta.sender, meta.seq, [(c.key, c.numel) for c in got]
+('w0', 1, [('w', 3)])
+>>> type(got[0].payload).__name__, len(digest)   # zero-copy slices; the body's XXH3-128
+('memoryview', 16)
 
 How a message is cut into frames, and how a streamed body proves it is whole, is
 ``ps.net.frames``; this module says what the frames carry.

@@ -1,9 +1,25 @@
 """The standard gRPC health service (``grpc.health.v1.Health``) of a tier: what probes ask.
 
-    health = Health(tier)
-    server.add_generic_rpc_handlers([health_handler(health)])
-    ...
-    health.drain()        # on SIGTERM, before the server stops: every service NOT_SERVING
+>>> from ps.core.config import ServerConfig
+>>> from ps.tiers.relay import Relay
+>>> from ps.tiers.root import Root
+>>> name = health_pb2.HealthCheckResponse.ServingStatus.Name
+>>> root = Health(Root(ServerConfig(role="global")))    # served: health_handler(health)
+>>> name(root.status("")), root.status("no.such.Service")      # ready at once; unknown: NOT_FOUND
+('SERVING', None)
+>>> async def probe(parent):
+...     zone = Relay(ServerConfig(role="zone", parent=parent, name="eu-b"))
+...     health = Health(zone)
+...     seen = [name(health.status("")), name(health.status(LIVENESS))]    # before it synced
+...     await zone.start()
+...     while not zone.synced(): await asyncio.sleep(0.05)
+...     seen.append(name(health.status("")))
+...     health.drain()        # on SIGTERM, before the server stops: every service NOT_SERVING
+...     seen.append(name(health.status(LIVENESS)))
+...     await zone.stop()
+...     return seen
+>>> asyncio.run(probe(address))
+['NOT_SERVING', 'SERVING', 'SERVING', 'NOT_SERVING']
 
 Readiness is service ``""`` (and the hps service's own name): SERVING once the tier has synced
 with its parent -- the root at once, a relay once its upstream link has succeeded (a heartbeat

@@ -1,8 +1,14 @@
 """Server lifecycle: ``create_server(config) -> (server, port, tier)``, ``serve(config)``.
 
-    server, port, tier = await create_server(ServerConfig(role="global", listen="127.0.0.1:0"))
-    ...
-    await shutdown(server, tier)
+>>> from ps.tools.status import fetch_ready
+>>> async def up_and_down():
+...     server, port, tier = await create_server(ServerConfig(role="global", listen="127.0.0.1:0"))
+...     address = f"127.0.0.1:{port}"                                # port 0: the kernel picked it
+...     ready = await asyncio.to_thread(fetch_ready, address)        # what a readiness probe sees
+...     await shutdown(server, tier)      # probes NOT_SERVING, the tier stops, RPCs get grace seconds
+...     return ready, await asyncio.to_thread(fetch_ready, address)  # no answer once stopped
+>>> asyncio.run(up_and_down())
+('ready', 'ready ?')
 
 ``serve`` prints one ready line (``hps: serving ROLE NAME on HOST:PORT``) that ``hps launch``
 reads to learn the bound port, and stops gracefully on SIGTERM/SIGINT: the root writes a

@@ -1,6 +1,28 @@
 """The grpc.aio servicer: decode the request, call the tier, encode the reply.
 
-    server.add_generic_rpc_handlers([handler(tier, metrics.rpc)])
+>>> from ps.core.config import JobConfig, ServerConfig
+>>> from ps.net.rpc import AsyncCaller
+>>> from ps.tiers.root import Root
+>>> async def serve_a_root():
+...     tier = Root(ServerConfig(role="global"))
+...     await tier.create_job(JobConfig(name="lm"), None, None)       # declared, no parameters yet
+...     server = grpc.aio.server()
+...     server.add_generic_rpc_handlers([handler(tier)])          # a server: handler(tier, metrics.rpc)
+...     port = server.add_insecure_port("127.0.0.1:0")
+...     await server.start()
+...     rpc = AsyncCaller(f"127.0.0.1:{port}")
+...     reply = await rpc.call("ListJobs", pb.ListJobsRequest(), timeout=5)
+...     try:
+...         await rpc.call("EndJob", pb.EndJobRequest(job="no-such-job"), timeout=5)
+...     except HpsError as exc:                                   # raised at the tier, raised here
+...         refused = type(exc).__name__
+...     await rpc.close(); await server.stop(0)
+...     return [j.config.name for j in reply.jobs], refused
+>>> asyncio.run(serve_a_root())
+(['lm'], 'UnknownJob')
+>>> parse(pb.RegisterRequest, bytes([0xFF]))     # every request's bytes are parsed here
+Traceback (most recent call last):
+ps.core.errors.BadInput: the RegisterRequest does not parse (...)
 
 Every method is registered with identity request deserialisers, so a request that does not
 parse is this module's to refuse (INVALID_ARGUMENT with a sentence), not an UNKNOWN status and

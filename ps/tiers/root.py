@@ -1,7 +1,23 @@
 """The global root: authoritative parameters, the optimizer, the published view, checkpoints.
 
-    root = Root(ServerConfig(role="global", checkpoint_dir="/var/lib/hps"))
-    await root.create_job(config, layout, chunks)     # initial values from the first worker
+>>> import shutil, tempfile
+>>> from ps.core.types import PushMeta
+>>> d, layout = tempfile.mkdtemp(), Layout([KeySpec("w", (3,))])
+>>> async def one_step():
+...     root = Root(ServerConfig(role="global", checkpoint_dir=d))   # a server: /var/lib/hps
+...     await root.start()
+...     await root.create_job(JobConfig(name="lm"), layout, np.zeros(3, np.float32))  # initial values
+...     await root.register("lm", "w0", "worker", "", last_seq=0, incarnation=0x5eed)
+...     meta = PushMeta("lm", "w0", seq=1, base_version=0, incarnation=0x5eed)
+...     ack = await root.push(meta, split(layout, np.ones(3, np.float32), get_codec("fp32")), bytes(16))
+...     await root.stop()                        # writes a final checkpoint
+...     return ack.applied_version
+>>> asyncio.run(one_step())                      # one member (BSP): its push closes the round
+1
+>>> job = Root(ServerConfig(role="global", checkpoint_dir=d)).job("lm")   # a restart recovers it
+>>> job.view.version, job.view.values            # sgd, lr 0.01
+(1, array([-0.01, -0.01, -0.01], dtype=float32))
+>>> shutil.rmtree(d)
 
 A closed round becomes one optimizer step on the averaged sum, then a new published version:
 d_v = encode(params_v - view_{v-1}); view_v = view_{v-1} + decode(d_v). Whatever the codec

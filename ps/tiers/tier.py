@@ -1,10 +1,29 @@
 """What every tier does with what passes through: membership, BSP rounds, pushes, pulls.
 
-    tier = Root(ServerConfig(role="global"))           # or Relay(config)
-    intake = tier.open_push(meta)                       # header checks, memory reserved
-    intake.add(chunks)                                  # ... as frames arrive
-    ack = await tier.commit_push(intake, digest)        # returns once the root applied it
-    meta, versions = await tier.pull("lm", "w0", epoch, since=3, min_version=4, wait_s=5)
+>>> import numpy as np
+>>> from ps.core.codecs import get_codec
+>>> from ps.core.config import JobConfig
+>>> from ps.core.tensors import split
+>>> from ps.core.view import KeySpec, Layout
+>>> from ps.tiers.root import Root
+>>> async def one_round():
+...     tier = Root(ServerConfig(role="global"))    # or Relay(config)
+...     await tier.start()
+...     layout = Layout([KeySpec("w", (3,))])
+...     await tier.create_job(JobConfig(name="lm"), layout, np.zeros(3, np.float32))  # BSP
+...     await tier.register("lm", "w0", "worker", "", last_seq=0, incarnation=0x5eed)
+...     meta = PushMeta(job="lm", sender="w0", seq=1, base_version=0, incarnation=0x5eed)
+...     chunks = split(layout, np.ones(3, np.float32), get_codec("fp32"))
+...     ack = await tier.push(meta, chunks, digest=bytes(16))   # once the root applied it
+...     pulled, versions = await tier.pull("lm", "w0", ack.view_epoch, since=0, min_version=1, wait_s=5)
+...     await tier.stop()
+...     return ack.applied_version, pulled.snapshot, [vm.version for vm, chunks in versions]
+>>> asyncio.run(one_round())        # the one member's push closed round 1: delta 0 -> 1
+(1, False, [1])
+
+``push`` is ``open_push(meta)`` (header checks, memory reserved) then ``intake.add(chunks)``
+as frames arrive and ``commit_push(intake, digest)``; ``digest`` is the push body's XXH3-128
+(``ps.net.frames``), its identity for exactly-once.
 
 This is the async shell over the pure core (store, deltas, consistency, exactly_once,
 tensors): it owns the event-loop waiting (version waits, batch futures) and nothing about

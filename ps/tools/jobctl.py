@@ -1,8 +1,13 @@
 """``hps job create|list|end``: manage jobs through any tier (relays forward to the root).
 
-    declare(address, JobConfig(name="lm", mode="ssp", staleness=2))
-    for row in list_jobs(address): print(row)
-    end(address, "lm")
+>>> declare(address, JobConfig(name="jobctl-lm", mode="ssp", staleness=2))   # False: it existed
+True
+>>> print(format_jobs([r for r in list_jobs(address) if r["config"].name == "jobctl-lm"]))
+job        state     mode    optimizer  codec  version  members  parameters
+---------  --------  ------  ---------  -----  -------  -------  ----------
+jobctl-lm  declared  ssp(2)  sgd 0.01   fp32         0        0           0
+>>> end(address, "jobctl-lm")        # its last version (no worker brought parameters)
+0
 """
 
 from __future__ import annotations

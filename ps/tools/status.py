@@ -1,6 +1,11 @@
 """``hps status ADDR``: the tree below a tier, with versions, lag, members and bytes.
 
-    print_tree("127.0.0.1:7000", sys.stdout)
+>>> import sys
+>>> print_tree(address, sys.stdout)     # a tier a line, then a paragraph per job; 0: all answered
+global root @ 127.0.0.1:... epoch 0x... up ...s, ready...
+0
+>>> fetch_status(address).role, fetch_ready(address)
+('global', 'ready')
 
 Relays register with the address they serve on, so starting at the root walks the whole tree.
 """

@@ -1,6 +1,5 @@
 """The root's write-ahead log: record format, durable appends, crash recovery, exact replay."""
 
-import doctest
 import errno
 import logging
 import os
@@ -13,7 +12,6 @@ import numpy as np
 import pytest
 import xxhash
 
-import ps.tiers.wal as walmod
 import ps.tiers.walrecord as walrecord
 from ps.tiers.wal import WalCorrupt, WalRecord, WalWriteError, WriteAheadLog
 
@@ -111,12 +109,6 @@ def test_the_checksum_hashes_the_gradient_in_place(tmp_path, monkeypatch):
     # header: no argument is bigger than the payload alone.
     assert any(isinstance(a, memoryview) and a.obj is grad for a in seen)
     assert max(len(memoryview(a).cast("B")) for a in seen) == grad.nbytes
-
-
-@pytest.mark.parametrize("module", [walmod, walrecord])
-def test_the_module_docstring_example_runs(module):
-    result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_a_log_that_never_writes_holds_no_file(tmp_path):
