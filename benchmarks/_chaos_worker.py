@@ -36,8 +36,8 @@ from ps.core.errors import Stale
 from worker import HpsOptimizer
 
 DATA_SEED = 12345
-TRAIN, HELD_OUT, BATCH = 8192, 2048, 32
-JOB = JobConfig(name="chaos", mode="bsp", optimizer=OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9))
+TRAIN, HELD_OUT, BATCH = 65536, 2048, 32
+JOB = JobConfig(name="chaos", mode="bsp", optimizer=OptimizerConfig(kind="sgd", lr=0.03, momentum=0.9))
 
 
 def dataset() -> tuple[torch.Tensor, ...]:
