@@ -35,8 +35,9 @@ Per fault kind:
 The faulted run's final held-out loss is compared with fault-free runs of other seeds (the
 claim: within their spread) and with the fault-free run of its own seed.
 
-Exit status 1 if an acknowledged version was lost, a gradient or version applied twice, or a
-fault did not recover (the job wedged); 0 otherwise. Figures go to
+Exit status 1 if an acknowledged version was lost, a gradient or version applied twice, a
+fault did not recover (the job wedged), or the tiers and workers do not all hold the same
+version and checksum once training has ended; 0 otherwise. Figures go to
 benchmarks/results/chaos.json; logs of every process stay under a temporary directory
 (--keep-logs DIR to keep them).
 """
@@ -534,6 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     root_doubles += ((faulted["status_at_end"].get("root") or {}).get("stats") or {}).get("double_applied", 0)
     figures = summarise(kinds, faulted["faults"], fa, root_doubles)
     figures["all"]["root_double_applied_log_lines"] = faulted["root_double_lines"]
+    # Quiescent at the end: every tier and every worker holds the same version, bit for bit.
+    held = {(s["version"], s["checksum"]) if s else None for s in faulted["status_at_end"].values()}
+    held |= {(e["version"], e["crc"]) for e in faulted_events_done(faulted)}
+    figures["all"]["views_agree_at_end"] = len(held) == 1 and None not in held
     others = [r["analysis"]["final_loss"] for n, r in runs.items() if n.startswith("fault-free, seed")
               and r["analysis"]["final_loss"] is not None]
     same = runs.get("fault-free, same seed", {}).get("analysis", {}).get("final_loss")
@@ -547,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     wedged = faulted["wedged"] or not faulted["finished"]
     bad = (figures["all"]["acked_versions_lost"] or figures["all"]["acks_not_in_log"]
            or figures["all"]["pushes_applied_twice"] or figures["all"]["versions_written_twice"]
-           or root_doubles or faulted["root_double_lines"] or wedged)
+           or root_doubles or faulted["root_double_lines"] or wedged or not figures["all"]["views_agree_at_end"])
 
     print(f"\nchaos: {len(schedule)} faults in a {args.versions}-version BSP run (seed {args.seed}); "
           f"{total / 60:.1f} min in all")
@@ -565,11 +570,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"acknowledgements not in the root's log: {al['acks_not_in_log']} of {fa['acks']}; worker pushes "
           f"applied twice (log): {al['pushes_applied_twice']}; versions written twice: "
           f"{al['versions_written_twice']}; root's double-applied counter: {root_doubles} (log lines: "
-          f"{faulted['root_double_lines']}); log gaps: {fa['log_gap_count']}")
+          f"{faulted['root_double_lines']}); log gaps: {fa['log_gap_count']}; every tier and worker at the "
+          f"same version and checksum at the end: {'yes' if al['views_agree_at_end'] else 'NO'}")
     print(f"final held-out loss: faulted {_f(loss['faulted'])}; fault-free same seed {_f(same)}; other seeds "
           f"min {_f(loss['other_min'])} median {_f(loss['other_median'])} max {_f(loss['other_max'])} "
           f"({len(others)} runs): {_verdict(loss)}")
-    print("RESULT: " + ("FAILED (acknowledged version lost, gradient applied twice, or wedged)" if bad else
+    print("RESULT: " + ("FAILED (acknowledged version lost, gradient applied twice, views differ, or wedged)"
+                        if bad else
                         "no acknowledged version lost, nothing applied twice"))
 
     settings = dict(versions=args.versions, faults_per_kind=args.faults_per_kind, kinds=kinds, gap=args.gap,
@@ -584,6 +591,10 @@ def main(argv: list[str] | None = None) -> int:
     write("chaos", dict(settings=settings, total_seconds=round(total, 1), failed=bool(bad), figures=figures,
                         final_loss=loss, runs=runs), args.out)
     return 1 if bad else 0
+
+
+def faulted_events_done(run: dict) -> list[dict]:
+    return [e for e in run["events"] if e["event"] == "done"]
 
 
 def _verdict(loss: dict) -> str:
