@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PB     := ps/net/proto/hps_pb2.py
 TORCH  := torch==2.13.0
 
-.PHONY: install proto tools test lint demo bench clean
+.PHONY: install proto tools test lint demo bench chaos clean
 
 install: $(STAMP) $(PB)
 
@@ -60,6 +60,12 @@ demo: install
 # BENCH_FLAGS=--quick runs small sizes (a smoke run); BENCH_FLAGS="--only wan_loss" a subset.
 bench: install
 	$(BIN)/python benchmarks/run_all.py $(BENCH_FLAGS)
+
+# kill -9 and restart each tier kind during a BSP run (benchmarks/chaos.py; ~8 min on 2 cores):
+# recovery times, lost steps, and a nonzero exit if an acknowledged version is lost or a gradient
+# applied twice. CHAOS_FLAGS=--quick is a smoke run; CHAOS_FLAGS="--faults-per-kind 5" more faults.
+chaos: install
+	$(BIN)/python benchmarks/chaos.py $(CHAOS_FLAGS)
 
 clean:
 	rm -rf $(VENV) ps/net/proto/hps_pb2*.py ps/net/proto/hps_pb2*.pyi *.egg-info
