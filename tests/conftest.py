@@ -74,3 +74,11 @@ def reap_strays():
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Clients some tests leave open keep heart-beating from daemon threads until the interpreter
+    exits, at tiers that are gone: their warnings would follow the summary by the dozen."""
+    import logging
+
+    logging.getLogger("hps.worker").setLevel(logging.ERROR)

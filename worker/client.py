@@ -163,7 +163,7 @@ class ParameterClient:
                                 exc, deadline - now)
                     logged = now
                 time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, 0.5)  # as the channel's reconnect backoff (ps.net.rpc)
                 if isinstance(exc, NotMember) and register_again:
                     try:
                         self.register()

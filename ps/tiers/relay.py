@@ -59,7 +59,10 @@ __all__ = ["Relay"]
 log = logging.getLogger("hps.relay")
 
 _PULL_WAIT_S = 5.0   # long-poll window of the follow loop
-_BACKOFF_S = (0.05, 2.0)  # first and largest retry delay
+# First and largest retry delay. The largest matches the channels' reconnect backoff (at most
+# 500 ms, ps.net.rpc): with 2 s, the first version after a root restart came 1.1-1.5 s after
+# the root was serving again (benchmarks/chaos.py), the relays still sleeping off their backoff.
+_BACKOFF_S = (0.05, 0.5)
 
 
 class Relay(Tier):
