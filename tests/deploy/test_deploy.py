@@ -601,3 +601,24 @@ def test_every_image_is_pinned_by_digest_or_the_documented_placeholder(rendered)
         kust = yaml.safe_load((K8S / "overlays" / o / "kustomization.yaml").read_text())
         assert "images" not in kust and "../../components/image" in kust["components"]
 
+
+def test_constraints_pin_every_package_the_image_and_the_venv_install():
+    """constraints.txt (deploy/gen_constraints.py) pins, exactly, every package hps and its extras
+    need, torch aside; the Dockerfile and the Makefile's venv install through it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen_constraints", DEPLOY / "gen_constraints.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    lines = [ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert all(re.fullmatch(r"[a-z0-9][a-z0-9-]*==[A-Za-z0-9.+!-]+", ln) for ln in lines), lines
+    pins = gen.read()
+    assert "torch" not in pins and "hps" not in pins and not any(n.startswith("nvidia-") for n in pins)
+    missing = sorted(set(gen.closure()) - set(pins))
+    assert not missing, f"constraints.txt lacks {missing}: run `.venv/bin/python deploy/gen_constraints.py`"
+    # The image's install goes through it, and so does the venv's.
+    assert re.search(r'^RUN pip install "\.\[uvloop\]" -c constraints\.txt', (ROOT / "Dockerfile").read_text(), re.M)
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert not any("constraints" in p for p in ignored)
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^\t\$\(BIN\)/pip install -q -c constraints\.txt -e ", makefile, re.M)
+    assert re.search(r"^\$\(STAMP\): .*constraints\.txt", makefile, re.M)
