@@ -18,7 +18,9 @@ COPY . .
 # Generated protobuf code is never committed (.dockerignore drops any local copy): the wheel
 # build generates it (setup.py; grpcio-tools lives only in pip's isolated build environment, so
 # the image carries no build tool and no demo extras). uvloop: `hps serve --loop uvloop`.
-RUN pip install ".[uvloop]" \
+# constraints.txt pins every dependency (deploy/gen_constraints.py): a rebuild of the same commit
+# installs the same versions, not whatever the registry holds that day.
+RUN pip install ".[uvloop]" -c constraints.txt \
  && cd / && python -c "import ps.net.proto.hps_pb2, ps.server, ps.server.health" \
  && python -c "import importlib.util as u; assert u.find_spec('grpc_tools') is None and u.find_spec('matplotlib') is None"
 

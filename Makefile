@@ -12,10 +12,11 @@ TORCH  := torch==2.13.0
 
 install: $(STAMP) $(PB)
 
-$(STAMP): pyproject.toml
+# constraints.txt: the versions the image installs too (deploy/gen_constraints.py refreshes it).
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test,demo,uvloop,lint]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,demo,uvloop,lint]'
 	touch $@
 
 # Generated code is never edited nor committed; protoc is run from the venv's grpcio-tools.
