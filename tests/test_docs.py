@@ -61,6 +61,7 @@ DOCTESTED = (
     "ps.tools.jobctl",
     "ps.tools.launch",
     "ps.tools.status",
+    "ps.tools.supervise",
     "ps.tools.wanem",
     "worker",
     "worker.client",
