@@ -30,7 +30,6 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from ps.tools.launch import Cluster, TierProcess
 from ps.tools.status import STATE_FILE, read_state
