@@ -54,11 +54,16 @@ def _serve(args) -> int:
     except (BadInput, ValueError) as exc:
         print(f"hps serve: {exc}", file=sys.stderr)
         return 2
+    json_logs = args.log_format == "json"
+    if json_logs:  # one JSON object per line, the ready line included (as event tier.started)
+        from ps.core.logs import process_fields, use_json
+
+        use_json(process_fields(cfg.role, cfg.display_name))
     if args.loop == "uvloop":
         import uvloop
 
         uvloop.install()
-    asyncio.run(serve(cfg))
+    asyncio.run(serve(cfg, ready_stream=None if json_logs else sys.stdout))
     return 0
 
 
@@ -94,10 +99,15 @@ def _launch(args) -> int:
     root = topo["root"] if isinstance(topo.get("root"), dict) else {}
     if not root.get("checkpoint_dir"):  # a restarted root restores its jobs from here
         root["checkpoint_dir"] = str(Path(args.logdir) / "checkpoints")
+    if args.log_format == "json":  # the launcher's lines, and every tier's (HPS_LOG_FORMAT)
+        from ps.core.logs import use_json
+
+        use_json({"process": "launch"})
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     try:
-        cluster = Cluster.start(topo, args.logdir)  # stops what it started if this raises
+        # stops what it started if this raises
+        cluster = Cluster.start(topo, args.logdir, env={"HPS_LOG_FORMAT": args.log_format})
     except _Stop:
         return 0
     except BadInput as exc:
@@ -115,13 +125,13 @@ def _launch(args) -> int:
             print(f"{'link':9s} {t.name:8s} {t.address:22s} -> {t.parent}  log {t.log}")
         print(f"cluster up; a tier that dies is restarted (at most {policy.max_restarts} times in "
               f"{policy.window_s:.0f}s); state in {cluster.logdir / 'launch.json'}; Ctrl-C stops it", flush=True)
-        while len(sup.failed) < len(sup.watch):  # all given up on: nothing left to serve
-            # A signal between a respawn and its record would orphan the new process.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-            try:
-                sup.poll()
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        # From here a signal only asks to stop: raised mid-respawn it would orphan the new
+        # process (and blocking signals instead would hand the mask down to it).
+        stop: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _: stop.append(signum))
+        while not stop and len(sup.failed) < len(sup.watch):  # all given up on: nothing to serve
+            sup.poll()
             time.sleep(0.25)
     except _Stop:
         pass
@@ -215,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="root: end a job no worker joined within this many seconds (0: never)")
     s.add_argument("--loop", action=_EnvDefault, default="asyncio", choices=["asyncio", "uvloop"],
                    help="event loop (benchmarks/bsp_step.py --loops compares them)")
+    s.add_argument("--log-format", action=_EnvDefault, default="text", choices=["text", "json"],
+                   help="json: one JSON object per line (ts, level, logger, message, tier, region/zone, "
+                   "name, and event, job, version where known) for a log pipeline")
     s.set_defaults(fn=_serve)
 
     s = sub.add_parser("launch", help="start a local cluster from a topology and keep it serving",
@@ -237,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--restart-backoff-s", action=_EnvDefault, default="1.0",
                    help="delay before the first restart; doubles per recent restart")
     s.add_argument("--restart-backoff-max-s", action=_EnvDefault, default="30", help="longest restart delay")
+    s.add_argument("--log-format", action=_EnvDefault, default="text", choices=["text", "json"],
+                   help="json: one JSON object per line (ts, level, logger, message, tier, region/zone, "
+                   "name, and event, job, version where known) for a log pipeline; also given to every tier")
     s.set_defaults(fn=_launch)
 
     s = sub.add_parser("status", help="show the tree, versions, lag and members")

@@ -45,7 +45,8 @@ from ps.tools.wanem import Link
 
 __all__ = ["Cluster", "TierProcess", "load_topology", "default_topology", "MALLOC_ENV"]
 
-_READY = re.compile(r"hps: serving (\S+) (\S+) on (\S+)(?: metrics (\d+))?")
+# The address stops at a quote too: with --log-format json the line is a JSON message.
+_READY = re.compile(r"hps: serving (\S+) (\S+) on ([^\s\"]+)(?: metrics (\d+))?")
 # glibc serves every allocation of >= 32 MiB (the most M_MMAP_THRESHOLD can be raised to) with
 # its own mmap and unmaps it on free, so a server that assembles a large model faults every
 # page in again on every message: measured 1.7-2.5x slower pushes of a 100 MB model
@@ -228,11 +229,12 @@ class Cluster:
     def respawn(self, name: str, signum: int = signal.SIGKILL) -> TierProcess:
         """``restart`` without waiting: the new process is starting; ``ready(name)`` says when it
         serves (the supervisor of ``hps launch`` polls it, so one slow tier blocks no other)."""
-        old = self.tiers.pop(name)
+        old = self.tiers[name]
         self._kill(old, signum, 5.0)
         cmd = list(old.cmd)
         cmd[cmd.index("--listen") + 1] = old.address  # same port: children reconnect to it
         offset = old.log.stat().st_size
+        # Replaced in place: stop() goes leaves first by this order.
         self.tiers[name] = tier = self._popen(name, old.role, cmd, old.log, old.parent,
                                               extra_env={"OMP_NUM_THREADS": "1"})
         tier.address, tier.metrics_port, tier.ready_offset = old.address, old.metrics_port, offset

@@ -154,3 +154,45 @@ def test_a_tier_that_cannot_start_exits_3(tmp_path, launches):
         launches(lc)
         assert lc.proc.wait(timeout=120) == 3
     assert "a tier could not be started" in lc.text()
+
+
+def _json_lines(path: Path) -> list[dict]:
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    parsed = [json.loads(ln) for ln in lines]  # every line: one JSON object
+    assert parsed and all(isinstance(p, dict) and {"ts", "level", "logger", "message"} <= p.keys() for p in parsed)
+    return parsed
+
+
+def test_json_logs_carry_tier_job_version_and_event_fields(tmp_path, launches):
+    lc = Launch(tmp_path, "--log-format", "json")
+    launches(lc)
+    st = lc.wait(_up, "every tier up")
+    layout = Layout([KeySpec("w", (3,))])
+    c = ParameterClient(st["tiers"]["z"]["address"], job="logged", worker_id="w0", retry_s=30)
+    try:
+        c.create_job(JobConfig(name="logged"), layout, np.zeros(3, np.float32))
+        c.register()
+        c.push(np.ones(3, np.float32))
+        os.kill(st["tiers"]["root"]["pid"], signal.SIGKILL)  # the zone loses and regains its parent
+        lc.wait(lambda s: _up(s, {"root": 1}), "the root restarted")
+        for _ in range(100):
+            if '"parent.regained"' in (lc.dir / "z.log").read_text():
+                break
+            time.sleep(0.1)
+    finally:
+        c.close()
+    assert lc.stop() == 0
+    root, zone = _json_lines(lc.dir / "root.log"), _json_lines(lc.dir / "z.log")
+    events = {(p.get("event"), p["tier"]) for p in root + zone}
+    for e in [("tier.started", "global"), ("tier.started", "zone"), ("job.created", "global"),
+              ("member.joined", "global"), ("member.joined", "zone"), ("checkpoint.written", "global"),
+              ("job.restored", "global"), ("parent.lost", "zone"), ("parent.regained", "zone"),
+              ("tier.stopping", "zone"), ("tier.stopped", "global")]:
+        assert e in events, (e, sorted(events, key=str))
+    joined = next(p for p in zone if p.get("event") == "member.joined" and p.get("member") == "w0")
+    assert joined["zone"] == "z" and joined["name"] == "z" and joined["job"] == "logged" and "version" in joined
+    restored = next(p for p in root if p.get("event") == "job.restored")
+    assert restored["job"] == "logged" and restored["version"] == 1
+    launch = [json.loads(ln) for ln in lc.text().splitlines() if ln.startswith("{")]
+    died = next(p for p in launch if p.get("event") == "launch.tier_died")
+    assert died["tier_name"] == "root" and died["process"] == "launch" and "SIGKILL" in died["message"]
