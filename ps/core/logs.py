@@ -38,7 +38,6 @@ EVENTS = frozenset({
     "round.restarted", "round.refused",
     "checkpoint.written", "checkpoint.failed", "wal.write_failed",
     "parent.lost", "parent.regained", "parent.restarted",
-    "training.loss_anomaly",
     "launch.tier_died", "launch.tier_restarted", "launch.tier_failed",
     "worker.retrying", "worker.recovered", "worker.gave_up",
 })
