@@ -3,6 +3,7 @@
     hps serve --role zone --listen 0.0.0.0:7001 --parent region-eu:7000 --name eu-a
     hps launch deploy/topology.yaml
     hps status 127.0.0.1:7000
+    hps status --launch-dir hps-demo/logs      # what hps launch supervises, then the tree
     hps job create lm --mode ssp --staleness 2 --optimizer adam --lr 3e-3 --address 127.0.0.1:7000
     hps demo
 
