@@ -21,8 +21,11 @@ Each client is one incarnation (a random id it registers with): a restarted proc
 incarnation of its worker id, so none of its pushes is ever taken for the old one's. A retry
 resends the very same bytes (same sequence number and digest), so a tier that already applied
 it answers with the recorded acknowledgement. Faults a tier's restart causes (unavailable,
-"register again", "budget full, retry") are retried for ``retry_s`` seconds (one log line per
-retry window), so the training loop does not see them.
+"register again", "budget full, retry") are retried, so the training loop does not see them:
+by default for as long as the tier would hold a silent worker (its member timeout, announced
+at registration) but at least ``RETRY_FLOOR_S`` (60 s), or for an explicit ``retry_s``. Each
+retry window logs one line when it opens (what failed, until when it retries), and one when it
+ends (through, or given up on).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ps.core.codecs import get_codec
 from ps.core.config import JobConfig
 from ps.core.encoder import Encoder
 from ps.core.errors import BadInput, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable
+from ps.core.logs import event
 from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes, split
 from ps.core.types import Chunk, PullMeta, PushMeta, VersionMeta
@@ -50,10 +54,13 @@ from ps.core.view import Layout, View
 from ps.net.rpc import Caller
 from ps.net.wire import ROLE, decode_pull_reply, encode_create_job, encode_push, job_from_pb, layout_from_pb, pb
 
-__all__ = ["ParameterClient", "StepResult"]
+__all__ = ["ParameterClient", "StepResult", "RETRY_FLOOR_S"]
 
 log = logging.getLogger("hps.worker")
 T = TypeVar("T")
+# The shortest default retry window: a tier restarts in seconds (a process) to minutes (a pod
+# rescheduled), longer than a short member timeout; the worker registers again when it is back.
+RETRY_FLOOR_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -83,13 +90,14 @@ class ParameterClient:
 
     ``worker_id`` names the worker in the job (a random one if None); each client is a new
     incarnation of it. ``timeout_s`` bounds each call, ``round_timeout_s`` a wait for a round
-    or a version, ``retry_s`` how long transient faults are retried (seconds). Every method
+    or a version, ``retry_s`` how long transient faults are retried (seconds; None: the longer
+    of the tier's member timeout and ``RETRY_FLOOR_S``, see ``retry_window_s``). Every method
     raises the hps errors of ``ps.core.errors`` (``UnknownJob``, ``Conflict``, ``TimedOut``,
     ...); ``config``, ``layout``, ``view`` and ``encoder`` raise NotReady before ``register``.
     """
 
     def __init__(self, address: str, job: str, worker_id: str | None = None,
-                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, retry_s: float = 60.0) -> None:
+                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, retry_s: float | None = None) -> None:
         self.address = address
         self.job = job
         self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
@@ -97,6 +105,7 @@ class ParameterClient:
         self.timeout_s = timeout_s
         self.round_timeout_s = round_timeout_s
         self.retry_s = retry_s
+        self.member_timeout_s = 0.0  # as the tier announced at registration
         self._config: JobConfig | None = None
         self._layout: Layout | None = None
         self._view: View | None = None
@@ -146,22 +155,43 @@ class ParameterClient:
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         return self._rpc.call(name, request, timeout or self.timeout_s)
 
+    @property
+    def retry_window_s(self) -> float:
+        """How long a transient fault is retried: ``retry_s`` if given, else as long as the tier
+        would still hold this worker while it is silent (its member timeout), at least
+        ``RETRY_FLOOR_S``. A tier set to ``HPS_MEMBER_TIMEOUT_S=300`` keeps its workers
+        trying through a 5-minute pod reschedule."""
+        if self.retry_s is not None:
+            return self.retry_s
+        return max(RETRY_FLOOR_S, self.member_timeout_s)
+
     def _retrying(self, what: str, fn: Callable[[], T], register_again: bool = True) -> T:
         """``fn()``, retried with backoff through the faults a tier's restart or a full budget
-        causes, for ``retry_s`` seconds; NotMember registers again first."""
-        deadline = time.monotonic() + self.retry_s
-        delay, logged = 0.05, 0.0
+        causes, for ``retry_window_s``; NotMember registers again first."""
+        window = self.retry_window_s
+        start = time.monotonic()
+        deadline, delay, attempts = start + window, 0.05, 0
         while True:
             try:
-                return fn()
+                result = fn()
             except (Unavailable, Exhausted, NotReady) as exc:
                 now = time.monotonic()
+                attempts += 1
                 if now + delay > deadline:
+                    log.error("%s: %s at %s failed for %.1fs (%d attempts; retry window %.0fs); giving up: %s",
+                              self.worker_id, what, self.address, now - start, attempts, window, exc,
+                              extra=event("worker.gave_up", job=self.job, member=self.worker_id,
+                                          seconds=round(now - start, 3), window_s=window))
                     raise
-                if now - logged > 5.0:  # one line per retry window, not one per attempt
-                    log.warning("%s: %s failed (%s); retrying for up to %.0fs", self.worker_id, what,
-                                exc, deadline - now)
-                    logged = now
+                if attempts == 1:  # one line per retry window, not one per attempt
+                    until = time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - now))
+                    log.warning("%s: %s at %s failed (%s); retrying until %s (%.0fs window: %s)",
+                                self.worker_id, what, self.address, exc, until, window,
+                                "retry_s" if self.retry_s is not None else
+                                f"the longer of the tier's member timeout {self.member_timeout_s:g}s "
+                                f"and {RETRY_FLOOR_S:g}s",
+                                extra=event("worker.retrying", job=self.job, member=self.worker_id,
+                                            error=type(exc).__name__, window_s=window))
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)  # as the channel's reconnect backoff (ps.net.rpc)
                 if isinstance(exc, NotMember) and register_again:
@@ -169,6 +199,14 @@ class ParameterClient:
                         self.register()
                     except (Unavailable, Exhausted, NotReady):
                         pass  # the next attempt says so again
+            else:
+                if attempts:
+                    took = time.monotonic() - start
+                    log.warning("%s: %s at %s went through after %.1fs of retries (%d attempts)",
+                                self.worker_id, what, self.address, took, attempts,
+                                extra=event("worker.recovered", job=self.job, member=self.worker_id,
+                                            seconds=round(took, 3)))
+                return result
 
     def close(self) -> None:
         """Stop heart-beating, leave the job (best effort) and close the channel."""
@@ -208,6 +246,7 @@ class ParameterClient:
         if self._encoder is None:  # kept across re-registrations: the residuals are still owed
             self._encoder = Encoder.for_job(config, seed=self.worker_id, worker=True)
         self._heartbeat_s = max(r.heartbeat_ms / 1000.0, 0.05)
+        self.member_timeout_s = r.member_timeout_ms / 1000.0
         if self._hb_thread is None:
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                                name=f"hps-heartbeat-{self.worker_id}")

@@ -11,7 +11,8 @@
 ('ready', 'ready ?')
 
 ``serve`` prints one ready line (``hps: serving ROLE NAME on HOST:PORT``) that ``hps launch``
-reads to learn the bound port, and stops gracefully on SIGTERM/SIGINT: the root writes a
+reads to learn the bound port (with ``ready_stream=None``, as ``--log-format json`` runs it, the
+line is logged as event ``tier.started`` instead), and stops gracefully on SIGTERM/SIGINT: the root writes a
 final checkpoint, relays leave their parent, in-flight RPCs get ``grace`` seconds.
 """
 
@@ -27,6 +28,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from ps.core.config import ServerConfig
+from ps.core.logs import event
 from ps.net.rpc import SERVER_OPTIONS
 from ps.server.health import Health, health_handler
 from ps.server.service import handler
@@ -86,12 +88,16 @@ async def serve(config: ServerConfig, ready_stream=sys.stdout) -> None:
         # Same interface as gRPC: 0.0.0.0 in a pod, so Prometheus can scrape it.
         metrics_port = serve_metrics(registry, config.metrics_port, host).server_port
     extra = f" metrics {metrics_port}" if metrics_port is not None else ""
-    print(f"hps: serving {config.role} {config.display_name} on {host}:{port}{extra}",
-          file=ready_stream, flush=True)
+    ready = f"hps: serving {config.role} {config.display_name} on {host}:{port}{extra}"
+    if ready_stream is not None:
+        print(ready, file=ready_stream, flush=True)
+    else:  # structured logs: the ready line is a log event too (launch finds it in the log)
+        log.info(ready, extra=event("tier.started", address=f"{host}:{port}", metrics_port=metrics_port))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("stopping %s %s", config.role, config.display_name)
+    log.info("stopping %s %s", config.role, config.display_name, extra=event("tier.stopping"))
     await shutdown(server, tier)
+    log.info("stopped %s %s", config.role, config.display_name, extra=event("tier.stopped"))

@@ -45,6 +45,7 @@ from ps.core.errors import (
     short,
 )
 from ps.core.exactly_once import MAX_IN_FLIGHT
+from ps.core.logs import event
 from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes
 from ps.core.types import PullMeta, PushKey, PushMeta
@@ -146,18 +147,31 @@ class Relay(Tier):
                 log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
 
     async def _heartbeat_loop(self) -> None:
+        lost_at: float | None = None  # monotonic time the parent stopped answering
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             known = self.up.server_epoch
             try:
                 epoch, unknown = await self.up.heartbeat(sorted(self.attached))
             except HpsError as exc:
-                log.warning("%s: parent %s unreachable: %s", self.role, self.config.parent, exc)
+                if lost_at is None:  # once per outage: the transition is the event
+                    lost_at = self.clock()
+                    log.warning("%s: parent %s unreachable: %s", self.role, self.config.parent, exc,
+                                extra=event("parent.lost", parent=self.config.parent))
+                else:
+                    log.debug("%s: parent %s still unreachable: %s", self.role, self.config.parent, exc)
                 continue
+            if lost_at is not None:
+                log.warning("%s: parent %s reachable again after %.1fs", self.role, self.config.parent,
+                            self.clock() - lost_at,
+                            extra=event("parent.regained", parent=self.config.parent,
+                                        seconds=round(self.clock() - lost_at, 3)))
+                lost_at = None
             self.up.server_epoch = epoch
             if known and epoch != known:
                 log.warning("%s: parent %s restarted (epoch %#x -> %#x); registering again",
-                            self.role, self.config.parent, known, epoch)
+                            self.role, self.config.parent, known, epoch,
+                            extra=event("parent.restarted", parent=self.config.parent))
                 unknown = sorted(self.attached)
             # Jobs the parent forgot, and jobs detached after a refusal (NotReady) that still
             # have children here: both must register again or their rounds never close.

@@ -48,6 +48,7 @@ from ps.core.consistency import Aggregate, all_finite
 from ps.core.deltas import DeltaEntry
 from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
 from ps.core.exactly_once import decode_keys, encode_keys
+from ps.core.logs import event
 from ps.core.optim import ServerOptimizer
 from ps.core.tensors import assemble, split
 from ps.core.types import Ack, PushKey
@@ -100,7 +101,7 @@ class Root(Tier):
             self.declared[cfg.name] = cfg
             self.declared_at[cfg.name] = self.clock()
             self._persist_declared(cfg)
-            log.info("declared job %s: mode %s", cfg.name, cfg.mode)
+            log.info("declared job %s: mode %s", cfg.name, cfg.mode, extra=event("job.declared", job=cfg.name))
             return created, 0, self.epoch
         if values is None or values.shape != (layout.numel,):
             raise BadInput(f"job {cfg.name!r} needs initial values for its {layout.numel} parameters")
@@ -108,7 +109,7 @@ class Root(Tier):
         self.declared.pop(cfg.name, None)
         self.declared_at.pop(cfg.name, None)
         log.info("created job %s: %d keys, %d parameters, mode %s", cfg.name, len(layout.specs),
-                 layout.numel, cfg.mode)
+                 layout.numel, cfg.mode, extra=event("job.created", job=cfg.name, version=0))
         self._checkpoint(js)
         return True, 0, self.epoch
 
@@ -169,7 +170,8 @@ class Root(Tier):
         if self.config.checkpoint_dir:
             Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
             _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=why)))
-        log.info("ended job %s at version %d%s", name, version, f" ({why})" if why else "")
+        log.info("ended job %s at version %d%s", name, version, f" ({why})" if why else "",
+                 extra=event("job.ended", job=name, version=version))
         return version
 
     async def _housekeeping(self, now: float) -> None:
@@ -258,7 +260,8 @@ class Root(Tier):
                                  exc_info=True)
                 if isinstance(exc, WalWriteError):
                     js.stats.durable_failures += 1
-                    log.error("job %s: %s; refusing the round until a write succeeds", js.config.name, exc)
+                    log.error("job %s: %s; refusing the round until a write succeeds", js.config.name, exc,
+                              extra=event("wal.write_failed", job=js.config.name, version=rec.version))
                     exc = Unavailable(f"the root could not make version {rec.version} of job "
                                       f"{js.config.name} durable ({exc}); nothing was applied; retry")
                 elif not isinstance(exc, HpsError):
@@ -382,7 +385,11 @@ class Root(Tier):
         if not task.cancelled() and task.exception() is not None:
             js.stats.checkpoint_failures += 1
             log.error("checkpoint of job %s failed (the write-ahead log still covers it): %s",
-                      js.config.name, task.exception())
+                      js.config.name, task.exception(), extra=event("checkpoint.failed", job=js.config.name))
+        elif not task.cancelled():
+            _, took, version = js.last_checkpoint
+            log.info("checkpoint of job %s written at version %d in %.2fs", js.config.name, version, took,
+                     extra=event("checkpoint.written", job=js.config.name, version=version, seconds=took))
 
     def _restore_all(self) -> None:
         for d in sorted(Path(self.config.checkpoint_dir).glob("*/")):
@@ -427,7 +434,8 @@ class Root(Tier):
             self.jobs[cfg.name] = js
             log.info("restored job %s: checkpoint version %d + %d replayed from the write-ahead log "
                      "= version %d, checksum %#010x", cfg.name, meta["version"], replayed,
-                     js.view.version, js.view.checksum)
+                     js.view.version, js.view.checksum,
+                     extra=event("job.restored", job=cfg.name, version=js.view.version, replayed=replayed))
         else:
             js.wal.close()
         return js

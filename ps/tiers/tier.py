@@ -64,6 +64,7 @@ from ps.core.errors import (
 )
 from ps.core.exactly_once import MAX_IN_FLIGHT
 from ps.core.intake import ByteBudget, PushIntake
+from ps.core.logs import event
 from ps.core.tensors import Chunk, payload_bytes
 from ps.core.types import Ack, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, Registration, TierStatus, VersionMeta
 from ps.tiers.jobstate import JobState
@@ -130,7 +131,9 @@ class Tier:
                 gone = js.members.expire(now, self.config.member_timeout_s)
                 if gone:
                     log.warning("%s: job %s dropped members %s after %.1fs of silence",
-                                self.role, js.config.name, gone, self.config.member_timeout_s)
+                                self.role, js.config.name, gone, self.config.member_timeout_s,
+                                extra=event("member.expired", job=js.config.name, members=gone,
+                                            version=js.view.version))
                     js.stats.members_expired += len(gone)
                     for member in gone:
                         self._drop_member(js, member, "timed out")
@@ -157,7 +160,9 @@ class Tier:
                                      f"{why} with its push in it; push again"))
         js.stats.restarted_rounds += 1
         log.warning("%s: %s of job %s restarted without %r (%s); %d push(es) asked to resend",
-                    self.role, label, js.config.name, member, why, n - 1)
+                    self.role, label, js.config.name, member, why, n - 1,
+                    extra=event("round.restarted", job=js.config.name, member=member, reason=why,
+                                version=js.view.version))
 
     # -- membership ------------------------------------------------------------------------
     async def register(self, job: str, member: str, role: str, address: str, last_seq: int,
@@ -180,7 +185,7 @@ class Tier:
             js.stats.members_replaced += 1
             self._drop_member(js, member, "was replaced by a new incarnation (it restarted)")
             log.info("%s: %r in job %s is a new incarnation %#x (was %#x)", self.role, member, job,
-                     incarnation, old.incarnation)
+                     incarnation, old.incarnation, extra=event("member.replaced", job=job, member=member))
         start_clock = js.view.clock_min  # a late joiner must not hold the others back (SSP)
         m = js.members.join(member, self.clock(), js.round.round, role, address, floor=start_clock,
                             incarnation=incarnation)
@@ -189,7 +194,8 @@ class Tier:
         if not book.pending:
             # A (re)starting member continues after the last sequence number it used.
             book.highest = max(book.highest, last_seq)
-        log.info("%s: %s %r joined job %s at round %d", self.role, role, member, job, m.first_round)
+        log.info("%s: %s %r joined job %s at round %d", self.role, role, member, job, m.first_round,
+                 extra=event("member.joined", job=job, member=member, role=role, version=js.view.version))
         return Registration(js.config, js.layout, max(m.first_round, js.round.round), self.epoch,
                             start_clock)
 
@@ -205,7 +211,8 @@ class Tier:
     async def leave(self, job: str, member: str) -> None:
         js = self.job(job)
         if js.members.leave(member):
-            log.info("%s: %r left job %s", self.role, member, job)
+            log.info("%s: %r left job %s", self.role, member, job,
+                     extra=event("member.left", job=job, member=member, version=js.view.version))
             js.stats.members_left += 1
             self._drop_member(js, member, "left")
             await self._members_changed(js)
@@ -463,6 +470,9 @@ class Tier:
         again (its pushers resend or recompute on the same version) unless the refusal says the
         round is gone (Stale) or the round moved on meanwhile."""
         js.stats.refused_rounds += 1
+        log.warning("%s: round %d of job %s refused: %s", self.role, agg.round, js.config.name, exc,
+                    extra=event("round.refused", job=js.config.name, round=agg.round, version=js.view.version,
+                                reason=type(exc).__name__))
         if (js.bsp and not isinstance(exc, Stale) and js.round.round == agg.round + 1
                 and not js.round.pushed and js.view.version <= agg.round):
             js.round = BspRound(round=agg.round, numel=js.layout.numel)

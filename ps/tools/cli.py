@@ -3,6 +3,7 @@
     hps serve --role zone --listen 0.0.0.0:7001 --parent region-eu:7000 --name eu-a
     hps launch deploy/topology.yaml
     hps status 127.0.0.1:7000
+    hps status --launch-dir hps-demo/logs      # what hps launch supervises, then the tree
     hps job create lm --mode ssp --staleness 2 --optimizer adam --lr 3e-3 --address 127.0.0.1:7000
     hps demo
 
@@ -54,39 +55,111 @@ def _serve(args) -> int:
     except (BadInput, ValueError) as exc:
         print(f"hps serve: {exc}", file=sys.stderr)
         return 2
+    json_logs = args.log_format == "json"
+    if json_logs:  # one JSON object per line, the ready line included (as event tier.started)
+        from ps.core.logs import process_fields, use_json
+
+        use_json(process_fields(cfg.role, cfg.display_name))
     if args.loop == "uvloop":
         import uvloop
 
         uvloop.install()
-    asyncio.run(serve(cfg))
+    asyncio.run(serve(cfg, ready_stream=None if json_logs else sys.stdout))
     return 0
 
 
-def _launch(args) -> int:
-    from ps.tools.launch import Cluster, load_topology
+# `hps launch` exit codes (also in its --help and the README).
+LAUNCH_EXIT = {0: "stopped by SIGINT/SIGTERM with every tier serving",
+               2: "bad topology or flags",
+               3: "a tier could not be started (nothing is left running)",
+               4: "a tier could not be kept up (restarts given up on; the rest served until stopped)"}
 
-    cluster = Cluster.start(load_topology(args.topology), args.logdir)
-    for t in cluster.tiers.values():
-        print(f"{t.role:9s} {t.name:8s} {t.address:22s} metrics {t.metrics_port}  log {t.log}")
-    for t in cluster.links.values():  # emulated WAN links (latency_ms / bandwidth_mbit edges)
-        print(f"{'link':9s} {t.name:8s} {t.address:22s} -> {t.parent}  log {t.log}")
-    print("cluster up; Ctrl-C stops it", flush=True)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+
+class _Stop(Exception):
+    """SIGINT or SIGTERM reached ``hps launch``."""
+
+
+def _raise_stop(*_) -> None:
+    raise _Stop
+
+
+def _launch(args) -> int:
+    from pathlib import Path
+
+    from ps.core.errors import BadInput
+    from ps.tools.launch import Cluster, load_topology
+    from ps.tools.supervise import RestartPolicy, Supervisor
+
     try:
-        while not stop and all(t.proc.poll() is None for t in cluster.tiers.values()):
-            time.sleep(0.5)
-    except KeyboardInterrupt:
+        policy = RestartPolicy(first_s=float(args.restart_backoff_s), max_s=float(args.restart_backoff_max_s),
+                               max_restarts=int(args.max_restarts), window_s=float(args.restart_window_s))
+        topo = load_topology(args.topology)
+    except (BadInput, ValueError) as exc:
+        print(f"hps launch: {exc}", file=sys.stderr)
+        return 2
+    root = topo["root"] if isinstance(topo.get("root"), dict) else {}
+    if not root.get("checkpoint_dir"):  # a restarted root restores its jobs from here
+        root["checkpoint_dir"] = str(Path(args.logdir) / "checkpoints")
+    if args.log_format == "json":  # the launcher's lines, and every tier's (HPS_LOG_FORMAT)
+        from ps.core.logs import use_json
+
+        use_json({"process": "launch"})
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_stop)
+    try:
+        # stops what it started if this raises
+        cluster = Cluster.start(topo, args.logdir, env={"HPS_LOG_FORMAT": args.log_format})
+    except _Stop:
+        return 0
+    except BadInput as exc:
+        print(f"hps launch: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"hps launch: a tier could not be started: {exc}", file=sys.stderr)
+        return 3
+    sup = None
+    try:
+        sup = Supervisor(cluster, policy)
+        for t in cluster.tiers.values():
+            print(f"{t.role:9s} {t.name:8s} {t.address:22s} metrics {t.metrics_port}  log {t.log}")
+        for t in cluster.links.values():  # emulated WAN links (latency_ms / bandwidth_mbit edges)
+            print(f"{'link':9s} {t.name:8s} {t.address:22s} -> {t.parent}  log {t.log}")
+        print(f"cluster up; a tier that dies is restarted (at most {policy.max_restarts} times in "
+              f"{policy.window_s:.0f}s); state in {cluster.logdir / 'launch.json'}; Ctrl-C stops it", flush=True)
+        # From here a signal only asks to stop: raised mid-respawn it would orphan the new
+        # process (and blocking signals instead would hand the mask down to it).
+        stop: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _: stop.append(signum))
+        while not stop and len(sup.failed) < len(sup.watch):  # all given up on: nothing to serve
+            sup.poll()
+            time.sleep(0.25)
+    except _Stop:
         pass
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the graceful stop short
         cluster.stop()
+        if sup is not None:
+            sup.close()
+    if sup is not None and sup.failed:
+        print(f"hps launch: gave up on {', '.join(sup.failed)} (see {cluster.logdir / 'launch.json'})",
+              file=sys.stderr)
+        return 4
     return 0
 
 
 def _status(args) -> int:
-    from ps.tools.status import print_tree
+    from ps.tools.status import print_launch, print_tree
 
-    return print_tree(args.address, sys.stdout)
+    rc, address = 0, args.address
+    if args.launch_dir:
+        rc, root = print_launch(args.launch_dir, sys.stdout)
+        address = address or root
+    if not address:
+        print("hps status: give a tier's HOST:PORT or --launch-dir", file=sys.stderr)
+        return 2
+    return print_tree(address, sys.stdout) or rc
 
 
 def _job(args) -> int:
@@ -153,15 +226,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="root: end a job no worker joined within this many seconds (0: never)")
     s.add_argument("--loop", action=_EnvDefault, default="asyncio", choices=["asyncio", "uvloop"],
                    help="event loop (benchmarks/bsp_step.py --loops compares them)")
+    s.add_argument("--log-format", action=_EnvDefault, default="text", choices=["text", "json"],
+                   help="json: one JSON object per line (ts, level, logger, message, tier, region/zone, "
+                   "name, and event, job, version where known) for a log pipeline")
     s.set_defaults(fn=_serve)
 
-    s = sub.add_parser("launch", help="start a local cluster from a topology")
+    s = sub.add_parser("launch", help="start a local cluster from a topology and keep it serving",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Start one `hps serve` process per tier and supervise them: a tier "
+                       "that exits is logged\n(name, role, exit status or signal, log file) and "
+                       "restarted on its port with exponential\nbackoff; one restarted --max-restarts "
+                       "times within --restart-window-s is given up on and\nreported while the rest "
+                       "keeps serving. The root checkpoints to LOGDIR/checkpoints unless the\ntopology "
+                       "names its checkpoint_dir, so a restarted root restores its jobs. The state\n"
+                       "(each tier's pid, state, restarts, last exit) is in LOGDIR/launch.json: "
+                       "`hps status --launch-dir LOGDIR`.",
+                       epilog="exit codes:\n" + "\n".join(f"  {k}  {v}" for k, v in LAUNCH_EXIT.items()))
     s.add_argument("topology", nargs="?", help="topology YAML (default: the embedded one)")
-    s.add_argument("--logdir", action=_EnvDefault, default="hps-demo/logs", help="tier logs")
+    s.add_argument("--logdir", action=_EnvDefault, default="hps-demo/logs",
+                   help="tier logs, launch.json and (by default) the root's checkpoints")
+    s.add_argument("--max-restarts", action=_EnvDefault, default="5",
+                   help="restarts of one tier within --restart-window-s before giving up on it (0: never restart)")
+    s.add_argument("--restart-window-s", action=_EnvDefault, default="300", help="see --max-restarts")
+    s.add_argument("--restart-backoff-s", action=_EnvDefault, default="1.0",
+                   help="delay before the first restart; doubles per recent restart")
+    s.add_argument("--restart-backoff-max-s", action=_EnvDefault, default="30", help="longest restart delay")
+    s.add_argument("--log-format", action=_EnvDefault, default="text", choices=["text", "json"],
+                   help="json: one JSON object per line (ts, level, logger, message, tier, region/zone, "
+                   "name, and event, job, version where known) for a log pipeline; also given to every tier")
     s.set_defaults(fn=_launch)
 
     s = sub.add_parser("status", help="show the tree, versions, lag and members")
-    s.add_argument("address", help="any tier's HOST:PORT (the root shows the whole tree)")
+    s.add_argument("address", nargs="?", help="any tier's HOST:PORT (the root shows the whole tree; "
+                   "default with --launch-dir: its root)")
+    s.add_argument("--launch-dir", action=_EnvDefault, default="",
+                   help="an `hps launch --logdir`: show its supervision state first (launch.json)")
     s.set_defaults(fn=_status)
 
     s = sub.add_parser("job", help="create, list or end jobs (through any tier)")

@@ -45,7 +45,8 @@ from ps.tools.wanem import Link
 
 __all__ = ["Cluster", "TierProcess", "load_topology", "default_topology", "MALLOC_ENV"]
 
-_READY = re.compile(r"hps: serving (\S+) (\S+) on (\S+)(?: metrics (\d+))?")
+# The address stops at a quote too: with --log-format json the line is a JSON message.
+_READY = re.compile(r"hps: serving (\S+) (\S+) on ([^\s\"]+)(?: metrics (\d+))?")
 # glibc serves every allocation of >= 32 MiB (the most M_MMAP_THRESHOLD can be raised to) with
 # its own mmap and unmaps it on free, so a server that assembles a large model faults every
 # page in again on every message: measured 1.7-2.5x slower pushes of a 100 MB model
@@ -83,6 +84,7 @@ class TierProcess:
     address: str = ""
     metrics_port: int | None = None
     parent: str = ""
+    ready_offset: int = 0  # where in the log this process's output starts (restarts append)
 
 
 @dataclass
@@ -181,21 +183,29 @@ class Cluster:
     def _wait_line(self, tier: TierProcess, timeout_s: float, offset: int = 0, pattern: re.Pattern = _READY) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with open(tier.log, "rb") as f:
-                f.seek(offset)
-                text = f.read().decode(errors="replace")
-            m = pattern.search(text)
-            if m and pattern is _LINK_READY:
-                tier.address = m.group(1)
-                return
-            if m:
-                tier.address = m.group(3)
-                tier.metrics_port = int(m.group(4)) if m.group(4) else None
+            text = self._read_log(tier, offset)
+            if self._found_ready(tier, text, pattern):
                 return
             if tier.proc.poll() is not None:
                 raise RuntimeError(f"tier {tier.name} exited with {tier.proc.returncode}:\n{text[-2000:]}")
             time.sleep(0.05)
         raise TimeoutError(f"tier {tier.name} did not report ready within {timeout_s:.0f}s (log: {tier.log})")
+
+    @staticmethod
+    def _read_log(tier: TierProcess, offset: int) -> str:
+        with open(tier.log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+    @staticmethod
+    def _found_ready(tier: TierProcess, text: str, pattern: re.Pattern = _READY) -> bool:
+        m = pattern.search(text)
+        if m and pattern is _LINK_READY:
+            tier.address = m.group(1)
+        elif m:
+            tier.address = m.group(3)
+            tier.metrics_port = int(m.group(4)) if m.group(4) else None
+        return m is not None
 
     def wait_ready(self, timeout_s: float) -> None:
         for t in self.tiers.values():
@@ -212,14 +222,28 @@ class Cluster:
 
     def restart(self, name: str, signum: int = signal.SIGKILL) -> TierProcess:
         """Stop one tier (SIGKILL by default, if still running) and start it again on the same port."""
-        old = self.tiers.pop(name)
+        tier = self.respawn(name, signum)
+        self._wait_line(tier, 60.0, tier.ready_offset)
+        return tier
+
+    def respawn(self, name: str, signum: int = signal.SIGKILL) -> TierProcess:
+        """``restart`` without waiting: the new process is starting; ``ready(name)`` says when it
+        serves (the supervisor of ``hps launch`` polls it, so one slow tier blocks no other)."""
+        old = self.tiers[name]
         self._kill(old, signum, 5.0)
         cmd = list(old.cmd)
         cmd[cmd.index("--listen") + 1] = old.address  # same port: children reconnect to it
         offset = old.log.stat().st_size
-        self.tiers[name] = tier = self._popen(name, old.role, cmd, old.log, old.parent)
-        self._wait_line(tier, 60.0, offset)
+        # Replaced in place: stop() goes leaves first by this order.
+        self.tiers[name] = tier = self._popen(name, old.role, cmd, old.log, old.parent,
+                                              extra_env={"OMP_NUM_THREADS": "1"})
+        tier.address, tier.metrics_port, tier.ready_offset = old.address, old.metrics_port, offset
         return tier
+
+    def ready(self, name: str) -> bool:
+        """Whether the tier's current process has printed its ready line (non-blocking)."""
+        tier = self.tiers[name]
+        return self._found_ready(tier, self._read_log(tier, tier.ready_offset))
 
     @staticmethod
     def _kill(t: TierProcess, sig: int, grace_s: float) -> None:

@@ -8,9 +8,18 @@ global root @ 127.0.0.1:... epoch 0x... up ...s, ready...
 ('global', 'ready')
 
 Relays register with the address they serve on, so starting at the root walks the whole tree.
+
+``hps status --launch-dir LOGDIR`` first prints what the ``hps launch`` that wrote
+``LOGDIR/launch.json`` knows (``ps.tools.supervise``): each tier's process, its state (up,
+restarting, starting, failed), its restarts and last exit; then the tree from its root.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,7 +30,53 @@ from ps.net.rpc import CHANNEL_OPTIONS, Caller
 from ps.net.wire import pb, status_from_pb
 from ps.tools.format import human_bytes
 
-__all__ = ["fetch_status", "fetch_ready", "print_tree", "walk"]
+__all__ = ["fetch_status", "fetch_ready", "print_tree", "print_launch", "read_state", "walk", "STATE_FILE"]
+
+STATE_FILE = "launch.json"  # written by ps.tools.supervise into hps launch's log directory
+
+
+def read_state(launch_dir: str | Path) -> dict:
+    """The state a running (or finished) ``hps launch`` wrote into its log directory."""
+    return json.loads((Path(launch_dir) / STATE_FILE).read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def print_launch(launch_dir: str | Path, out) -> tuple[int, str]:
+    """Print the supervision state of ``hps launch``; returns (1 if a tier is not serving or the
+    launch is gone, else 0; the root's address)."""
+    try:
+        st = read_state(launch_dir)
+    except (OSError, ValueError) as exc:
+        print(f"launch {launch_dir}: no state ({exc})", file=out)
+        return 1, ""
+    alive = not st.get("stopped") and _alive(st["pid"])
+    how = ("running" if alive else "stopped" if st.get("stopped")
+           else "NOT RUNNING (killed? its tiers may still run unsupervised)")
+    p = st["policy"]
+    print(f"launch pid {st['pid']} {how}, up {time.time() - st['started_at']:.0f}s; restarts after "
+          f"{p['first_s']:g}s doubling to {p['max_s']:g}s, at most {p['max_restarts']} per {p['window_s']:g}s",
+          file=out)
+    rc, root = (0 if alive else 1), ""
+    for name, t in st["tiers"].items():
+        last = ""
+        if t["last_exit"]:
+            last = f"; last exit {t['last_exit']} {time.time() - t['last_exit_at']:.0f}s ago"
+        state = t["state"] if t["state"] == "up" else t["state"].upper()
+        print(f"  {t['role']:9s} {name:8s} {t['address']:22s} pid {t['pid']:<7d} {state}, "
+              f"{t['restarts']} restart(s){last}; log {t['log']}", file=out)
+        rc = rc or int(t["state"] != "up")
+        if t["role"] == "global":
+            root = t["address"]
+    return rc, root
 
 
 def fetch_status(address: str, timeout_s: float = 5.0) -> TierStatus:

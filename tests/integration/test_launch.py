@@ -1,0 +1,198 @@
+"""`hps launch` supervises its tiers: a tier that dies is named in the log, restarted on its
+port with backoff (the root restores its jobs from its checkpoint), given up on after too many
+restarts while the rest keeps serving, and `hps status --launch-dir` shows all of it; the exit
+code says how the launch ended."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from ps.core.config import JobConfig
+from ps.core.view import KeySpec, Layout
+from ps.tools.status import read_state
+from worker import ParameterClient
+
+HPS = [sys.executable, "-m", "ps.tools.cli"]
+TOPO = {"host": "127.0.0.1", "settings": {"heartbeat_s": 0.1, "member_timeout_s": 1.0},
+        "root": {"name": "root", "zones": [{"name": "z"}]}}
+
+
+class Launch:
+    """One `hps launch` subprocess; stopped (and every tier it recorded) by PID."""
+
+    def __init__(self, tmp: Path, *flags: str, topo: dict = TOPO) -> None:
+        self.dir = tmp / "logs"
+        path = tmp / "topo.yaml"
+        path.write_text(yaml.safe_dump(topo))
+        self.out = open(tmp / "launch.out", "w+")
+        self.proc = subprocess.Popen(HPS + ["launch", str(path), "--logdir", str(self.dir),
+                                            "--restart-backoff-s", "0.2", *flags],
+                                     stdout=self.out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def state(self) -> dict:
+        try:
+            return read_state(self.dir)
+        except (OSError, ValueError):
+            return {}
+
+    def wait(self, pred, what: str, tries: int = 300) -> dict:
+        for _ in range(tries):  # bounded: 300 x 0.1 s plus the reads
+            st = self.state()
+            if st and pred(st):
+                return st
+            assert self.proc.poll() is None or what == "exit", self.text()
+            time.sleep(0.1)
+        raise AssertionError(f"launch never reached: {what}\n{json.dumps(st, indent=1)}\n{self.text()}")
+
+    def text(self) -> str:
+        self.out.seek(0)
+        return self.out.read()
+
+    def status(self) -> subprocess.CompletedProcess:
+        return subprocess.run(HPS + ["status", "--launch-dir", str(self.dir)], capture_output=True,
+                              text=True, timeout=60)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        for t in self.state().get("tiers", {}).values():  # a killed launch leaves its tiers
+            try:
+                os.kill(t["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.out.close()  # after every assertion: the fixture closes
+
+
+@pytest.fixture
+def launches():
+    started: list[Launch] = []
+    yield started.append
+    for lc in started:
+        lc.close()
+
+
+def _up(st: dict, restarts: dict | None = None) -> bool:
+    return all(t["state"] == "up" and t["restarts"] == (restarts or {}).get(n, 0)
+               for n, t in st["tiers"].items())
+
+
+def test_a_dead_tier_is_restarted_then_given_up_on_and_the_rest_keeps_serving(tmp_path, launches):
+    lc = Launch(tmp_path, "--max-restarts", "1")
+    launches(lc)
+    st = lc.wait(_up, "every tier up")
+    zone_pid = st["tiers"]["z"]["pid"]
+    os.kill(zone_pid, signal.SIGKILL)
+    st = lc.wait(lambda s: _up(s, {"z": 1}), "the zone restarted once")
+    z = st["tiers"]["z"]
+    assert z["pid"] != zone_pid and z["last_exit"] == "killed by signal 9 (SIGKILL)"
+    assert (f"tier z (zone, pid {zone_pid}) killed by signal 9 (SIGKILL); restarting it on "
+            f"{z['address']}") in lc.text()
+    r = lc.status()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "launch pid" in r.stdout and "running" in r.stdout
+    assert "1 restart(s); last exit killed by signal 9" in r.stdout
+    assert "global root @" in r.stdout  # and then the tree itself
+
+    os.kill(z["pid"], signal.SIGKILL)  # a second death within the window: given up on
+    st = lc.wait(lambda s: s["tiers"]["z"]["state"] == "failed", "the zone given up on")
+    assert st["tiers"]["root"]["state"] == "up" and lc.proc.poll() is None  # the rest serves on
+    assert "giving up on it" in lc.text()
+    r = lc.status()
+    assert r.returncode == 1 and "FAILED" in r.stdout and "global root @" in r.stdout, r.stdout
+    assert lc.stop() == 4
+    assert read_state(lc.dir)["stopped"] is True
+    assert "gave up on z" in lc.text()
+
+
+def test_a_restarted_root_restores_its_jobs_and_a_clean_stop_exits_0(tmp_path, launches):
+    lc = Launch(tmp_path)
+    launches(lc)
+    st = lc.wait(_up, "every tier up")
+    root = st["tiers"]["root"]
+    layout = Layout([KeySpec("w", (3,))])
+    c = ParameterClient(root["address"], job="kept", worker_id="w0", retry_s=30)
+    try:
+        assert c.create_job(JobConfig(name="kept"), layout, np.arange(3, dtype=np.float32))
+        ckpt = lc.dir / "checkpoints" / "kept"  # launch gave the root a checkpoint dir
+        for _ in range(100):
+            if list(ckpt.glob("ckpt-*.npz")):
+                break
+            time.sleep(0.1)
+        os.kill(root["pid"], signal.SIGKILL)
+        lc.wait(lambda s: _up(s, {"root": 1}), "the root restarted")
+        c.register()  # rides through the restart; the job is still there
+        c.pull(min_version=0)
+        assert c.view.values.tolist() == [0.0, 1.0, 2.0]
+    finally:
+        c.close()
+    assert lc.stop() == 0
+
+
+def test_a_tier_that_cannot_start_exits_3(tmp_path, launches):
+    with socket.socket() as busy:  # the root's port is taken
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        topo = {**TOPO, "root": {"name": "root", "port": busy.getsockname()[1]}}
+        lc = Launch(tmp_path, topo=topo)
+        launches(lc)
+        assert lc.proc.wait(timeout=120) == 3
+    assert "a tier could not be started" in lc.text()
+
+
+def _json_lines(path: Path) -> list[dict]:
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    parsed = [json.loads(ln) for ln in lines]  # every line: one JSON object
+    assert parsed and all(isinstance(p, dict) and {"ts", "level", "logger", "message"} <= p.keys() for p in parsed)
+    return parsed
+
+
+def test_json_logs_carry_tier_job_version_and_event_fields(tmp_path, launches):
+    lc = Launch(tmp_path, "--log-format", "json")
+    launches(lc)
+    st = lc.wait(_up, "every tier up")
+    layout = Layout([KeySpec("w", (3,))])
+    c = ParameterClient(st["tiers"]["z"]["address"], job="logged", worker_id="w0", retry_s=30)
+    try:
+        c.create_job(JobConfig(name="logged"), layout, np.zeros(3, np.float32))
+        c.register()
+        c.push(np.ones(3, np.float32))
+        os.kill(st["tiers"]["root"]["pid"], signal.SIGKILL)  # the zone loses and regains its parent
+        lc.wait(lambda s: _up(s, {"root": 1}), "the root restarted")
+        for _ in range(100):
+            if '"parent.regained"' in (lc.dir / "z.log").read_text():
+                break
+            time.sleep(0.1)
+    finally:
+        c.close()
+    assert lc.stop() == 0
+    root, zone = _json_lines(lc.dir / "root.log"), _json_lines(lc.dir / "z.log")
+    events = {(p.get("event"), p["tier"]) for p in root + zone}
+    for e in [("tier.started", "global"), ("tier.started", "zone"), ("job.created", "global"),
+              ("member.joined", "global"), ("member.joined", "zone"), ("checkpoint.written", "global"),
+              ("job.restored", "global"), ("parent.lost", "zone"), ("parent.regained", "zone"),
+              ("tier.stopping", "zone"), ("tier.stopped", "global")]:
+        assert e in events, (e, sorted(events, key=str))
+    joined = next(p for p in zone if p.get("event") == "member.joined" and p.get("member") == "w0")
+    assert joined["zone"] == "z" and joined["name"] == "z" and joined["job"] == "logged" and "version" in joined
+    restored = next(p for p in root if p.get("event") == "job.restored")
+    assert restored["job"] == "logged" and restored["version"] == 1
+    launch = [json.loads(ln) for ln in lc.text().splitlines() if ln.startswith("{")]
+    died = next(p for p in launch if p.get("event") == "launch.tier_died")
+    assert died["tier_name"] == "root" and died["process"] == "launch" and "SIGKILL" in died["message"]

@@ -1,0 +1,48 @@
+"""A worker retries a tier's outage for as long as the tier would hold it (its member timeout,
+announced at registration), at least RETRY_FLOOR_S, or an explicit retry_s; each retry window
+logs one line when it opens and one when it ends."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import numpy as np
+import pytest
+
+from ps.core.config import JobConfig
+from ps.core.errors import Unavailable
+from ps.core.view import KeySpec, Layout
+from worker import ParameterClient
+from worker.client import RETRY_FLOOR_S
+
+
+def test_the_retry_window_follows_the_tiers_member_timeout(tree):
+    root = tree.add("root", "global", heartbeat_s=0.5, member_timeout_s=RETRY_FLOOR_S + 30)
+    c = ParameterClient(root, job="held", worker_id="w0")
+    assert c.retry_window_s == RETRY_FLOOR_S  # nothing announced before registering
+    c.create_job(JobConfig(name="held"), Layout([KeySpec("w", (2,))]), np.zeros(2, np.float32))
+    c.register()
+    try:
+        assert c.member_timeout_s == RETRY_FLOOR_S + 30 and c.retry_window_s == RETRY_FLOOR_S + 30
+        c.retry_s = 2.0  # an explicit window wins
+        assert c.retry_window_s == 2.0
+    finally:
+        c.close()
+
+
+def test_one_line_opens_a_retry_window_and_one_ends_it(caplog):
+    with socket.socket() as s:  # a port nobody serves on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    c = ParameterClient(dead, job="j", worker_id="w9", timeout_s=0.2, retry_s=0.6)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hps.worker"), pytest.raises(Unavailable):
+            c.register()
+    finally:
+        c.close()
+    lines = [r for r in caplog.records if r.name == "hps.worker"]
+    assert [r.event for r in lines] == ["worker.retrying", "worker.gave_up"], [r.getMessage() for r in lines]
+    opened = lines[0].getMessage()
+    assert f"register at {dead} failed" in opened and "retrying until" in opened and "(1s window: retry_s)" in opened
+    assert "giving up" in lines[1].getMessage()
