@@ -11,11 +11,13 @@ StepResult(version=2, applied=True, bytes_up=20, bytes_down=20)
 >>> opt.close()
 
 ``address`` is the worker's tier (``"zone-eu-a:7001"``). ``ParameterClient`` is the lower level
-(push/pull) for people who want control.
+(push/pull) for people who want control. With mutual TLS, give ``tls=TlsFiles(cert, key, ca)``
+or set ``HPS_TLS_CERT``, ``HPS_TLS_KEY``, ``HPS_TLS_CA``.
 """
 
 from ps.core.config import JobConfig, OptimizerConfig
+from ps.net.tls import TlsFiles
 from worker.client import ParameterClient, StepResult
 from worker.optimizer import HpsOptimizer
 
-__all__ = ["HpsOptimizer", "ParameterClient", "StepResult", "JobConfig", "OptimizerConfig"]
+__all__ = ["HpsOptimizer", "ParameterClient", "StepResult", "JobConfig", "OptimizerConfig", "TlsFiles"]

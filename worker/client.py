@@ -52,6 +52,7 @@ from ps.core.tensors import payload_bytes, split
 from ps.core.types import Chunk, PullMeta, PushMeta, VersionMeta
 from ps.core.view import Layout, View
 from ps.net.rpc import Caller
+from ps.net.tls import TlsFiles
 from ps.net.wire import ROLE, decode_pull_reply, encode_create_job, encode_push, job_from_pb, layout_from_pb, pb
 
 __all__ = ["ParameterClient", "StepResult", "RETRY_FLOOR_S"]
@@ -91,13 +92,16 @@ class ParameterClient:
     ``worker_id`` names the worker in the job (a random one if None); each client is a new
     incarnation of it. ``timeout_s`` bounds each call, ``round_timeout_s`` a wait for a round
     or a version, ``retry_s`` how long transient faults are retried (seconds; None: the longer
-    of the tier's member timeout and ``RETRY_FLOOR_S``, see ``retry_window_s``). Every method
+    of the tier's member timeout and ``RETRY_FLOOR_S``, see ``retry_window_s``). ``tls``: the
+    worker's certificate, key and the cluster's CA (``TlsFiles``; None: ``HPS_TLS_CERT``,
+    ``HPS_TLS_KEY``, ``HPS_TLS_CA`` if set, else plaintext). Every method
     raises the hps errors of ``ps.core.errors`` (``UnknownJob``, ``Conflict``, ``TimedOut``,
     ...); ``config``, ``layout``, ``view`` and ``encoder`` raise NotReady before ``register``.
     """
 
     def __init__(self, address: str, job: str, worker_id: str | None = None,
-                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, retry_s: float | None = None) -> None:
+                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, retry_s: float | None = None,
+                 tls: TlsFiles | None = None) -> None:
         self.address = address
         self.job = job
         self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
@@ -119,7 +123,9 @@ class ParameterClient:
         self.bytes_up = 0
         self.bytes_down = 0
         self.lost_steps = 0
-        self._rpc = Caller(address)
+        # mutual TLS: this worker's certificate (None: HPS_TLS_CERT/KEY/CA if set, else plaintext);
+        # rewritten files are picked up before the next call (ps/net/tls.py)
+        self._rpc = Caller(address, tls if tls is not None else TlsFiles.from_env())
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._heartbeat_s = 0.5

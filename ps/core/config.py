@@ -166,6 +166,13 @@ class ServerConfig:
     # The root ends a job that no worker joined within this many seconds of its creation or
     # declaration (0: never), so jobs created by mistake do not hold memory and files forever.
     unjoined_job_ttl_s: float = 86400.0
+    # Mutual TLS (ps/net/tls.py): this tier's certificate and key, and the CA its children's
+    # and its parent's certificates are signed by; all three or none. None: plaintext, which
+    # `hps serve` runs only when told --insecure.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         _finite(self)
@@ -192,7 +199,16 @@ class ServerConfig:
         _require(self.push_budget_mb >= 1, f"push budget must be >= 1 MB, got {self.push_budget_mb}")
         _require(self.max_jobs >= 1, f"max_jobs must be >= 1, got {self.max_jobs}")
         _require(self.unjoined_job_ttl_s >= 0, f"unjoined_job_ttl_s must be >= 0, got {self.unjoined_job_ttl_s}")
+        tls = (self.tls_cert, self.tls_key, self.tls_ca)
+        _require(all(tls) or not any(tls), "--tls-cert, --tls-key and --tls-ca go together, got "
+                 f"cert={self.tls_cert!r} key={self.tls_key!r} ca={self.tls_ca!r}")
+        _require(not (self.insecure and any(tls)), "--insecure and the --tls-* files exclude each other")
         _require(self.round_timeout_s > 0, f"round timeout must be positive, got {self.round_timeout_s}")
+
+    @property
+    def secure(self) -> bool:
+        """Whether this tier serves (and calls its parent) over mutual TLS."""
+        return bool(self.tls_cert)
 
     @property
     def display_name(self) -> str:

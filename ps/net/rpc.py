@@ -19,11 +19,13 @@ Statuses gRPC itself raises (connection refused, deadline) map by code alone.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NoReturn
 
 import grpc
 
 from ps.core.errors import ERRORS, HpsError, NotReady, Stale
+from ps.net.tls import ClientTls, TlsFiles, client_options
 from ps.net.wire import stubs
 
 __all__ = ["MAX_MESSAGE", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "status_of", "trailers",
@@ -42,6 +44,8 @@ CHANNEL_OPTIONS = _SIZE + [
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 SERVER_OPTIONS = list(_SIZE)
+
+log = logging.getLogger("hps.rpc")
 
 _DETAILS_LIMIT = 2000  # a sentence, not a dump: gRPC refuses trailers past its metadata limit
 # Statuses that carry no hps-error name (raised by gRPC itself) map by code to the first class
@@ -87,13 +91,58 @@ async def abort(context: Any, exc: HpsError) -> NoReturn:
     raise AssertionError("context.abort returned")  # it raises; this says so to readers and mypy
 
 
-class Caller:
-    """Blocking calls to one tier: every method of the service, errors as hps exceptions."""
+class _Channels:
+    """A channel to one address, plaintext or mutual TLS; with TLS, a new channel once the
+    certificate files change (rotation). The channel it replaced is closed at the next change
+    or at ``close``: calls still in flight on it finish."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None, make) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.tls = ClientTls(tls) if tls is not None else None
+        self._make = make  # (address, credentials or None, options) -> channel
+        self.channel = self._new()
         self.stubs = stubs(self.channel)
+        self.retired: list = []
+
+    def _new(self):
+        if self.tls is None:
+            return self._make(self.address, None, CHANNEL_OPTIONS)
+        return self._make(self.address, self.tls.credentials(), CHANNEL_OPTIONS + client_options())
+
+    def fresh(self) -> tuple[dict, list]:
+        """The stubs to call with, and channels retired long enough ago to close now."""
+        if self.tls is not None and self.tls.changed():
+            try:
+                channel = self._new()
+            except (OSError, ValueError) as exc:  # half-written files: keep the old channel
+                log.warning("TLS files changed but cannot be loaded yet (%s); keeping the previous ones", exc)
+                return self.stubs, []
+            log.info("TLS certificate files changed; a new channel to %s uses them", self.address)
+            old, self.retired = self.retired, [self.channel]
+            self.channel, self.stubs = channel, stubs(channel)
+            return self.stubs, old
+        return self.stubs, []
+
+
+class Caller:
+    """Blocking calls to one tier: every method of the service, errors as hps exceptions.
+    ``tls``: present this certificate and verify the tier's (None: plaintext)."""
+
+    def __init__(self, address: str, tls: TlsFiles | None = None) -> None:
+        self.address = address
+        self._ch = _Channels(address, tls, lambda a, cred, opts: (
+            grpc.secure_channel(a, cred, options=opts) if cred else grpc.insecure_channel(a, options=opts)))
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._ch.channel
+
+    @property
+    def stubs(self) -> dict:
+        stubs_, old = self._ch.fresh()
+        for ch in old:
+            ch.close()
+        return stubs_
 
     def call(self, name: str, request: Any, timeout: float) -> Any:
         try:
@@ -109,7 +158,8 @@ class Caller:
             raise error_from(err) from None
 
     def close(self) -> None:
-        self.channel.close()
+        for ch in self._ch.retired + [self._ch.channel]:
+            ch.close()
 
     def __enter__(self) -> Caller:
         return self
@@ -121,23 +171,33 @@ class Caller:
 class AsyncCaller:
     """``Caller`` for grpc.aio: a relay's calls to its parent."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stubs = stubs(self.channel)
+        self._ch = _Channels(address, tls, lambda a, cred, opts: (
+            grpc.aio.secure_channel(a, cred, options=opts) if cred else grpc.aio.insecure_channel(a, options=opts)))
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self._ch.channel
+
+    async def _stubs(self) -> dict:
+        stubs_, old = self._ch.fresh()
+        for ch in old:
+            await ch.close()
+        return stubs_
 
     async def call(self, name: str, request: Any, timeout: float) -> Any:
         try:
-            return await self.stubs[name](request, timeout=timeout)
+            return await (await self._stubs())[name](request, timeout=timeout)
         except grpc.RpcError as err:
             raise error_from(err) from None
 
     async def stream(self, name: str, request: Any, timeout: float) -> list:
         try:
-            return [m async for m in self.stubs[name](request, timeout=timeout)]
+            return [m async for m in (await self._stubs())[name](request, timeout=timeout)]
         except grpc.RpcError as err:
             raise error_from(err) from None
 
     async def close(self) -> None:
-        await self.channel.close()
-
+        for ch in self._ch.retired + [self._ch.channel]:
+            await ch.close()

@@ -27,6 +27,7 @@ from ps.core.tensors import split
 from ps.core.types import Ack, PullMeta, PushKey, Registration, VersionMeta
 from ps.core.view import Layout
 from ps.net.rpc import AsyncCaller
+from ps.net.tls import TlsFiles
 from ps.net.wire import (
     OUTCOME_NAME,
     ROLE,
@@ -44,7 +45,7 @@ __all__ = ["Upstream"]
 
 class Upstream:
     def __init__(self, address: str, member: str, role: str, incarnation: int, own_address: str = "",
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, tls: TlsFiles | None = None) -> None:
         self.address = address
         self.member = member
         self.role = role
@@ -54,7 +55,7 @@ class Upstream:
         self.server_epoch = 0
         self.reachable = False
         self.failures = 0
-        self._rpc = AsyncCaller(address)
+        self._rpc = AsyncCaller(address, tls)  # tls: this relay's certificate, shown to its parent
 
     async def close(self) -> None:
         await self._rpc.close()

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from ps.core.config import ServerConfig
 from ps.core.logs import event
 from ps.net.rpc import SERVER_OPTIONS
+from ps.net.tls import TlsFiles, server_credentials
 from ps.server.health import Health, health_handler
 from ps.server.service import handler
 from ps.tiers.metrics import TierMetrics, process_registry, serve_metrics
@@ -58,7 +59,11 @@ async def create_server(config: ServerConfig, registry: CollectorRegistry | None
     health = Health(tier)
     server.add_generic_rpc_handlers([handler(tier, metrics.rpc)])
     server.add_generic_rpc_handlers([health_handler(health)])  # grpc.health.v1: probes
-    port = server.add_insecure_port(config.listen)
+    if config.secure:
+        port = server.add_secure_port(config.listen, server_credentials(
+            TlsFiles(config.tls_cert, config.tls_key, config.tls_ca)))
+    else:
+        port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
     host = config.listen.rsplit(":", 1)[0]
@@ -80,6 +85,11 @@ async def shutdown(server: grpc.aio.Server, tier: Tier, grace: float = 2.0) -> N
 
 
 async def serve(config: ServerConfig, ready_stream=sys.stdout) -> None:
+    if not config.secure:  # said loudly: anyone who reaches the port is a member, a parent, an admin
+        log.warning("INSECURE: %s %s serves plaintext gRPC with no client certificates (--insecure); "
+                    "anyone who can reach %s can read and change its jobs. Use --tls-cert/--tls-key/--tls-ca "
+                    "outside a debugging session.", config.role, config.display_name, config.listen,
+                    extra=event("tier.insecure"))
     registry = process_registry()
     server, port, tier = await create_server(config, registry)
     host = config.listen.rsplit(":", 1)[0]

@@ -50,6 +50,7 @@ from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes
 from ps.core.types import PullMeta, PushKey, PushMeta
 from ps.core.view import Layout
+from ps.net.tls import TlsFiles
 from ps.net.upstream import Upstream
 from ps.net.wire import encode_push
 from ps.tiers.jobstate import RelayJob
@@ -72,7 +73,8 @@ class Relay(Tier):
         self.role = config.role
         self.member_id = config.display_name
         self.up = Upstream(config.parent, self.member_id, config.role, incarnation=self.epoch,
-                           timeout_s=config.upstream_timeout_s)
+                           timeout_s=config.upstream_timeout_s,
+                           tls=TlsFiles.of(config.tls_cert, config.tls_key, config.tls_ca))
         self.attached: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
