@@ -68,6 +68,7 @@ from ps.net.wire import (
     push_meta_of,
     status_to_pb,
 )
+from ps.server.peers import check_relay_child
 from ps.tiers.metrics import NO_RPC_METRICS
 from ps.tiers.tier import Tier
 
@@ -184,7 +185,7 @@ def _streamed(name: str):
         async def wrapper(self, request_iterator, context):
             stream = _Stream(request_iterator)
             try:
-                return await fn(self, stream)
+                return await fn(self, stream, context)
             except Exception as exc:
                 await stream.drain()
                 await refuse(context, name, exc, self.rpc)
@@ -197,10 +198,16 @@ class _Servicer:
         self.tier = tier
         self.rpc = rpc  # latency histograms and error counters (ps.tiers.metrics.RpcMetrics)
 
+    def _check_child(self, context, member: str, role: str) -> None:
+        """With mTLS, a relay child must hold a relay certificate naming it (ps.server.peers)."""
+        check_relay_child(context, member, role, self.tier.children, self.tier.config.display_name,
+                          self.tier.config.role)
+
     @_unary("Register")
     async def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
         if req.role not in ROLE_NAME:
             raise BadInput(f"register needs a role, got enum value {req.role}")
+        self._check_child(context, req.member, ROLE_NAME[req.role])
         with self.rpc.timed("register") as timing:
             timing.job = req.job
             reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role], req.address[:256],
@@ -215,17 +222,19 @@ class _Servicer:
     async def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         if len(req.jobs) > 1000:
             raise BadInput(f"a heartbeat names at most 1000 jobs, got {len(req.jobs)}")
+        self._check_child(context, req.member, ROLE_NAME.get(req.role, "worker"))
         unknown = self.tier.heartbeat(req.member[:128], list(req.jobs), ROLE_NAME.get(req.role, "worker"),
                                       req.address)
         return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)
 
     @_unary("Leave")
     async def Leave(self, req: pb.LeaveRequest, context) -> pb.LeaveReply:
+        self._check_child(context, req.member, "worker")
         await self.tier.leave(check_name(req.job), req.member)
         return pb.LeaveReply()
 
     @_streamed("Push")
-    async def Push(self, request_iterator) -> pb.PushAck:
+    async def Push(self, request_iterator, context) -> pb.PushAck:
         intake = None
         try:
             with self.rpc.timed("push") as timing:
@@ -235,6 +244,8 @@ class _Servicer:
                     if kind == "push":
                         meta = push_meta_of(h)
                         check_name(meta.job)
+                        # an aggregate (it names its sources) is a relay's push
+                        self._check_child(context, meta.sender, "relay" if meta.sources else "worker")
                         timing.job = meta.job
                         intake = self.tier.open_push(meta)  # refusals before the body is read
                     elif kind == "chunks":
@@ -260,7 +271,7 @@ class _Servicer:
                 yield frame
 
     @_streamed("CreateJob")
-    async def CreateJob(self, request_iterator) -> pb.CreateJobReply:
+    async def CreateJob(self, request_iterator, context) -> pb.CreateJobReply:
         reserved = 0
         try:
             reader, values, head = BodyReader("job", "create-job stream"), None, None
@@ -299,6 +310,7 @@ class _Servicer:
     async def Resolve(self, req: pb.ResolveRequest, context) -> pb.ResolveReply:
         if not req.keys or len(req.keys) > 1 << 20:
             raise BadInput(f"resolve names 1 to {1 << 20} pushes, got {len(req.keys)}")
+        self._check_child(context, req.member, "worker")  # relays ask; a worker cert may not as one
         outcome, version, epoch = await self.tier.resolve(check_name(req.job), keys_from_pb(req.keys),
                                                           min(req.wait_ms, 60_000) / 1000.0)
         return pb.ResolveReply(outcome=OUTCOME[outcome], version=version, view_epoch=epoch)

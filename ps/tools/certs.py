@@ -1,0 +1,133 @@
+"""``hps certs init DIR``: a CA and one certificate per tier (and per worker) for a topology.
+
+>>> paths = init_certs("certs", topology, workers=["w0", "w1"])     # doctest: +SKIP
+>>> sorted(paths)                                                   # doctest: +SKIP
+['ca', 'eu', 'eu-a', 'eu-b', 'root', 'us', 'us-a', 'us-b', 'w0', 'w1']
+
+DIR/ca.crt (and ca.key, which signs: keep it off the tiers), DIR/NAME.crt and DIR/NAME.key
+for each tier of the topology and each worker. Identities (ps/net/tls.py): a SAN URI
+``hps://global/NAME``, ``hps://regional/REGION``, ``hps://zone/REGION/ZONE`` or
+``hps://worker/NAME``; tier certificates also carry the DNS name ``hps-tier`` that clients
+verify, plus ``localhost``, 127.0.0.1 and any ``hosts`` given. ECDSA P-256 keys (mode 0600).
+A second ``init`` over the same DIR keeps the CA and re-issues every leaf: a rotation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ps.net.tls import TIER_NAME, TlsFiles
+
+__all__ = ["init_certs", "tiers_of", "identity_uri", "issue"]
+
+_DAYS = 365
+
+
+def identity_uri(role: str, name: str, region: str = "") -> str:
+    """The SAN URI that names a certificate's holder (parsed back by ps.server.peers)."""
+    if role == "zone":
+        return f"hps://zone/{region}/{name}"
+    return f"hps://{role}/{name}"
+
+
+def tiers_of(topology: dict) -> list[tuple[str, str, str]]:
+    """(role, name, region) of every tier in a topology (``hps launch``'s format)."""
+    root = topology.get("root") if isinstance(topology.get("root"), dict) else {}
+    out = [("global", str(root.get("name") or "root"), "")]
+    for r in topology.get("regions") or []:
+        out.append(("regional", str(r["name"]), str(r["name"])))
+        for z in r.get("zones") or []:
+            out.append(("zone", str(z["name"] if isinstance(z, dict) else z), str(r["name"])))
+    return out
+
+
+def _write(path: Path, data: bytes, private: bool = False) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)  # whole files only: a server re-reading them never sees half of one
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _ca(directory: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    crt, key = directory / "ca.crt", directory / "ca.key"
+    if crt.exists() and key.exists():
+        return (x509.load_pem_x509_certificate(crt.read_bytes()),
+                serialization.load_pem_private_key(key.read_bytes(), None))  # type: ignore[return-value]
+    k = _key()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(k.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(k, hashes.SHA256()))
+    _write(key, _pem_key(k), private=True)
+    _write(crt, cert.public_bytes(serialization.Encoding.PEM))
+    return cert, k
+
+
+def issue(directory: str | os.PathLike, role: str, name: str, region: str = "", hosts: tuple[str, ...] = (),
+          days: int = _DAYS) -> TlsFiles:
+    """Sign a certificate for one tier or worker with DIR's CA (made if missing); its files."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = _ca(d, "hps cluster CA")
+    k = _key()
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity_uri(role, name, region))]
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    if role != "worker":  # tiers serve (and call their parent): a server name; workers only call
+        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+        for h in (TIER_NAME, "localhost", "127.0.0.1", *hosts):
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+            except ValueError:
+                sans.append(x509.DNSName(h))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
+                                     x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
+            .issuer_name(ca_cert.subject).public_key(k.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    # Key first: a server that re-reads between the two writes pairs the old cert with the new
+    # key, fails to load, keeps the old pair and tries again at its next handshake.
+    _write(d / f"{name}.key", _pem_key(k), private=True)
+    _write(d / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM))
+    return TlsFiles(str(d / f"{name}.crt"), str(d / f"{name}.key"), str(d / "ca.crt"))
+
+
+def init_certs(directory: str | os.PathLike, topology: dict, workers: list[str] | tuple[str, ...] = ("worker",),
+               hosts: tuple[str, ...] = ()) -> dict[str, TlsFiles]:
+    """A CA (kept if DIR has one) and a certificate for every tier of ``topology`` and every worker."""
+    out = {}
+    for role, name, region in tiers_of(topology):
+        out[name] = issue(directory, role, name, region, hosts)
+    for w in workers:
+        if w in out:
+            raise ValueError(f"worker name {w!r} is also a tier's name; certificates are named after their holder")
+        out[w] = issue(directory, "worker", w)
+    return out

@@ -1,0 +1,160 @@
+"""Mutual TLS between real tiers on loopback (issue 14): nobody without a certificate of the
+cluster's CA gets a single call through, a worker certificate cannot act as a relay, and a
+relay and a worker keep training while their certificates are rotated under them."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.errors import HpsError
+from ps.net.rpc import CHANNEL_OPTIONS, Caller
+from ps.net.tls import TlsFiles, client_options
+from ps.net.wire import METHODS, ROLE, SERVICE, pb
+from ps.tools.certs import init_certs, issue
+from tests.helpers import bsp_rounds
+from worker import ParameterClient
+
+TOPOLOGY = {"root": {"name": "root"}, "regions": [{"name": "eu", "zones": [{"name": "eu-a"}]}]}
+HEALTH = "/grpc.health.v1.Health/Check"
+
+
+@pytest.fixture
+def certs(tmp_path):
+    return init_certs(tmp_path / "certs", TOPOLOGY, workers=["w0", "w1"])
+
+
+def _secure(tree, certs, name, role, parent=""):
+    f = certs[name]
+    return tree.add(name, role, parent=parent, tls_cert=f.cert, tls_key=f.key, tls_ca=f.ca)
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _channels(address, certs, foreign):
+    """Plaintext; TLS that verifies the tier but shows no certificate; TLS with a certificate
+    of another CA (that trusts the cluster's CA, so only the client side is wrong)."""
+    ca = _read(certs["root"].ca)
+    opts = CHANNEL_OPTIONS + client_options()
+    return {
+        "plaintext": grpc.insecure_channel(address, options=CHANNEL_OPTIONS),
+        "no certificate": grpc.secure_channel(address, grpc.ssl_channel_credentials(ca), options=opts),
+        "another CA": grpc.secure_channel(address, grpc.ssl_channel_credentials(
+            ca, _read(foreign.key), _read(foreign.cert)), options=opts),
+    }
+
+
+def test_no_call_without_a_certificate_of_the_cluster_ca(tree, certs, tmp_path):
+    root = _secure(tree, certs, "root", "global")
+    zone = _secure(tree, certs, "eu-a", "zone", parent="root")
+    foreign = issue(tmp_path / "other-ca", "worker", "w0")  # same name and role, another CA
+    paths = [(name, f"/{SERVICE}/{name}", kind) for name, (kind, _, _) in METHODS.items()]
+    paths.append(("Health.Check", HEALTH, "unary_unary"))
+    tried = 0
+    for address in (root, zone):
+        for how, ch in _channels(address, certs, foreign).items():
+            for name, path, kind in paths:
+                call = getattr(ch, kind)(path)
+                body = iter([b"\x00"]) if kind.startswith("stream") else b""
+                with pytest.raises(grpc.RpcError) as err:
+                    out = call(body, timeout=5)
+                    if kind.endswith("_stream"):
+                        list(out)
+                # refused in the handshake: no handler ran (it would answer INVALID_ARGUMENT & co.)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, (address, how, name, err.value)
+                tried += 1
+            ch.close()
+    assert tried == 2 * 3 * (len(METHODS) + 1)
+    # the tiers saw nothing: no job, no member, no refusal counted by a handler
+    for name in ("root", "eu-a"):
+        assert tree.lt.call(lambda n=name: (dict(tree.tier(n).jobs), dict(tree.tier(n).children))) == ({}, {})
+    # ... while a certificate of the cluster's CA gets through, to both
+    for address in (root, zone):
+        with Caller(address, tls=certs["w0"]) as rpc:
+            assert list(rpc.call("ListJobs", pb.ListJobsRequest(), timeout=10).jobs) == []
+
+
+def _code(fn) -> grpc.StatusCode:
+    try:
+        fn()
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_worker_certificate_cannot_act_as_a_relay(tree, certs):
+    _secure(tree, certs, "root", "global")
+    region = _secure(tree, certs, "eu", "regional", parent="root")
+    w = ParameterClient(region, "lm", worker_id="w0", tls=certs["w0"])
+    w.create_job(JobConfig(name="lm"), *_model())
+    w.register()  # as a worker, a worker's certificate is fine
+    rpc = Caller(region, tls=certs["w1"])
+    register = pb.RegisterRequest(job="lm", member="eu-a", role=ROLE["zone"], incarnation=7)
+    heartbeat = pb.HeartbeatRequest(member="eu-a", jobs=["lm"], role=ROLE["zone"])
+    assert _code(lambda: rpc.stubs["Register"](register, timeout=10)) == grpc.StatusCode.PERMISSION_DENIED
+    assert _code(lambda: rpc.stubs["Heartbeat"](heartbeat, timeout=10)) == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(HpsError, match="certificate is a worker"):
+        rpc.call("Register", register, timeout=10)
+    # the regional master's own certificate cannot register as zone eu-a either (wrong name and role)
+    with Caller(region, tls=certs["eu"]) as other:
+        assert _code(lambda: other.stubs["Register"](register, timeout=10)) == grpc.StatusCode.PERMISSION_DENIED
+    assert "eu-a" not in tree.lt.call(lambda: dict(tree.tier("eu").children))
+    # the real zone, with its certificate, joins
+    _secure(tree, certs, "eu-a", "zone", parent="eu")
+    deadline = time.monotonic() + 30
+    while "eu-a" not in tree.lt.call(lambda: dict(tree.tier("eu").children)):
+        assert time.monotonic() < deadline, "zone eu-a never heartbeated to its region"
+        time.sleep(0.1)
+    # and once known as a relay, a worker's certificate cannot leave or push in its name
+    leave = pb.LeaveRequest(job="lm", member="eu-a")
+    assert _code(lambda: rpc.stubs["Leave"](leave, timeout=10)) == grpc.StatusCode.PERMISSION_DENIED
+    rpc.close()
+    w.close()
+
+
+def _model():
+    from ps.core.view import KeySpec, Layout
+
+    return Layout([KeySpec("w", (64,))]), np.zeros(64, np.float32)
+
+
+def test_a_relay_and_a_worker_keep_training_across_a_certificate_rotation(tree, certs, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="hps")
+    _secure(tree, certs, "root", "global")
+    zone = _secure(tree, certs, "eu-a", "zone", parent="root")
+    job = JobConfig(name="rot", optimizer=OptimizerConfig(lr=0.1))
+    w = ParameterClient(zone, "rot", worker_id="w0", tls=certs["w0"])
+    w.create_job(job, *_model())
+    w.register()
+    w.pull(min_version=w.start_version)
+    bsp_rounds([w], 3, lambda i, s: np.ones(64, np.float32))
+    before = tree.view("root", "rot")[1]
+    # new keys and certificates from the same CA, written over the files the tiers and the worker use
+    rotated = init_certs(tmp_path / "certs", TOPOLOGY, workers=["w0", "w1"])
+    assert rotated["w0"] == certs["w0"] and _read(certs["w0"].key) != b""
+    deadline = time.monotonic() + 60
+    steps = 0
+    while not ("new channel to" in caplog.text and "new handshakes use them" in caplog.text):
+        assert time.monotonic() < deadline, caplog.text[-3000:]
+        bsp_rounds([w], 1, lambda i, s: np.ones(64, np.float32))
+        steps += 1
+        time.sleep(0.2)
+    bsp_rounds([w], 3, lambda i, s: np.ones(64, np.float32))  # over the new channels and sessions
+    assert tree.view("root", "rot")[1] == before + steps + 3
+    assert tree.view("eu-a", "rot")[1] == tree.view("root", "rot")[1]
+    # the relay's own link to the root was rebuilt with its new certificate too
+    assert tree.lt.call(lambda: tree.tier("eu-a").up._rpc._ch.retired) != []
+    w.close()
+
+
+def test_tls_files_go_together(tmp_path):
+    with pytest.raises(ValueError, match="go together"):
+        TlsFiles.of(cert="a.crt")
