@@ -188,3 +188,4 @@ class TierStatus:
     uptime_s: float
     jobs: tuple[JobStatus, ...] = ()
     children: tuple[MemberInfo, ...] = ()
+    insecure: bool = False  # plaintext, no client certificates (`hps status` says so loudly)

@@ -588,4 +588,4 @@ class Tier:
         return TierStatus(role=self.role, name=self.config.display_name, server_epoch=self.epoch,
                           parent=self.config.parent, parent_reachable=self.parent_reachable(),
                           ready=self.synced(), uptime_s=now - self.started, jobs=tuple(jobs),
-                          children=children)
+                          children=children, insecure=not self.config.secure)

@@ -1,6 +1,8 @@
-"""The ``hps`` command: serve | launch | status | job | demo.
+"""The ``hps`` command: serve | launch | status | job | certs | demo.
 
-    hps serve --role zone --listen 0.0.0.0:7001 --parent region-eu:7000 --name eu-a
+    hps certs init certs/                      # a CA and a certificate per tier (and worker)
+    hps serve --role zone --listen 0.0.0.0:7001 --parent region-eu:7000 --name eu-a \
+              --tls-cert certs/eu-a.crt --tls-key certs/eu-a.key --tls-ca certs/ca.crt   # or --insecure
     hps launch deploy/topology.yaml
     hps status 127.0.0.1:7000
     hps status --launch-dir hps-demo/logs      # what hps launch supervises, then the tree
@@ -38,6 +40,53 @@ class _EnvDefault(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _EnvFlag(_EnvDefault):
+    """A store_true flag whose default comes from HPS_<FLAG> ("1", "true", ...)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=kw.pop("default", False), **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+
+
+def _flag(value) -> bool:
+    """A store_true flag or its HPS_* variable ("1", "true", "yes")."""
+    return value is True or str(value).lower() in ("1", "true", "yes", "on")
+
+
+def _tls_flags(s: argparse.ArgumentParser, who: str) -> None:
+    s.add_argument("--tls-cert", action=_EnvDefault, default="", help=f"{who}'s certificate (PEM) for mutual TLS")
+    s.add_argument("--tls-key", action=_EnvDefault, default="", help=f"{who}'s private key (PEM)")
+    s.add_argument("--tls-ca", action=_EnvDefault, default="", help="the cluster's CA certificate (PEM)")
+
+
+def _client_tls(args) -> None:
+    """Clients of a secure cluster (status, job): the library reads HPS_TLS_* (ps.net.tls.TlsFiles.from_env)."""
+    for k in ("cert", "key", "ca"):
+        if getattr(args, f"tls_{k}", ""):
+            os.environ[f"HPS_TLS_{k.upper()}"] = getattr(args, f"tls_{k}")
+
+
+def _certs(args) -> int:
+    from ps.core.errors import BadInput
+    from ps.tools.certs import init_certs
+    from ps.tools.launch import load_topology
+
+    try:
+        topo = load_topology(args.topology)
+        workers = [w for w in args.workers.split(",") if w]
+        hosts = tuple(h for h in args.hosts.split(",") if h)
+        made = init_certs(args.dir, topo, workers=workers, hosts=hosts)
+    except (BadInput, ValueError, OSError) as exc:
+        print(f"hps certs: {exc}", file=sys.stderr)
+        return 2
+    print(f"CA {made[next(iter(made))].ca} (its key ca.key signs: keep it off the tiers)")
+    for name, f in made.items():
+        print(f"  {name}: {f.cert} {f.key}")
+    return 0
+
+
 def _serve(args) -> int:
     from ps.core.config import ServerConfig
     from ps.core.errors import BadInput
@@ -51,9 +100,15 @@ def _serve(args) -> int:
             checkpoint_every=int(args.checkpoint_every), round_timeout_s=float(args.round_timeout_s),
             flush_ms=float(args.flush_ms), flush_bytes=int(args.flush_bytes), up_codec=args.up_codec or "",
             max_job_params=int(args.max_job_params), push_budget_mb=int(args.push_budget_mb),
-            max_jobs=int(args.max_jobs), unjoined_job_ttl_s=float(args.unjoined_job_ttl_s))
+            max_jobs=int(args.max_jobs), unjoined_job_ttl_s=float(args.unjoined_job_ttl_s),
+            tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
+            insecure=_flag(args.insecure))
     except (BadInput, ValueError) as exc:
         print(f"hps serve: {exc}", file=sys.stderr)
+        return 2
+    if not cfg.secure and not cfg.insecure:  # secure by default: plaintext only when asked for
+        print("hps serve: give this tier its certificate (--tls-cert, --tls-key, --tls-ca; `hps certs init` "
+              "makes them) or run it without TLS with --insecure (debugging only)", file=sys.stderr)
         return 2
     json_logs = args.log_format == "json"
     if json_logs:  # one JSON object per line, the ready line included (as event tier.started)
@@ -152,6 +207,7 @@ def _launch(args) -> int:
 def _status(args) -> int:
     from ps.tools.status import print_launch, print_tree
 
+    _client_tls(args)
     rc, address = 0, args.address
     if args.launch_dir:
         rc, root = print_launch(args.launch_dir, sys.stdout)
@@ -167,6 +223,7 @@ def _job(args) -> int:
     from ps.core.errors import HpsError
     from ps.tools import jobctl
 
+    _client_tls(args)
     try:
         if args.action == "create":
             cfg = JobConfig(name=args.name, mode=args.mode, staleness=int(args.staleness),
@@ -229,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", action=_EnvDefault, default="text", choices=["text", "json"],
                    help="json: one JSON object per line (ts, level, logger, message, tier, region/zone, "
                    "name, and event, job, version where known) for a log pipeline")
+    _tls_flags(s, "this tier")
+    s.add_argument("--insecure", action=_EnvFlag,
+                   help="serve plaintext gRPC with no client certificates (debugging only; logged and "
+                   "shown by hps status)")
     s.set_defaults(fn=_serve)
 
     s = sub.add_parser("launch", help="start a local cluster from a topology and keep it serving",
@@ -261,7 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "default with --launch-dir: its root)")
     s.add_argument("--launch-dir", action=_EnvDefault, default="",
                    help="an `hps launch --logdir`: show its supervision state first (launch.json)")
+    _tls_flags(s, "the caller")
     s.set_defaults(fn=_status)
+
+    s = sub.add_parser("certs", help="create a CA and per-tier certificates for a topology")
+    s.add_argument("action", choices=["init"])
+    s.add_argument("dir", help="where ca.crt, ca.key and NAME.crt/NAME.key go (an existing CA is kept)")
+    s.add_argument("--topology", help="topology YAML (default: the embedded one)")
+    s.add_argument("--workers", default="worker", help="comma-separated worker certificate names")
+    s.add_argument("--hosts", default="", help="comma-separated extra DNS names / IPs for the tier certificates")
+    s.set_defaults(fn=_certs)
 
     s = sub.add_parser("job", help="create, list or end jobs (through any tier)")
     s.add_argument("action", choices=["create", "list", "end"])
@@ -282,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--topk-warmup-steps", default="0", help="DGC warm-up: density 25%% down to --topk")
     s.add_argument("--momentum-correction", action="store_true",
                    help="DGC: workers keep the sgd momentum and sparsify the velocity (topk, sgd momentum)")
+    _tls_flags(s, "the caller")
     s.set_defaults(fn=_job)
 
     s = sub.add_parser("demo", help="train a small transformer LM on a local cluster")

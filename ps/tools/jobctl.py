@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from ps.core.config import JobConfig
 from ps.net.rpc import Caller
+from ps.net.tls import TlsFiles
 from ps.net.wire import encode_create_job, jobs_from_pb, pb
 
 __all__ = ["declare", "list_jobs", "end", "format_jobs"]
 
 
 def _rpc(address: str, name: str, request, timeout_s: float = 10.0):
-    with Caller(address) as rpc:
+    with Caller(address, TlsFiles.from_env()) as rpc:  # mutual TLS when HPS_TLS_* are set
         return rpc.call(name, request, timeout_s)
 
 

@@ -154,7 +154,9 @@ class Cluster:
             raise BadInput(f"topology names tier {name!r} twice")
         self.logdir.joinpath(f"{name}.log").unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "ps.tools.cli", "serve", "--role", role, "--name", name,
-               "--listen", f"{host}:{spec.get('port', 0)}", "--metrics-port", str(spec.get("metrics_port", -1))]
+               "--listen", f"{host}:{spec.get('port', 0)}", "--metrics-port", str(spec.get("metrics_port", -1)),
+               # TODO(issue 14): a throw-away CA under the run directory and mTLS by default
+               "--insecure"]
         if parent:
             cmd += ["--parent", parent]
         if spec.get("checkpoint_dir"):

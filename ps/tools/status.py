@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ps.core.errors import HpsError
 from ps.core.types import TierStatus
 from ps.net.rpc import CHANNEL_OPTIONS, Caller
+from ps.net.tls import ClientTls, TlsFiles, client_options
 from ps.net.wire import pb, status_from_pb
 from ps.tools.format import human_bytes
 
@@ -80,13 +81,19 @@ def print_launch(launch_dir: str | Path, out) -> tuple[int, str]:
 
 
 def fetch_status(address: str, timeout_s: float = 5.0) -> TierStatus:
-    with Caller(address) as rpc:
+    """A tier's Status; over mutual TLS when ``HPS_TLS_CERT/KEY/CA`` are set (``hps status --tls-*``)."""
+    with Caller(address, TlsFiles.from_env()) as rpc:
         return status_from_pb(rpc.call("Status", pb.StatusRequest(), timeout_s))
 
 
 def fetch_ready(address: str, timeout_s: float = 5.0) -> str:
     """What the tier's readiness probe would see: "ready", "NOT READY" or "ready ?" (no answer)."""
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+    tls = TlsFiles.from_env()
+    if tls is None:
+        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        ch = grpc.secure_channel(address, ClientTls(tls).credentials(), options=CHANNEL_OPTIONS + client_options())
+    with ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:
@@ -122,7 +129,8 @@ def print_tree(address: str, out) -> int:
             continue
         parent = "" if not st.parent else f" parent {st.parent} ({'up' if st.parent_reachable else 'UNREACHABLE'})"
         print(f"{pad}{st.role} {st.name} @ {addr} epoch {st.server_epoch:#x} "
-              f"up {st.uptime_s:.0f}s, {fetch_ready(addr)}{parent}", file=out)
+              f"up {st.uptime_s:.0f}s, {fetch_ready(addr)}{parent}"
+              f"{', INSECURE (plaintext, no client certificates)' if st.insecure else ''}", file=out)
         for j in st.jobs:
             workers = [m for m in j.members if m.role == "worker"]
             s = j.stats

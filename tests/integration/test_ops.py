@@ -317,7 +317,7 @@ def test_health_is_serving_only_once_the_tier_synced_with_its_parent(tree):
 # -- the process -------------------------------------------------------------------------------
 def test_hps_serve_serves_metrics_and_health_and_stops_on_sigterm(reap):
     env = {**os.environ, "HPS_METRICS_PORT": "0", "HPS_PARENT": f"127.0.0.1:{_free_port()}",
-           "HPS_HEARTBEAT_S": "0.1", "HPS_MEMBER_TIMEOUT_S": "1"}
+           "HPS_HEARTBEAT_S": "0.1", "HPS_MEMBER_TIMEOUT_S": "1", "HPS_INSECURE": "1"}
     p = subprocess.Popen([sys.executable, "-m", "ps.tools.cli", "serve", "--role", "zone", "--name", "z1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     reap(p)

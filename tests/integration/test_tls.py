@@ -158,3 +158,39 @@ def test_a_relay_and_a_worker_keep_training_across_a_certificate_rotation(tree, 
 def test_tls_files_go_together(tmp_path):
     with pytest.raises(ValueError, match="go together"):
         TlsFiles.of(cert="a.crt")
+
+
+def test_hps_status_says_a_tier_runs_insecure_and_reads_a_secure_one_with_its_certificate(tree, certs, monkeypatch):
+    import io
+
+    from ps.tools.status import print_tree
+
+    plain = tree.add("plain", "global")
+    out = io.StringIO()
+    assert print_tree(plain, out) == 0
+    assert "INSECURE (plaintext, no client certificates)" in out.getvalue()
+    secure = _secure(tree, certs, "root", "global")
+    for k in ("cert", "key", "ca"):
+        monkeypatch.setenv(f"HPS_TLS_{k.upper()}", getattr(certs["w0"], k))
+    out = io.StringIO()
+    assert print_tree(secure, out) == 0, out.getvalue()
+    assert "global root @" in out.getvalue() and "INSECURE" not in out.getvalue()
+    assert ", ready" in out.getvalue()  # the health check went over TLS too
+
+
+def test_hps_serve_needs_certificates_or_insecure(reap, certs):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPS_TLS_", "HPS_INSECURE"))}
+    r = subprocess.run([sys.executable, "-m", "ps.tools.cli", "serve", "--role", "global"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "--insecure" in r.stderr and "--tls-cert" in r.stderr
+    p = subprocess.Popen([sys.executable, "-m", "ps.tools.cli", "serve", "--role", "global", "--insecure"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    reap(p)
+    assert p.stdout.readline().startswith("hps: serving global")
+    p.terminate()  # (before its signal handlers are in place it dies of the signal: either is fine here)
+    p.wait(timeout=20)
+    assert "WARNING hps.server: INSECURE" in p.stderr.read()
