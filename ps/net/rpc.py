@@ -20,6 +20,7 @@ Statuses gRPC itself raises (connection refused, deadline) map by code alone.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -96,7 +97,7 @@ class _Channels:
     certificate files change (rotation). The channel it replaced is closed at the next change
     or at ``close``: calls still in flight on it finish."""
 
-    def __init__(self, address: str, tls: TlsFiles | None, make) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None, make: Callable[..., Any]) -> None:
         self.address = address
         self.tls = ClientTls(tls) if tls is not None else None
         self._make = make  # (address, credentials or None, options) -> channel

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -67,7 +68,7 @@ class TlsFiles:
 
     def stamp(self) -> tuple:
         """What changes when any file is rewritten (or replaced, as Kubernetes swaps a Secret's link)."""
-        out = []
+        out: list[tuple[int, int, int] | None] = []
         for path in (self.cert, self.key, self.ca):
             try:
                 st = os.stat(path)
@@ -97,7 +98,7 @@ def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     state = {"stamp": files.stamp()}
     lock = threading.Lock()
 
-    def configuration(cert: bytes, key: bytes, ca: bytes):
+    def configuration(cert: bytes, key: bytes, ca: bytes) -> Any:
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def fetch():  # called by gRPC before each handshake: a stat of three files, or a new config
