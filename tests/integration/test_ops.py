@@ -113,13 +113,14 @@ def wait_for(fn, what: str, tries: int = 100, pause_s: float = 0.05):
 
 
 @pytest.fixture(scope="module")
-def trained():
-    """root <- eu <- eu-a, two workers on eu-a; scrapes before and after STEPS BSP rounds."""
+def trained(tmp_path_factory):
+    """root <- eu <- eu-a, two workers on eu-a; scrapes before and after STEPS BSP rounds. The
+    root keeps checkpoints, so its durability series are there too."""
     lt = LoopThread()
     ops = Scraped(Tree(lt))
     clients = []
     try:
-        ops.add("root", "global")
+        ops.add("root", "global", checkpoint_dir=str(tmp_path_factory.mktemp("root")), checkpoint_every=2)
         ops.add("eu", "regional", parent="root")
         zone = ops.add("eu-a", "zone", parent="eu")
         cfg = JobConfig(name="lm", delta_codec="fp32+zstd", optimizer=OptimizerConfig(lr=0.1))
