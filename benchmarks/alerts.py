@@ -166,7 +166,8 @@ def one(fault: str, prometheus: str, warmup_s: float, watch_s: float) -> dict:
     procs: list[subprocess.Popen] = []
     cluster = None
     try:
-        cluster = Cluster.start(topo, work / "logs")
+        # The tiers import this checkout's hps, not whichever one the venv installed.
+        cluster = Cluster.start(topo, work / "logs", env={"PYTHONPATH": str(ROOT)})
         am_port = _free_port()  # none listens: Prometheus only logs that it cannot send
         (work / "prometheus.yml").write_text(yaml.safe_dump(_prometheus_config(topo, am_port)))
         prom_port = _free_port()
@@ -222,7 +223,8 @@ def one(fault: str, prometheus: str, warmup_s: float, watch_s: float) -> dict:
             _stop(p)
         if cluster is not None:
             cluster.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if not os.environ.get("HPS_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
