@@ -29,7 +29,7 @@ from ps.core.config import JobConfig, OptimizerConfig, ServerConfig
 from ps.core.view import KeySpec, Layout
 from ps.server import create_server
 from ps.server.health import LIVENESS, Health
-from ps.tiers.metrics import serve_metrics
+from ps.tiers.metrics import RpcMetrics, serve_metrics
 from ps.tools.status import print_tree
 from tests.helpers import FAST, LoopThread, Tree, bsp_rounds
 from worker import ParameterClient
@@ -213,6 +213,8 @@ def test_rules_and_dashboard_only_use_series_the_tiers_export(trained):
     _, _, after = trained
     registry = CollectorRegistry()
     TrainingMetrics("lm", registry).report(loss=2.0, steps=3, seconds=0.3)
+    # hps_rpc_errors_total{method,code} has a series from a tier's first refused call on.
+    RpcMetrics(registry, {"tier": "zone"}).error("push", "UNAVAILABLE")
     from prometheus_client import generate_latest
 
     exported = {s.name for text in [*after.values(), generate_latest(registry).decode()]
