@@ -65,6 +65,8 @@ def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
 
 
 def allowed(layer: str, module: str) -> bool:
+    if module == "ps":  # the package root: its version string, nothing of any layer
+        return True
     top = module.split(".")[0]
     if top in STDLIB:
         return top not in FORBIDDEN_STDLIB.get(layer, set())

@@ -30,11 +30,14 @@ ends (through, or given up on).
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import secrets
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -130,6 +133,8 @@ class ParameterClient:
         self._hb_thread: threading.Thread | None = None
         self._heartbeat_s = 0.5
         self._encoder: Encoder | None = None  # the push edge's codec and residuals (after register)
+        self._exit_hook: Callable[[], None] | None = None
+        self._closed = False
 
     # -- what registering brings -----------------------------------------------------------
     def _registered(self, value: T | None) -> T:
@@ -215,7 +220,15 @@ class ParameterClient:
                 return result
 
     def close(self) -> None:
-        """Stop heart-beating, leave the job (best effort) and close the channel."""
+        """Stop heart-beating, leave the job (best effort) and close the channel. Also runs at
+        normal interpreter exit for a client still open: the tier then records a worker that
+        finished, not one that died (issue 19: members lost must mean lost)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._exit_hook is not None:
+            atexit.unregister(self._exit_hook)
+            self._exit_hook = None
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
@@ -257,6 +270,9 @@ class ParameterClient:
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                                name=f"hps-heartbeat-{self.worker_id}")
             self._hb_thread.start()
+        if self._exit_hook is None:  # a weak reference: the hook must not keep the client alive
+            self._exit_hook = functools.partial(_leave_at_exit, weakref.ref(self))
+            atexit.register(self._exit_hook)
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self._heartbeat_s):
@@ -369,3 +385,9 @@ class ParameterClient:
             self.acked_seq = max(self.acked_seq, seq)
             self.bytes_up += nbytes
         return reply.applied_version, nbytes
+
+
+def _leave_at_exit(ref: weakref.ref) -> None:
+    client = ref()
+    if client is not None:
+        client.close()

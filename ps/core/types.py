@@ -135,11 +135,24 @@ class JobStats:
     loss_sum: float = 0.0
     loss_count: int = 0
     step_seconds_sum: float = 0.0
+    # root: staleness in worker clocks, the unit of an ssp bound: how far the newest clock in
+    # an update ran ahead of the clock floor of the view it was applied to (ssp(s) keeps it <= s)
+    clock_staleness_count: int = 0
+    clock_staleness_sum: int = 0
+    clock_staleness_max: int = 0
+    over_bound: int = 0          # root, ssp: updates whose clock staleness exceeded the bound s
 
     def staleness(self, s: int) -> None:
         self.staleness_count += 1
         self.staleness_sum += s
         self.staleness_max = max(self.staleness_max, s)
+
+    def clock_staleness(self, c: int, bound: int | None) -> None:
+        self.clock_staleness_count += 1
+        self.clock_staleness_sum += c
+        self.clock_staleness_max = max(self.clock_staleness_max, c)
+        if bound is not None and c > bound:
+            self.over_bound += 1
 
 
 @dataclass(frozen=True)
@@ -169,6 +182,10 @@ class JobStatus:
     parameters: int = 0
     members: tuple[MemberInfo, ...] = ()
     stats: JobStats = field(default_factory=JobStats)
+    # Members that went silent past the member timeout and have not registered again (a dead
+    # worker or relay; last_seen_s: seconds since it was dropped). Members that said goodbye
+    # (finished) are not here; the list empties when the job ends.
+    lost: tuple[MemberInfo, ...] = ()
 
     @property
     def lag_versions(self) -> int:

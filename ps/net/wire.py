@@ -250,7 +250,7 @@ def status_to_pb(s: TierStatus) -> pb.StatusReply:
                            checksum=j.checksum, parent_version=j.parent_version, lag_s=j.lag_s,
                            round=j.round, round_pushed=j.round_pushed, clock_min=j.clock_min,
                            staleness=j.staleness, parameters=j.parameters,
-                           members=_members_to_pb(j.members),
+                           members=_members_to_pb(j.members), lost=_members_to_pb(j.lost),
                            stats=pb.JobStats(**{k: getattr(j.stats, k) for k in _STATS}))
               for j in s.jobs])
 
@@ -264,7 +264,7 @@ def status_from_pb(m: pb.StatusReply) -> TierStatus:
                              view_epoch=j.view_epoch, checksum=j.checksum, parent_version=j.parent_version,
                              lag_s=j.lag_s, round=j.round, round_pushed=j.round_pushed,
                              clock_min=j.clock_min, staleness=j.staleness, parameters=j.parameters,
-                             members=_members_from_pb(j.members),
+                             members=_members_from_pb(j.members), lost=_members_from_pb(j.lost),
                              stats=JobStats(**{k: getattr(j.stats, k) for k in _STATS}))
                    for j in m.jobs))
 

@@ -56,6 +56,10 @@ class JobState:
     # Books of members that left or timed out, so a retry after a short absence is still
     # recognised (bounded: oldest first out).
     departed: OrderedDict = field(default_factory=OrderedDict)
+    # Members dropped after the member timeout that have not registered again: id -> (role,
+    # address, when dropped). A member that leaves (finished) or comes back is taken out, so
+    # "lost" means died, not done (issue 19). Bounded by the members the job ever had.
+    lost: dict[str, tuple[str, str, float]] = field(default_factory=dict)
     round: BspRound = None               # bsp: the open round
     window: Window = None                # ssp/async: the open aggregation window
     futs: dict[int, asyncio.Future] = field(default_factory=dict)  # open/in-flight batches

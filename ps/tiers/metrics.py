@@ -36,16 +36,28 @@ Only RPC latencies are instrumented: histograms the service observes (``RpcMetri
 from __future__ import annotations
 
 import asyncio
+import platform
+import shutil
 import time
 from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    SummaryMetricFamily,
+)
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-__all__ = ["TierMetrics", "RpcMetrics", "LinkWatch", "NO_RPC_METRICS",
+from ps.tiers.wal import FSYNC_BUCKETS
+
+__all__ = ["TierMetrics", "RpcMetrics", "LinkWatch", "NO_RPC_METRICS", "build_info",
            "process_labels", "process_registry", "serve_metrics"]
 
 # RPC latencies span a decoded push (ms) to a BSP barrier or a pull's long-poll (seconds).
@@ -67,6 +79,38 @@ def process_labels(tier) -> dict[str, str]:
     elif tier.role == "zone":
         labels["zone"] = name
     return labels
+
+
+def _dist(name: str) -> str:
+    try:
+        return dist_version(name)
+    except PackageNotFoundError:
+        return "none"
+
+
+def build_info() -> dict[str, str]:
+    """What this process runs (hps_build_info's labels): read from the installed packages'
+    metadata, so no torch import in a tier that does not need it."""
+    from ps import __version__
+    return {"version": __version__, "python": platform.python_version(), "grpc": _dist("grpcio"),
+            "torch": _dist("torch")}
+
+
+class _BuildInfo:
+    """hps_build_info: constant 1 with the versions as labels (the Prometheus idiom, so a
+    `* on (instance) group_left (version)` join can put the version on any alert)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = {**labels, **build_info()}
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = GaugeMetricFamily("hps_build_info", "Versions this tier runs (hps, Python, grpcio, torch); "
+                              "always 1", labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), 1)
+        return [g]
 
 
 def process_registry() -> CollectorRegistry:
@@ -189,16 +233,34 @@ class _TierCollector:
         self.labels = labels
         self.link = link
         self.timeout_s = timeout_s
+        self._seen: dict[str, tuple[int, int, float]] = {}  # job -> (epoch, version, first seen)
 
     def _read(self) -> dict:
         """One consistent snapshot; runs on the tier's loop."""
-        snap = dict(status=self.tier.status(), link=None)
+        snap = dict(status=self.tier.status(), link=None, durability=None)
         if self.link is not None:
             self.link.poll()
             up = self.link.up
             snap["link"] = dict(reachable=bool(up.reachable), errors=up.failures,
                                 reconnects=self.link.reconnects)
+        if self.tier.role == "global":
+            snap["durability"] = _durability(self.tier)
         return snap
+
+    def _version_ages(self, status) -> dict[str, float]:
+        """Seconds since each job's version last changed here, as seen at scrapes (so to within
+        a scrape interval). Kept by the collector rather than the tier: only alerts need it."""
+        now = time.monotonic()
+        ages = {}
+        for j in status.jobs:
+            key = (j.view_epoch, j.version)
+            seen = self._seen.get(j.name)
+            if seen is None or seen[:2] != key:
+                seen = self._seen[j.name] = (*key, now)
+            ages[j.name] = now - seen[2]
+        for name in set(self._seen) - set(ages):
+            del self._seen[name]
+        return ages
 
     def _snapshot(self) -> dict:
         try:
@@ -218,7 +280,26 @@ class _TierCollector:
         return []  # names are fixed per module; nothing to reserve ahead of the first scrape
 
     def collect(self):
-        return _families(self._snapshot(), self.labels)
+        snap = self._snapshot()
+        snap["version_age"] = self._version_ages(snap["status"])
+        return _families(snap, self.labels)
+
+
+def _durability(root) -> dict:
+    """The root's checkpoints and logs, per job, and its checkpoint volume (on the loop)."""
+    jobs = {}
+    for name, js in root.jobs.items():
+        wal = getattr(js, "wal", None)
+        jobs[name] = dict(checkpoint=getattr(js, "last_checkpoint", None),
+                          wal=None if wal is None else wal.stats)
+    volume = None
+    directory = root.config.checkpoint_dir
+    if directory:
+        try:
+            volume = shutil.disk_usage(directory)
+        except OSError:
+            volume = None  # not created yet, or gone: no series rather than a wrong one
+    return dict(jobs=jobs, volume=volume)
 
 
 def _families(snap: dict, labels: dict[str, str]) -> list:
@@ -227,6 +308,7 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
     base_names, base = list(labels), list(labels.values())
     jl = [*base_names, "job"]
     is_relay = snap["link"] is not None
+    ages = snap.get("version_age") or {}
 
     def gauge(name, doc, names=jl):
         return GaugeMetricFamily(name, doc, labels=names)
@@ -253,6 +335,14 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
     lag_s = gauge("hps_replica_lag_seconds", "Seconds since this replica last confirmed it held its "
                                              "parent's latest version, while behind or cut off (0 in sync)")
     members = gauge("hps_members", "Live members of the job at this tier (workers or child relays)")
+    workers = gauge("hps_workers", "Live workers attached to this tier in the job (members that are "
+                                   "workers, not relays)")
+    lost = gauge("hps_members_lost", "Members dropped after the member timeout that have not come "
+                                     "back (died or cut off; finished members leave and are not "
+                                     "counted), by role: worker | relay", [*jl, "role"])
+    age = gauge("hps_version_age_seconds", "Seconds since this tier's version of the job last "
+                                           "changed (as seen at scrapes): at the root, time "
+                                           "without a new version")
     open_round = gauge("hps_round_pushes", "Pushes collected in the open BSP round or window")
     pushes = counter("hps_pushes_total", "Pushes accepted from children (aggregated pushes from relays)")
     push_bytes = counter("hps_push_bytes_total", "Tensor payload bytes of pushes: received from "
@@ -303,7 +393,7 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
                                  "reported with their pushes", labels=jl)
     w_step = SummaryMetricFamily("hps_worker_step_seconds", "Wall time of the workers' steps "
                                  "(compute, push and pull) as they reported them", labels=jl)
-    out += [version, lag_v, lag_s, members, open_round, pushes, push_bytes, pull_bytes, push_raw,
+    out += [version, lag_v, lag_s, members, workers, lost, age, open_round, pushes, push_bytes, pull_bytes, push_raw,
             pull_raw, hits, fallbacks, rounds, aborted, restarted, refused, dups, resolved, departures,
             wait, bound, w_loss, w_step]
     staleness = stale_max = None
@@ -320,7 +410,16 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
                               "write-ahead-log record could not be made durable (disk full, I/O error)")
         ckpt_failed = counter("hps_checkpoint_failures_total", "Checkpoints that failed to write (the log "
                               "still covers them)")
-        out += [staleness, stale_max, doubled, not_durable, ckpt_failed]
+        # In worker clocks (steps), the unit of an ssp bound: how far the newest clock in an
+        # update ran ahead of the clock floor of the view it was applied to.
+        clocks = SummaryMetricFamily("hps_update_staleness_clocks", "Worker clocks between the newest "
+                                     "clock in an update and the clock floor of the view it was "
+                                     "applied to (an ssp(s) job keeps it <= s)", labels=jl)
+        clocks_max = gauge("hps_update_staleness_max_clocks", "The largest clock staleness observed "
+                                                              "since the root started")
+        over = counter("hps_updates_over_bound_total", "Updates of ssp jobs whose clock staleness "
+                       "exceeded the job's bound s (invariant 3 broken: must stay 0)")
+        out += [staleness, stale_max, doubled, not_durable, ckpt_failed, clocks, clocks_max, over]
 
     for j in s.jobs:
         lv, st = [*base, j.name], j.stats
@@ -328,6 +427,12 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
         lag_v.add_metric(lv, j.lag_versions)
         lag_s.add_metric(lv, j.lag_s)
         members.add_metric(lv, len(j.members))
+        workers.add_metric(lv, sum(1 for m in j.members if m.role == "worker"))
+        for role in ("worker", "relay"):
+            lost.add_metric([*lv, role], sum(1 for m in j.lost if (m.role == "worker") == (role == "worker")))
+            # (a relay child's role is its tier's, regional or zone: one bounded "relay" here)
+        if j.name in ages:
+            age.add_metric(lv, ages[j.name])
         open_round.add_metric(lv, j.round_pushed)
         pushes.add_metric(lv, st.pushes)
         push_bytes.add_metric([*lv, "children"], st.bytes_pushed_in)
@@ -359,6 +464,9 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
             doubled.add_metric(lv, st.double_applied)
             not_durable.add_metric(lv, st.durable_failures)
             ckpt_failed.add_metric(lv, st.checkpoint_failures)
+            clocks.add_metric(lv, count_value=st.clock_staleness_count, sum_value=st.clock_staleness_sum)
+            clocks_max.add_metric(lv, st.clock_staleness_max)
+            over.add_metric(lv, st.over_bound)
 
     if is_relay:
         link = snap["link"]
@@ -372,6 +480,47 @@ def _families(snap: dict, labels: dict[str, str]) -> list:
                                                          "after failing", base_names)
         again.add_metric(base, link["reconnects"])
         out += [reach, errors, again]
+    if snap.get("durability") is not None:
+        out += _durability_families(snap["durability"], base_names, base)
+    return out
+
+
+def _durability_families(d: dict, base_names: list[str], base: list[str]) -> list:
+    """The root's durability: when each job's last checkpoint was written and how long it took,
+    the write-ahead log's fsync latency, and the checkpoint volume's space."""
+    jl = [*base_names, "job"]
+    when = GaugeMetricFamily("hps_checkpoint_last_success_timestamp_seconds", "Unix time the job's "
+                             "last checkpoint was written (absent until the first one)", labels=jl)
+    took = GaugeMetricFamily("hps_checkpoint_last_duration_seconds", "How long the job's last "
+                             "checkpoint took to write (off the event loop)", labels=jl)
+    fsync = HistogramMetricFamily("hps_wal_fsync_seconds", "Write-ahead-log fsyncs (every "
+                                  "acknowledged version waits for one)", labels=jl)
+    appended = CounterMetricFamily("hps_wal_bytes_written_total", "Bytes appended to the job's "
+                                   "write-ahead log", labels=jl)
+    for name, j in sorted(d["jobs"].items()):
+        lv = [*base, name]
+        if j["checkpoint"] is not None:
+            t, secs, _version = j["checkpoint"]
+            when.add_metric(lv, t)
+            took.add_metric(lv, secs)
+        w = j["wal"]
+        if w is not None:
+            cumulative, total = [], 0
+            for le, n in zip(FSYNC_BUCKETS, w.fsync_buckets):
+                total += n
+                cumulative.append((repr(le), total))
+            cumulative.append(("+Inf", w.appends))
+            fsync.add_metric(lv, cumulative, sum_value=w.total_fsync_s)
+            appended.add_metric(lv, w.bytes_written)
+    out = [when, took, fsync, appended]
+    if d["volume"] is not None:
+        used = GaugeMetricFamily("hps_checkpoint_volume_used_bytes", "Bytes used on the volume "
+                                 "that holds the checkpoints and write-ahead logs", labels=base_names)
+        free = GaugeMetricFamily("hps_checkpoint_volume_free_bytes", "Bytes this process may still "
+                                 "write on that volume", labels=base_names)
+        used.add_metric(base, d["volume"].used)
+        free.add_metric(base, d["volume"].free)
+        out += [used, free]
     return out
 
 
@@ -385,6 +534,7 @@ class TierMetrics:
         up = tier.parent_link()
         self.link = LinkWatch(up, max(0.02, tier.config.heartbeat_s / 4)) if up is not None else None
         self.rpc = RpcMetrics(registry, self.labels, known_job=lambda job: job in tier.jobs)
+        registry.register(_BuildInfo(self.labels))
         registry.register(_TierCollector(tier, asyncio.get_running_loop(), self.labels, self.link,
                                          scrape_timeout_s))
 

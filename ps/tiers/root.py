@@ -223,6 +223,10 @@ class Root(Tier):
         if grad is not None:
             staleness = max(0, js.view.version - agg.round)  # versions since its oldest base
             js.stats.staleness(staleness)
+            # In clocks, the unit of the ssp bound: a worker computing clock c held a view with
+            # floor >= c - s, and the floor only rises, so ssp(s) keeps this <= s (invariant 3).
+            js.stats.clock_staleness(max(0, agg.clock_max - js.view.clock_min),
+                                     js.config.staleness if js.config.mode == "ssp" else None)
             if js.config.damping:
                 scale = 1.0 / (1.0 + staleness)
             if not js.bsp:

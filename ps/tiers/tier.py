@@ -128,7 +128,10 @@ class Tier:
             for k in [k for k, c in self.children.items() if now - c[2] > self.config.member_timeout_s]:
                 del self.children[k]
             for js in list(self.jobs.values()):
+                before = {m.id: (m.role, m.address) for m in js.members}
                 gone = js.members.expire(now, self.config.member_timeout_s)
+                for member in gone:
+                    js.lost[member] = (*before[member], now)
                 if gone:
                     log.warning("%s: job %s dropped members %s after %.1fs of silence",
                                 self.role, js.config.name, gone, self.config.member_timeout_s,
@@ -186,6 +189,7 @@ class Tier:
             self._drop_member(js, member, "was replaced by a new incarnation (it restarted)")
             log.info("%s: %r in job %s is a new incarnation %#x (was %#x)", self.role, member, job,
                      incarnation, old.incarnation, extra=event("member.replaced", job=job, member=member))
+        js.lost.pop(member, None)  # back: no longer lost
         start_clock = js.view.clock_min  # a late joiner must not hold the others back (SSP)
         m = js.members.join(member, self.clock(), js.round.round, role, address, floor=start_clock,
                             incarnation=incarnation)
@@ -210,6 +214,7 @@ class Tier:
 
     async def leave(self, job: str, member: str) -> None:
         js = self.job(job)
+        js.lost.pop(member, None)  # a goodbye after an expiry (a worker cut off, then done)
         if js.members.leave(member):
             log.info("%s: %r left job %s", self.role, member, job,
                      extra=event("member.left", job=job, member=member, version=js.view.version))
@@ -583,7 +588,8 @@ class Tier:
                 clock_min=js.view.clock_min, staleness=js.config.staleness, parameters=js.layout.numel,
                 members=tuple(MemberInfo(m.id, m.role, m.address, now - m.last_seen, m.pushes)
                               for m in js.members),
-                stats=replace(js.stats)))
+                stats=replace(js.stats),
+                lost=tuple(MemberInfo(k, r, a, now - t) for k, (r, a, t) in js.lost.items())))
         children = tuple(MemberInfo(k, r, a, now - t) for k, (r, a, t) in self.children.items())
         return TierStatus(role=self.role, name=self.config.display_name, server_epoch=self.epoch,
                           parent=self.config.parent, parent_reachable=self.parent_reachable(),

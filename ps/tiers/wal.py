@@ -77,6 +77,11 @@ class WalWriteError(OSError):
         self.errno = errno
 
 
+# fsync latency buckets (seconds): an SSD answers in well under a millisecond, a network
+# volume in a few, a sick disk in seconds; each acknowledgement waits for one.
+FSYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
 @dataclass
 class WalStats:
     """Counters for metrics; plain numbers, updated under the log's lock."""
@@ -86,6 +91,16 @@ class WalStats:
     last_fsync_s: float = 0.0
     total_fsync_s: float = 0.0
     recovery_truncations: int = 0
+    # fsyncs at or under each of FSYNC_BUCKETS (not cumulative; the metric sums them)
+    fsync_buckets: list[int] = field(default_factory=lambda: [0] * len(FSYNC_BUCKETS))
+
+    def fsynced(self, dt: float) -> None:
+        self.last_fsync_s = dt
+        self.total_fsync_s += dt
+        for i, le in enumerate(FSYNC_BUCKETS):
+            if dt <= le:
+                self.fsync_buckets[i] += 1
+                break
 
 
 @dataclass(eq=False)
@@ -274,8 +289,7 @@ class WriteAheadLog:
             s = self.stats
             s.appends += 1
             s.bytes_written += size
-            s.last_fsync_s = dt
-            s.total_fsync_s += dt
+            s.fsynced(dt)
 
     def _open(self, version: int) -> _Segment:
         """The segment the record of ``version`` goes to, its file open (lock held)."""

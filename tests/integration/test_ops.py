@@ -29,7 +29,7 @@ from ps.core.config import JobConfig, OptimizerConfig, ServerConfig
 from ps.core.view import KeySpec, Layout
 from ps.server import create_server
 from ps.server.health import LIVENESS, Health
-from ps.tiers.metrics import serve_metrics
+from ps.tiers.metrics import RpcMetrics, serve_metrics
 from ps.tools.status import print_tree
 from tests.helpers import FAST, LoopThread, Tree, bsp_rounds
 from worker import ParameterClient
@@ -113,13 +113,14 @@ def wait_for(fn, what: str, tries: int = 100, pause_s: float = 0.05):
 
 
 @pytest.fixture(scope="module")
-def trained():
-    """root <- eu <- eu-a, two workers on eu-a; scrapes before and after STEPS BSP rounds."""
+def trained(tmp_path_factory):
+    """root <- eu <- eu-a, two workers on eu-a; scrapes before and after STEPS BSP rounds. The
+    root keeps checkpoints, so its durability series are there too."""
     lt = LoopThread()
     ops = Scraped(Tree(lt))
     clients = []
     try:
-        ops.add("root", "global")
+        ops.add("root", "global", checkpoint_dir=str(tmp_path_factory.mktemp("root")), checkpoint_every=2)
         ops.add("eu", "regional", parent="root")
         zone = ops.add("eu-a", "zone", parent="eu")
         cfg = JobConfig(name="lm", delta_codec="fp32+zstd", optimizer=OptimizerConfig(lr=0.1))
@@ -212,6 +213,8 @@ def test_rules_and_dashboard_only_use_series_the_tiers_export(trained):
     _, _, after = trained
     registry = CollectorRegistry()
     TrainingMetrics("lm", registry).report(loss=2.0, steps=3, seconds=0.3)
+    # hps_rpc_errors_total{method,code} has a series from a tier's first refused call on.
+    RpcMetrics(registry, {"tier": "zone"}).error("push", "UNAVAILABLE")
     from prometheus_client import generate_latest
 
     exported = {s.name for text in [*after.values(), generate_latest(registry).decode()]
