@@ -188,3 +188,4 @@ class TierStatus:
     uptime_s: float
     jobs: tuple[JobStatus, ...] = ()
     children: tuple[MemberInfo, ...] = ()
+    tokens_required: bool = False  # False: the tier accepts calls without tokens (as the wire says)
