@@ -166,6 +166,9 @@ class ServerConfig:
     # The root ends a job that no worker joined within this many seconds of its creation or
     # declaration (0: never), so jobs created by mistake do not hold memory and files forever.
     unjoined_job_ttl_s: float = 86400.0
+    # A file holding the admin token (ps/server/auth.py); "": none, and the tier accepts every
+    # call without a token (it says so in its log and in `hps status`).
+    admin_token_file: str = ""
 
     def __post_init__(self) -> None:
         _finite(self)

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from ps.core.config import ServerConfig
 from ps.core.logs import event
 from ps.net.rpc import SERVER_OPTIONS
+from ps.server.auth import guard_for
 from ps.server.health import Health, health_handler
 from ps.server.service import handler
 from ps.tiers.metrics import TierMetrics, process_registry, serve_metrics
@@ -56,7 +57,7 @@ async def create_server(config: ServerConfig, registry: CollectorRegistry | None
     server = grpc.aio.server(options=SERVER_OPTIONS)
     metrics = TierMetrics(tier, registry if registry is not None else CollectorRegistry())
     health = Health(tier)
-    server.add_generic_rpc_handlers([handler(tier, metrics.rpc)])
+    server.add_generic_rpc_handlers([handler(tier, metrics.rpc, guard_for(config, tier))])
     server.add_generic_rpc_handlers([health_handler(health)])  # grpc.health.v1: probes
     port = server.add_insecure_port(config.listen)
     if port == 0:
