@@ -31,6 +31,7 @@ ends (through, or given up on).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -91,13 +92,16 @@ class ParameterClient:
     ``worker_id`` names the worker in the job (a random one if None); each client is a new
     incarnation of it. ``timeout_s`` bounds each call, ``round_timeout_s`` a wait for a round
     or a version, ``retry_s`` how long transient faults are retried (seconds; None: the longer
-    of the tier's member timeout and ``RETRY_FLOOR_S``, see ``retry_window_s``). Every method
+    of the tier's member timeout and ``RETRY_FLOOR_S``, see ``retry_window_s``). ``token``: the
+    job's token (default: HPS_TOKEN), or the admin's: a worker holding the admin token that
+    creates its job is handed the job's token and uses it from then on. Every method
     raises the hps errors of ``ps.core.errors`` (``UnknownJob``, ``Conflict``, ``TimedOut``,
     ...); ``config``, ``layout``, ``view`` and ``encoder`` raise NotReady before ``register``.
     """
 
     def __init__(self, address: str, job: str, worker_id: str | None = None,
-                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, retry_s: float | None = None) -> None:
+                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, retry_s: float | None = None,
+                 token: str | None = None) -> None:
         self.address = address
         self.job = job
         self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
@@ -119,7 +123,8 @@ class ParameterClient:
         self.bytes_up = 0
         self.bytes_down = 0
         self.lost_steps = 0
-        self._rpc = Caller(address)
+        # The job's token (or the admin's), presented on every call; never logged.
+        self._rpc = Caller(address, token or os.environ.get("HPS_TOKEN") or None)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._heartbeat_s = 0.5
@@ -226,6 +231,8 @@ class ParameterClient:
         one declared with ``hps job create``); False if it already existed."""
         frames = encode_create_job(config, layout, split(layout, values, get_codec("fp32")))
         reply = self._retrying("create job", lambda: self._call("CreateJob", iter(frames)))
+        if reply.job_token:  # this admin-token holder made the job: act in it with its own token
+            self._rpc.token = reply.job_token
         return reply.created
 
     def register(self) -> None:

@@ -65,18 +65,20 @@ class HpsOptimizer:
     joins one declared with ``hps job create``. On construction the worker registers, and the
     model's parameters are overwritten with the published view. ``timeout_s`` bounds each
     call, ``round_timeout_s`` a wait for a round or a clock floor (seconds). ``record`` keeps
-    ``trace``: (clock, version computed on) per step, for tests. Raises ValueError when the
+    ``trace``: (clock, version computed on) per step, for tests. ``token``: the job's token
+    (default: the environment's HPS_TOKEN; see ``ParameterClient``). Raises ValueError when the
     model's parameters do not match the job's, and the hps errors of ``ParameterClient``.
     """
 
     def __init__(self, params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
                  address: str, job: JobConfig | str, worker_id: str | None = None,
-                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, record: bool = False) -> None:
+                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, record: bool = False,
+                 token: str | None = None) -> None:
         self.params = [(n, p) for n, p in _named(params) if p.requires_grad]
         if not self.params:
             raise ValueError("HpsOptimizer needs at least one parameter that requires grad")
         name = job.name if isinstance(job, JobConfig) else job
-        self.client = ParameterClient(address, name, worker_id, timeout_s, round_timeout_s)
+        self.client = ParameterClient(address, name, worker_id, timeout_s, round_timeout_s, token=token)
         self.layout = Layout([KeySpec(n, tuple(p.shape)) for n, p in self.params])
         self.clock = 0
         self.last_step_s = 0.0

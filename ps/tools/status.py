@@ -79,8 +79,9 @@ def print_launch(launch_dir: str | Path, out) -> tuple[int, str]:
     return rc, root
 
 
-def fetch_status(address: str, timeout_s: float = 5.0) -> TierStatus:
-    with Caller(address) as rpc:
+def fetch_status(address: str, timeout_s: float = 5.0, token: str | None = None) -> TierStatus:
+    """``token``: the admin's (every job and the tree) or a job's (that job only)."""
+    with Caller(address, token) as rpc:
         return status_from_pb(rpc.call("Status", pb.StatusRequest(), timeout_s))
 
 
@@ -94,14 +95,14 @@ def fetch_ready(address: str, timeout_s: float = 5.0) -> str:
     return "ready" if r.status == health_pb2.HealthCheckResponse.SERVING else "NOT READY"
 
 
-def walk(address: str, depth: int = 0, seen: set | None = None):
+def walk(address: str, depth: int = 0, seen: set | None = None, token: str | None = None):
     """Yield (depth, address, StatusReply or error) for a tier and every relay below it."""
     seen = seen if seen is not None else set()
     if address in seen or depth > 8:
         return
     seen.add(address)
     try:
-        st = fetch_status(address)
+        st = fetch_status(address, token=token)
     except HpsError as exc:
         yield depth, address, exc
         return
@@ -109,12 +110,12 @@ def walk(address: str, depth: int = 0, seen: set | None = None):
     children = sorted({m.address for m in st.children} |
                       {m.address for j in st.jobs for m in j.members if m.address})
     for child in children:
-        yield from walk(child, depth + 1, seen)
+        yield from walk(child, depth + 1, seen, token)
 
 
-def print_tree(address: str, out) -> int:
+def print_tree(address: str, out, token: str | None = None) -> int:
     rc = 0
-    for depth, addr, st in walk(address):
+    for depth, addr, st in walk(address, token=token):
         pad = "  " * depth
         if isinstance(st, Exception):
             print(f"{pad}{addr}: unreachable ({st})", file=out)
@@ -123,6 +124,8 @@ def print_tree(address: str, out) -> int:
         parent = "" if not st.parent else f" parent {st.parent} ({'up' if st.parent_reachable else 'UNREACHABLE'})"
         print(f"{pad}{st.role} {st.name} @ {addr} epoch {st.server_epoch:#x} "
               f"up {st.uptime_s:.0f}s, {fetch_ready(addr)}{parent}", file=out)
+        if not st.tokens_required:
+            print(f"{pad}  OPEN: no admin token set; this tier accepts every call without a token", file=out)
         for j in st.jobs:
             workers = [m for m in j.members if m.role == "worker"]
             s = j.stats
