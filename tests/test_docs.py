@@ -47,6 +47,7 @@ DOCTESTED = (
     "ps.net.upstream",
     "ps.net.wire",
     "ps.server",
+    "ps.server.auth",
     "ps.server.health",
     "ps.server.lifecycle",
     "ps.server.service",

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import secrets
 import threading
 import time
@@ -97,14 +98,16 @@ class ParameterClient:
     or a version, ``retry_s`` how long transient faults are retried (seconds; None: the longer
     of the tier's member timeout and ``RETRY_FLOOR_S``, see ``retry_window_s``). ``tls``: the
     worker's certificate, key and the cluster's CA (``TlsFiles``; None: ``HPS_TLS_CERT``,
-    ``HPS_TLS_KEY``, ``HPS_TLS_CA`` if set, else plaintext). Every method
+    ``HPS_TLS_KEY``, ``HPS_TLS_CA`` if set, else plaintext). ``token``: the job's token
+    (default: HPS_TOKEN), or the admin's: a worker holding the admin token that creates its
+    job is handed the job's token and uses it from then on. Every method
     raises the hps errors of ``ps.core.errors`` (``UnknownJob``, ``Conflict``, ``TimedOut``,
     ...); ``config``, ``layout``, ``view`` and ``encoder`` raise NotReady before ``register``.
     """
 
     def __init__(self, address: str, job: str, worker_id: str | None = None,
                  timeout_s: float = 30.0, round_timeout_s: float = 600.0, retry_s: float | None = None,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, token: str | None = None) -> None:
         self.address = address
         self.job = job
         self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
@@ -127,8 +130,10 @@ class ParameterClient:
         self.bytes_down = 0
         self.lost_steps = 0
         # mutual TLS: this worker's certificate (None: HPS_TLS_CERT/KEY/CA if set, else plaintext);
-        # rewritten files are picked up before the next call (ps/net/tls.py)
-        self._rpc = Caller(address, tls if tls is not None else TlsFiles.from_env())
+        # rewritten files are picked up before the next call (ps/net/tls.py). The job's token
+        # (or the admin's) is presented on every call; never logged.
+        self._rpc = Caller(address, tls if tls is not None else TlsFiles.from_env(),
+                           token or os.environ.get("HPS_TOKEN") or None)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._heartbeat_s = 0.5
@@ -245,6 +250,8 @@ class ParameterClient:
         one declared with ``hps job create``); False if it already existed."""
         frames = encode_create_job(config, layout, split(layout, values, get_codec("fp32")))
         reply = self._retrying("create job", lambda: self._call("CreateJob", iter(frames)))
+        if reply.job_token:  # this admin-token holder made the job: act in it with its own token
+            self._rpc.token = reply.job_token
         return reply.created
 
     def register(self) -> None:

@@ -67,19 +67,21 @@ class HpsOptimizer:
     model's parameters are overwritten with the published view. ``timeout_s`` bounds each
     call, ``round_timeout_s`` a wait for a round or a clock floor (seconds). ``record`` keeps
     ``trace``: (clock, version computed on) per step, for tests. ``tls``: the worker's
-    certificate files for mutual TLS (None: ``HPS_TLS_*`` if set, else plaintext). Raises ValueError when the
-    model's parameters do not match the job's, and the hps errors of ``ParameterClient``.
+    certificate files for mutual TLS (None: ``HPS_TLS_*`` if set, else plaintext). ``token``:
+    the job's token (default: the environment's HPS_TOKEN; see ``ParameterClient``). Raises
+    ValueError when the model's parameters do not match the job's, and the hps errors of
+    ``ParameterClient``.
     """
 
     def __init__(self, params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
                  address: str, job: JobConfig | str, worker_id: str | None = None,
                  timeout_s: float = 30.0, round_timeout_s: float = 600.0, record: bool = False,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, token: str | None = None) -> None:
         self.params = [(n, p) for n, p in _named(params) if p.requires_grad]
         if not self.params:
             raise ValueError("HpsOptimizer needs at least one parameter that requires grad")
         name = job.name if isinstance(job, JobConfig) else job
-        self.client = ParameterClient(address, name, worker_id, timeout_s, round_timeout_s, tls=tls)
+        self.client = ParameterClient(address, name, worker_id, timeout_s, round_timeout_s, tls=tls, token=token)
         self.layout = Layout([KeySpec(n, tuple(p.shape)) for n, p in self.params])
         self.clock = 0
         self.last_step_s = 0.0

@@ -173,6 +173,9 @@ class ServerConfig:
     tls_key: str = ""
     tls_ca: str = ""
     insecure: bool = False
+    # A file holding the admin token (ps/server/auth.py); "": none, and the tier accepts every
+    # call without a token (it says so in its log and in `hps status`).
+    admin_token_file: str = ""
 
     def __post_init__(self) -> None:
         _finite(self)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 __all__ = [
     "HpsError", "BadInput", "UnknownJob", "NotReady", "NotMember", "Conflict", "Stale",
-    "Unavailable", "Exhausted", "NotBuilt", "TimedOut", "Internal", "ERRORS", "short",
+    "Unavailable", "Exhausted", "NotBuilt", "TimedOut", "Internal", "Unauthenticated",
+    "PermissionDenied", "ERRORS", "short",
 ]
 
 
@@ -119,7 +120,21 @@ class Internal(HpsError):
     code = "INTERNAL"
 
 
+class Unauthenticated(HpsError):
+    """The call carried no credential this tier accepts (no token, or one it does not know).
+    The sentence says which token to supply; it never echoes the one that was sent."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(HpsError):
+    """The caller is known but may not do this: a job token used for another job, or a job
+    token where the admin token is needed."""
+
+    code = "PERMISSION_DENIED"
+
+
 # The one table: every class a server may send, by the name that travels in the metadata.
 ERRORS: dict[str, type[HpsError]] = {cls.__name__: cls for cls in (
     BadInput, UnknownJob, NotReady, NotMember, Conflict, Stale, Unavailable, Exhausted,
-    NotBuilt, TimedOut, Internal)}
+    NotBuilt, TimedOut, Internal, Unauthenticated, PermissionDenied)}

@@ -206,3 +206,4 @@ class TierStatus:
     jobs: tuple[JobStatus, ...] = ()
     children: tuple[MemberInfo, ...] = ()
     insecure: bool = False  # plaintext, no client certificates (`hps status` says so loudly)
+    tokens_required: bool = False  # False: the tier accepts calls without tokens (as the wire says)

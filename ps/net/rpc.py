@@ -15,12 +15,18 @@ An hps error travels as its gRPC status code with the sentence as details, plus 
 metadata ``hps-error: <class name>`` (so ``NotMember`` and ``NotReady`` stay apart although
 both are FAILED_PRECONDITION) and the error's structured extras (``hps-wait-version``).
 Statuses gRPC itself raises (connection refused, deadline) map by code alone.
+
+Credentials travel as call metadata ``authorization: Bearer <token>`` (``bearer``); a caller
+may send several (a relay's heartbeat covers every job it holds). ``FORWARDED`` holds the
+tokens of the call a server is handling, so a relay forwarding it upward can present them
+(ps/server/auth.py says when it does). Tokens are never part of an error's sentence.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from typing import Any, NoReturn
 
 import grpc
@@ -30,7 +36,7 @@ from ps.net.tls import ClientTls, TlsFiles, client_options
 from ps.net.wire import stubs
 
 __all__ = ["MAX_MESSAGE", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "status_of", "trailers",
-           "error_from", "abort", "Caller", "AsyncCaller"]
+           "error_from", "abort", "bearer", "bearer_tokens", "FORWARDED", "Caller", "AsyncCaller"]
 
 MAX_MESSAGE = 16 * 1024 * 1024
 _SIZE = [("grpc.max_send_message_length", MAX_MESSAGE + 4096),
@@ -56,6 +62,25 @@ for _cls in ERRORS.values():
     _BY_CODE.setdefault(_cls.code, _cls)
 _BY_CODE["FAILED_PRECONDITION"] = NotReady
 assert all(hasattr(grpc.StatusCode, c.code) for c in ERRORS.values()), "every error needs a status"
+
+
+# The bearer tokens of the call being served (set by ps/server for the handler's duration).
+FORWARDED: ContextVar[tuple[str, ...]] = ContextVar("hps_forwarded_tokens", default=())
+
+
+def bearer(tokens: Iterable[str]) -> tuple[tuple[str, str], ...] | None:
+    """Call metadata presenting ``tokens`` (None: no credential)."""
+    md = tuple(("authorization", f"Bearer {t}") for t in tokens if t)
+    return md or None
+
+
+def bearer_tokens(metadata: Iterable[tuple[str, Any]] | None) -> tuple[str, ...]:
+    """The bearer tokens in a call's metadata, in order (other schemes are ignored)."""
+    out = []
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+            out.append(value[7:].strip())
+    return tuple(t for t in out if t)
 
 
 def status_of(exc: HpsError) -> grpc.StatusCode:
@@ -127,10 +152,12 @@ class _Channels:
 
 class Caller:
     """Blocking calls to one tier: every method of the service, errors as hps exceptions.
-    ``tls``: present this certificate and verify the tier's (None: plaintext)."""
+    ``tls``: present this certificate and verify the tier's (None: plaintext); ``token``:
+    presented on every call (``authorization: Bearer``; None: none)."""
 
-    def __init__(self, address: str, tls: TlsFiles | None = None) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None = None, token: str | None = None) -> None:
         self.address = address
+        self.token = token
         self._ch = _Channels(address, tls, lambda a, cred, opts: (
             grpc.secure_channel(a, cred, options=opts) if cred else grpc.insecure_channel(a, options=opts)))
 
@@ -147,14 +174,14 @@ class Caller:
 
     def call(self, name: str, request: Any, timeout: float) -> Any:
         try:
-            return self.stubs[name](request, timeout=timeout)
+            return self.stubs[name](request, timeout=timeout, metadata=bearer([self.token or ""]))
         except grpc.RpcError as err:
             raise error_from(err) from None
 
     def stream(self, name: str, request: Any, timeout: float) -> list:
         """A server-streaming call's messages, all of them (a cut stream raises)."""
         try:
-            return list(self.stubs[name](request, timeout=timeout))
+            return list(self.stubs[name](request, timeout=timeout, metadata=bearer([self.token or ""])))
         except grpc.RpcError as err:
             raise error_from(err) from None
 
@@ -187,15 +214,16 @@ class AsyncCaller:
             await ch.close()
         return stubs_
 
-    async def call(self, name: str, request: Any, timeout: float) -> Any:
+    async def call(self, name: str, request: Any, timeout: float, tokens: Iterable[str] = ()) -> Any:
         try:
-            return await (await self._stubs())[name](request, timeout=timeout)
+            return await (await self._stubs())[name](request, timeout=timeout, metadata=bearer(tokens))
         except grpc.RpcError as err:
             raise error_from(err) from None
 
-    async def stream(self, name: str, request: Any, timeout: float) -> list:
+    async def stream(self, name: str, request: Any, timeout: float, tokens: Iterable[str] = ()) -> list:
         try:
-            return [m async for m in (await self._stubs())[name](request, timeout=timeout)]
+            return [m async for m in (await self._stubs())[name](request, timeout=timeout,
+                                                                 metadata=bearer(tokens))]
         except grpc.RpcError as err:
             raise error_from(err) from None
 

@@ -12,11 +12,21 @@
 >>> asyncio.run(follow(address))   # a view epoch of 0 holds nothing: a snapshot of version 0
 (0, True, [0])
 
+Credentials (ps/server/auth.py has the trust model): calls about one job present the token
+this relay holds for it (``job_tokens``: one its parent accepted when it registered for the
+job); until it holds one, and for the admin's calls it forwards (create, list, end jobs), it
+presents the tokens of the call it is serving (``ps.net.rpc.FORWARDED``). A registration's
+reply brings the job's token hash (``token_hashes``), with which this tier checks its own
+children; a job's token minted by a forwarded CreateJob waits in ``minted`` for the servicer.
+
 Transport only: every gRPC error becomes an hps exception (``ps.net.rpc``) and every call has a
 deadline. What to do about an error is the relay's business (ps/tiers/relay.py).
 """
 
 from __future__ import annotations
+
+import hashlib
+import hmac
 
 import numpy as np
 
@@ -26,7 +36,7 @@ from ps.core.errors import HpsError, TimedOut, Unavailable
 from ps.core.tensors import split
 from ps.core.types import Ack, PullMeta, PushKey, Registration, VersionMeta
 from ps.core.view import Layout
-from ps.net.rpc import AsyncCaller
+from ps.net.rpc import FORWARDED, AsyncCaller
 from ps.net.tls import TlsFiles
 from ps.net.wire import (
     OUTCOME_NAME,
@@ -55,17 +65,26 @@ class Upstream:
         self.server_epoch = 0
         self.reachable = False
         self.failures = 0
+        self.job_tokens: dict[str, str] = {}      # job -> the token its parent accepted (memory only)
+        self.token_hashes: dict[str, bytes] = {}  # job -> SHA-256 of its token (b"": parent has none)
+        self.minted: dict[str, str] = {}          # job -> token minted by a forwarded CreateJob
         self._rpc = AsyncCaller(address, tls)  # tls: this relay's certificate, shown to its parent
 
     async def close(self) -> None:
         await self._rpc.close()
 
-    async def _call(self, name: str, request, timeout: float | None = None, stream: bool = False):
+    def _tokens(self, job: str | None) -> tuple[str, ...]:
+        held = self.job_tokens.get(job) if job is not None else None
+        return (held,) if held else FORWARDED.get()
+
+    async def _call(self, name: str, request, timeout: float | None = None, stream: bool = False,
+                    job: str | None = None, tokens: tuple[str, ...] | None = None):
+        tokens = self._tokens(job) if tokens is None else tokens
         try:
             if stream:
-                reply = await self._rpc.stream(name, request, timeout or self.timeout_s)
+                reply = await self._rpc.stream(name, request, timeout or self.timeout_s, tokens)
             else:
-                reply = await self._rpc.call(name, request, timeout or self.timeout_s)
+                reply = await self._rpc.call(name, request, timeout or self.timeout_s, tokens)
         except HpsError as exc:
             if isinstance(exc, (Unavailable, TimedOut)):
                 self.reachable = False
@@ -75,23 +94,32 @@ class Upstream:
         return reply
 
     async def register(self, job: str, last_seq: int) -> Registration:
+        tokens = self._tokens(job)
         r = await self._call("Register", pb.RegisterRequest(
             job=job, member=self.member, role=ROLE[self.role], address=self.own_address,
-            last_seq=last_seq, incarnation=self.incarnation))
+            last_seq=last_seq, incarnation=self.incarnation), tokens=tokens)
         self.server_epoch = r.server_epoch
+        self.token_hashes[job] = bytes(r.token_sha256)
+        if job not in self.job_tokens and tokens:
+            # Keep the job's own token if it was among those presented, else the one the parent
+            # accepted (the admin's, when a worker holding it brought the job here).
+            own = [t for t in tokens if hmac.compare_digest(hashlib.sha256(t.encode()).digest(),
+                                                            bytes(r.token_sha256))]
+            self.job_tokens[job] = (own or list(tokens))[0]
         return Registration(job_from_pb(r.config), layout_from_pb(r.keys), r.start_version, r.server_epoch)
 
     async def heartbeat(self, jobs: list[str]) -> tuple[int, list[str]]:
+        held = tuple(dict.fromkeys(self.job_tokens[j] for j in jobs if j in self.job_tokens))
         r = await self._call("Heartbeat", pb.HeartbeatRequest(
             member=self.member, jobs=jobs, server_epoch=self.server_epoch, role=ROLE[self.role],
-            address=self.own_address))
+            address=self.own_address), tokens=held)
         return r.server_epoch, list(r.unknown_jobs)
 
     async def leave(self, job: str) -> None:
-        await self._call("Leave", pb.LeaveRequest(job=job, member=self.member))
+        await self._call("Leave", pb.LeaveRequest(job=job, member=self.member), job=job)
 
-    async def push(self, frames: list[bytes], timeout: float) -> Ack:
-        r = await self._call("Push", iter(frames), timeout=timeout)
+    async def push(self, frames: list[bytes], timeout: float, job: str | None = None) -> Ack:
+        r = await self._call("Push", iter(frames), timeout=timeout, job=job)
         return Ack(r.applied_version, r.view_epoch, r.duplicate)
 
     async def list_jobs(self) -> list[dict]:
@@ -104,18 +132,20 @@ class Upstream:
                          ) -> tuple[bool, int, int]:
         chunks = split(layout, values, get_codec("fp32")) if layout is not None else []
         r = await self._call("CreateJob", iter(encode_create_job(cfg, layout, chunks)))
+        if r.job_token:  # the servicer hands it to the caller that created the job
+            self.minted[cfg if isinstance(cfg, str) else cfg.name] = r.job_token
         return r.created, r.version, r.view_epoch
 
     async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float) -> tuple[str, int, int]:
         """Ask the parent what became of these worker pushes (see ``Tier.resolve``)."""
         r = await self._call("Resolve", pb.ResolveRequest(job=job, member=self.member, keys=keys_to_pb(keys),
                                                           wait_ms=int(wait_s * 1000)),
-                             timeout=wait_s + self.timeout_s)
+                             timeout=wait_s + self.timeout_s, job=job)
         return OUTCOME_NAME.get(r.outcome, "unknown"), r.version, r.view_epoch
 
     async def pull(self, job: str, view_epoch: int, since: int, min_version: int, wait_s: float
                    ) -> tuple[PullMeta, list[tuple[VersionMeta, list]]]:
         req = pb.PullRequest(job=job, member=self.member, view_epoch=view_epoch, since_version=since,
                              min_version=min_version, wait_ms=int(wait_s * 1000))
-        frames = await self._call("Pull", req, timeout=wait_s + self.timeout_s, stream=True)
+        frames = await self._call("Pull", req, timeout=wait_s + self.timeout_s, stream=True, job=job)
         return decode_pull_reply(frames)

@@ -245,7 +245,7 @@ def status_to_pb(s: TierStatus) -> pb.StatusReply:
     return pb.StatusReply(
         role=ROLE[s.role], name=s.name, server_epoch=s.server_epoch, parent=s.parent,
         parent_reachable=s.parent_reachable, ready=s.ready, uptime_s=s.uptime_s, insecure=s.insecure,
-        children=_members_to_pb(s.children),
+        children=_members_to_pb(s.children), tokens_required=s.tokens_required,
         jobs=[pb.JobStatus(name=j.name, mode=_MODE[j.mode], version=j.version, view_epoch=j.view_epoch,
                            checksum=j.checksum, parent_version=j.parent_version, lag_s=j.lag_s,
                            round=j.round, round_pushed=j.round_pushed, clock_min=j.clock_min,
@@ -259,7 +259,7 @@ def status_from_pb(m: pb.StatusReply) -> TierStatus:
     return TierStatus(
         role=ROLE_NAME.get(m.role, "?"), name=m.name, server_epoch=m.server_epoch, parent=m.parent,
         parent_reachable=m.parent_reachable, ready=m.ready, uptime_s=m.uptime_s, insecure=m.insecure,
-        children=_members_from_pb(m.children),
+        children=_members_from_pb(m.children), tokens_required=m.tokens_required,
         jobs=tuple(JobStatus(name=j.name, mode=_name(_MODE, j.mode, "mode"), version=j.version,
                              view_epoch=j.view_epoch, checksum=j.checksum, parent_version=j.parent_version,
                              lag_s=j.lag_s, round=j.round, round_pushed=j.round_pushed,

@@ -31,6 +31,7 @@ from ps.core.config import ServerConfig
 from ps.core.logs import event
 from ps.net.rpc import SERVER_OPTIONS
 from ps.net.tls import TlsFiles, server_credentials
+from ps.server.auth import guard_for
 from ps.server.health import Health, health_handler
 from ps.server.service import handler
 from ps.tiers.metrics import TierMetrics, process_registry, serve_metrics
@@ -57,7 +58,7 @@ async def create_server(config: ServerConfig, registry: CollectorRegistry | None
     server = grpc.aio.server(options=SERVER_OPTIONS)
     metrics = TierMetrics(tier, registry if registry is not None else CollectorRegistry())
     health = Health(tier)
-    server.add_generic_rpc_handlers([handler(tier, metrics.rpc)])
+    server.add_generic_rpc_handlers([handler(tier, metrics.rpc, guard_for(config, tier))])
     server.add_generic_rpc_handlers([health_handler(health)])  # grpc.health.v1: probes
     if config.secure:
         port = server.add_secure_port(config.listen, server_credentials(

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ps.core.errors import HpsError
+from ps.core.errors import PermissionDenied
 
 __all__ = ["Identity", "peer_identity", "NotRelay", "check_relay_child", "RELAY_ROLES"]
 
@@ -62,12 +62,9 @@ def peer_identity(context: Any) -> Identity | None:
     return Identity("", cn)
 
 
-class NotRelay(HpsError):
-    """Right cluster, wrong certificate: only a relay's certificate may act as that relay.
-    (PERMISSION_DENIED travels by status code: ``ps.core.errors`` carries the token half's
-    classes; a client that does not know this name gets the closest class by code.)"""
-
-    code = "PERMISSION_DENIED"
+class NotRelay(PermissionDenied):
+    """Right cluster, wrong certificate: only a relay's certificate may act as that relay
+    (a PermissionDenied; a client that does not know this name gets that class by its code)."""
 
 
 def check_relay_child(context: Any, member: str, role: str, relays: Any, parent: str, parent_role: str) -> None:

@@ -31,6 +31,9 @@ bytes into protobuf objects, and client-streamed bodies are decoded frame by fra
 arrive: the header is checked before the body is read, memory is reserved before it is used,
 and a stream that ends without its end marker changes nothing.
 
+Every call's credentials are checked here, before the tier sees it (``ps.server.auth``: who may
+do what, and the trust model between tiers); a refused call changes nothing.
+
 Every hps exception leaves as its gRPC status (``ps.net.rpc``); anything else is a bug, logged (one
 line with its traceback, rate-limited) and answered INTERNAL. Refusals are counted per method
 and status code in the metrics; expected ones are logged at debug level only.
@@ -51,7 +54,7 @@ from ps.core.config import check_name
 from ps.core.errors import BadInput, HpsError, Internal, short
 from ps.core.tensors import Assembler
 from ps.net.frames import BodyReader
-from ps.net.rpc import abort
+from ps.net.rpc import FORWARDED, abort, bearer_tokens
 from ps.net.wire import (
     METHODS,
     OUTCOME,
@@ -68,6 +71,7 @@ from ps.net.wire import (
     push_meta_of,
     status_to_pb,
 )
+from ps.server.auth import Guard, relay_identity
 from ps.server.peers import check_relay_child
 from ps.tiers.metrics import NO_RPC_METRICS
 from ps.tiers.tier import Tier
@@ -132,10 +136,13 @@ def _unary(name: str):
     def wrap(fn):
         @functools.wraps(fn)
         async def wrapper(self, data, context):
+            forwarded = FORWARDED.set(_tokens(context))
             try:
                 return await fn(self, parse(request_class, data), context)
             except Exception as exc:
                 await refuse(context, name, exc, self.rpc)
+            finally:
+                FORWARDED.reset(forwarded)
         return wrapper
     return wrap
 
@@ -184,19 +191,32 @@ def _streamed(name: str):
         @functools.wraps(fn)
         async def wrapper(self, request_iterator, context):
             stream = _Stream(request_iterator)
+            forwarded = FORWARDED.set(_tokens(context))
             try:
                 return await fn(self, stream, context)
             except Exception as exc:
                 await stream.drain()
                 await refuse(context, name, exc, self.rpc)
+            finally:
+                FORWARDED.reset(forwarded)
         return wrapper
     return wrap
 
 
+def _tokens(context) -> tuple[str, ...]:
+    """The bearer tokens the caller presented (never logged)."""
+    return bearer_tokens(context.invocation_metadata())
+
+
 class _Servicer:
-    def __init__(self, tier: Tier, rpc=NO_RPC_METRICS) -> None:
+    def __init__(self, tier: Tier, rpc=NO_RPC_METRICS, guard: Guard | None = None) -> None:
         self.tier = tier
         self.rpc = rpc  # latency histograms and error counters (ps.tiers.metrics.RpcMetrics)
+        self.guard = guard if guard is not None else Guard(admin_token=None)
+        self.relay = tier.role != "global"
+
+    def _check_job(self, context, job: str, relay_role: bool = False) -> None:
+        self.guard.check_job(_tokens(context), job, relay_identity(context) if relay_role else None)
 
     def _check_child(self, context, member: str, role: str) -> None:
         """With mTLS, a relay child must hold a relay certificate naming it (ps.server.peers)."""
@@ -208,6 +228,12 @@ class _Servicer:
         if req.role not in ROLE_NAME:
             raise BadInput(f"register needs a role, got enum value {req.role}")
         self._check_child(context, req.member, ROLE_NAME[req.role])
+        if self.relay and self.guard.enabled and not self.guard.knows(req.job):
+            # Join the parent first (it checks the tokens this call presented) to learn the
+            # job's token hash, so the member is admitted only after its own token is checked.
+            await self.tier.attach(check_name(req.job))  # type: ignore[attr-defined]
+        relay_role = ROLE_NAME[req.role] != "worker"
+        self._check_job(context, req.job, relay_role)
         with self.rpc.timed("register") as timing:
             timing.job = req.job
             reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role], req.address[:256],
@@ -216,13 +242,17 @@ class _Servicer:
             config=job_to_pb(reg.config), keys=layout_to_pb(reg.layout), server_epoch=reg.server_epoch,
             start_version=reg.start_version, start_clock=reg.start_clock,
             heartbeat_ms=int(self.tier.config.heartbeat_s * 1000),
-            member_timeout_ms=int(self.tier.config.member_timeout_s * 1000))
+            member_timeout_ms=int(self.tier.config.member_timeout_s * 1000),
+            token_sha256=self.guard.hash_of(req.job) if relay_role else b"")
 
     @_unary("Heartbeat")
     async def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         if len(req.jobs) > 1000:
             raise BadInput(f"a heartbeat names at most 1000 jobs, got {len(req.jobs)}")
         self._check_child(context, req.member, ROLE_NAME.get(req.role, "worker"))
+        for job in req.jobs:  # every job it names that this tier can check (see ps.server.auth)
+            if self.guard.knows(job):
+                self._check_job(context, job, ROLE_NAME.get(req.role, "worker") != "worker")
         unknown = self.tier.heartbeat(req.member[:128], list(req.jobs), ROLE_NAME.get(req.role, "worker"),
                                       req.address)
         return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)
@@ -230,6 +260,7 @@ class _Servicer:
     @_unary("Leave")
     async def Leave(self, req: pb.LeaveRequest, context) -> pb.LeaveReply:
         self._check_child(context, req.member, "worker")
+        self._check_job(context, req.job, relay_role=True)
         await self.tier.leave(check_name(req.job), req.member)
         return pb.LeaveReply()
 
@@ -246,6 +277,7 @@ class _Servicer:
                         check_name(meta.job)
                         # an aggregate (it names its sources) is a relay's push
                         self._check_child(context, meta.sender, "relay" if meta.sources else "worker")
+                        self._check_job(context, meta.job, relay_role=True)  # before anything is read
                         timing.job = meta.job
                         intake = self.tier.open_push(meta)  # refusals before the body is read
                     elif kind == "chunks":
@@ -260,15 +292,38 @@ class _Servicer:
 
     async def Pull(self, data: bytes, context):
         with self.rpc.timed("pull") as timing:
+            forwarded = FORWARDED.set(_tokens(context))
             try:
                 req = parse(pb.PullRequest, data)
+                self._check_job(context, req.job, relay_role=True)
                 timing.job = req.job
                 meta, versions = await self.tier.pull(req.job, req.member, req.view_epoch, req.since_version,
                                                       req.min_version, req.wait_ms / 1000.0, req.min_clock)
             except Exception as exc:
                 await refuse(context, "Pull", exc, self.rpc)
+            finally:
+                FORWARDED.reset(forwarded)
             for frame in encode_pull_reply(meta, versions):
                 yield frame
+
+    def _check_create(self, context, name: str) -> None:
+        """The admin creates jobs; a job's own token may bring the values of its declared job.
+        A relay that does not know the job lets its root decide (it forwards these tokens)."""
+        tokens = _tokens(context)
+        if self.guard.knows(name) and (self.relay or self.guard.has_token(name)):
+            self.guard.check_job(tokens, name)
+        elif not self.relay:
+            self.guard.check_admin(tokens, "create jobs")
+
+    def _job_token(self, context, name: str) -> str:
+        """The job's token for the admin who created it: minted here at the root (once: a job
+        with a token never gets another), or the one the root minted for a relayed CreateJob."""
+        if self.relay:
+            return self.tier.parent_link().minted.pop(name, "")  # type: ignore[attr-defined]
+        if not self.guard.enabled or self.guard.has_token(name):
+            return ""
+        self.guard.check_admin(_tokens(context), "create jobs")  # checked before; stays true
+        return self.guard.mint(name)
 
     @_streamed("CreateJob")
     async def CreateJob(self, request_iterator, context) -> pb.CreateJobReply:
@@ -280,6 +335,8 @@ class _Servicer:
                 if kind == "job":
                     head = create_job_of(h)
                     cfg, layout = head
+                    name = check_name(cfg if isinstance(cfg, str) else cfg.name)
+                    self._check_create(context, name)
                     self.tier.check_create(cfg, layout)  # refusals before any value is read
                     if layout is not None:
                         reserved = 4 * layout.numel
@@ -294,34 +351,49 @@ class _Servicer:
             cfg, layout = head
             created, version, epoch = await self.tier.create_job(
                 cfg, layout, values.finish(require_all=True) if values is not None else None)
-            return pb.CreateJobReply(created=created, version=version, view_epoch=epoch)
+            return pb.CreateJobReply(created=created, version=version, view_epoch=epoch,
+                                     job_token=self._job_token(context, name))
         finally:
             self.tier.budget.release(reserved)
 
     @_unary("ListJobs")
     async def ListJobs(self, req: pb.ListJobsRequest, context) -> pb.ListJobsReply:
+        self.guard.check_admin(_tokens(context), "list jobs")
         return jobs_to_pb(await self.tier.list_jobs())
 
     @_unary("EndJob")
     async def EndJob(self, req: pb.EndJobRequest, context) -> pb.EndJobReply:
-        return pb.EndJobReply(version=await self.tier.end_job(check_name(req.job)))
+        self.guard.check_admin(_tokens(context), "end jobs")
+        version = await self.tier.end_job(check_name(req.job))
+        self.guard.forget(req.job)
+        return pb.EndJobReply(version=version)
 
     @_unary("Resolve")
     async def Resolve(self, req: pb.ResolveRequest, context) -> pb.ResolveReply:
         if not req.keys or len(req.keys) > 1 << 20:
             raise BadInput(f"resolve names 1 to {1 << 20} pushes, got {len(req.keys)}")
         self._check_child(context, req.member, "worker")  # relays ask; a worker cert may not as one
+        self._check_job(context, req.job, relay_role=True)
         outcome, version, epoch = await self.tier.resolve(check_name(req.job), keys_from_pb(req.keys),
                                                           min(req.wait_ms, 60_000) / 1000.0)
         return pb.ResolveReply(outcome=OUTCOME[outcome], version=version, view_epoch=epoch)
 
     @_unary("Status")
     async def Status(self, req: pb.StatusRequest, context) -> pb.StatusReply:
-        return status_to_pb(self.tier.status())
+        scope = self.guard.status_scope(_tokens(context))  # None: every job and the tree
+        reply = status_to_pb(self.tier.status())
+        if scope is not None:
+            mine = [j for j in reply.jobs if j.name in scope]
+            del reply.jobs[:]
+            reply.jobs.extend(mine)
+            del reply.children[:]
+        reply.tokens_required = self.guard.enabled
+        return reply
 
 
-def handler(tier: Tier, rpc=NO_RPC_METRICS) -> grpc.GenericRpcHandler:
-    servicer = _Servicer(tier, rpc)
+def handler(tier: Tier, rpc=NO_RPC_METRICS, guard: Guard | None = None) -> grpc.GenericRpcHandler:
+    """``guard``: the tier's credentials (None: no admin token, every call accepted)."""
+    servicer = _Servicer(tier, rpc, guard)
     handlers = {}
     for name, (kind, _req, resp) in METHODS.items():
         make = getattr(grpc, f"{kind}_rpc_method_handler")

@@ -108,6 +108,11 @@ class Relay(Tier):
         await self.up.close()
 
     # -- joining the parent ----------------------------------------------------------------
+    async def attach(self, job: str) -> None:
+        """Join the parent for ``job`` as a child's registration would, before admitting that
+        child: the server learns the job's token hash this way (ps/server/auth.py)."""
+        await self._job_for_register(job)
+
     async def _job_for_register(self, job: str) -> RelayJob:
         lock = self._locks.setdefault(job, asyncio.Lock())
         try:
@@ -237,7 +242,7 @@ class Relay(Tier):
         delay = _BACKOFF_S[0]
         while True:
             try:
-                ack = await self.up.push(frames, timeout=max(1.0, deadline - self.clock()))
+                ack = await self.up.push(frames, timeout=max(1.0, deadline - self.clock()), job=job)
                 break
             except NotMember as exc:
                 # The parent does not know us (it restarted, or timed us out): register again

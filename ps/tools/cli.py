@@ -102,7 +102,12 @@ def _serve(args) -> int:
             max_job_params=int(args.max_job_params), push_budget_mb=int(args.push_budget_mb),
             max_jobs=int(args.max_jobs), unjoined_job_ttl_s=float(args.unjoined_job_ttl_s),
             tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
-            insecure=_flag(args.insecure))
+            insecure=_flag(args.insecure),
+            admin_token_file=args.admin_token_file or "")
+        if cfg.admin_token_file:
+            from ps.server.auth import read_token_file
+
+            read_token_file(cfg.admin_token_file, "admin token")  # unreadable: say so before serving
     except (BadInput, ValueError) as exc:
         print(f"hps serve: {exc}", file=sys.stderr)
         return 2
@@ -215,7 +220,14 @@ def _status(args) -> int:
     if not address:
         print("hps status: give a tier's HOST:PORT or --launch-dir", file=sys.stderr)
         return 2
-    return print_tree(address, sys.stdout) or rc
+    from ps.tools.jobctl import admin_token
+
+    try:  # the admin's token shows every job and the tree; a job's (HPS_TOKEN) that job only
+        token = admin_token() or os.environ.get("HPS_TOKEN") or None
+    except ValueError as exc:
+        print(f"hps status: {exc}", file=sys.stderr)
+        return 2
+    return print_tree(address, sys.stdout, token) or rc
 
 
 def _job(args) -> int:
@@ -225,6 +237,7 @@ def _job(args) -> int:
 
     _client_tls(args)
     try:
+        admin = jobctl.admin_token()
         if args.action == "create":
             cfg = JobConfig(name=args.name, mode=args.mode, staleness=int(args.staleness),
                             damping=args.damping, push_codec=args.push_codec, delta_codec=args.delta_codec,
@@ -234,14 +247,22 @@ def _job(args) -> int:
                             optimizer=OptimizerConfig(kind=args.optimizer, lr=float(args.lr),
                                                       momentum=float(args.momentum),
                                                       warmup_steps=int(args.warmup_steps)))
-            created = jobctl.declare(args.address, cfg)
+            created, job_token = jobctl.create(args.address, cfg, admin)
             print(f"job {args.name} {'declared' if created else 'already exists with this configuration'}; "
                   "its first worker brings the parameters")
+            if job_token and args.token_file:
+                fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(job_token + "\n")
+                os.chmod(args.token_file, 0o600)  # an existing file keeps its mode otherwise
+                print(f"its workers' token is in {args.token_file} (mode 0600; give it as HPS_TOKEN)")
+            elif job_token:  # shown this once: the root keeps only its hash
+                print(f"its workers' token (shown once; give it as HPS_TOKEN): {job_token}")
         elif args.action == "list":
-            print(jobctl.format_jobs(jobctl.list_jobs(args.address)))
+            print(jobctl.format_jobs(jobctl.list_jobs(args.address, admin)))
         else:
-            print(f"job {args.name} ended at version {jobctl.end(args.address, args.name)}")
-    except HpsError as exc:
+            print(f"job {args.name} ended at version {jobctl.end(args.address, args.name, admin)}")
+    except (HpsError, ValueError, OSError) as exc:
         print(f"hps job {args.action}: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -281,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-jobs", action=_EnvDefault, default="1000", help="root: jobs held at once")
     s.add_argument("--unjoined-job-ttl-s", action=_EnvDefault, default="86400",
                    help="root: end a job no worker joined within this many seconds (0: never)")
+    s.add_argument("--admin-token-file", action=_EnvDefault, default="",
+                   help="file holding the admin token; without one the tier accepts every call "
+                   "without a token (and says so in its log and `hps status`)")
     s.add_argument("--loop", action=_EnvDefault, default="asyncio", choices=["asyncio", "uvloop"],
                    help="event loop (benchmarks/bsp_step.py --loops compares them)")
     s.add_argument("--log-format", action=_EnvDefault, default="text", choices=["text", "json"],
@@ -333,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hosts", default="", help="comma-separated extra DNS names / IPs for the tier certificates")
     s.set_defaults(fn=_certs)
 
-    s = sub.add_parser("job", help="create, list or end jobs (through any tier)")
+    s = sub.add_parser("job", help="create, list or end jobs (through any tier)",
+                       epilog="The admin token comes from HPS_ADMIN_TOKEN or the file HPS_ADMIN_TOKEN_FILE "
+                       "names; `create` prints the job's token once (or writes it to --token-file).")
     s.add_argument("action", choices=["create", "list", "end"])
     s.add_argument("name", nargs="?", help="job name (create, end)")
     s.add_argument("--address", action=_EnvDefault, default="127.0.0.1:7000", help="any tier's HOST:PORT")
@@ -353,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--momentum-correction", action="store_true",
                    help="DGC: workers keep the sgd momentum and sparsify the velocity (topk, sgd momentum)")
     _tls_flags(s, "the caller")
+    s.add_argument("--token-file", default="",
+                   help="create: write the job's token here (mode 0600) instead of printing it")
     s.set_defaults(fn=_job)
 
     s = sub.add_parser("demo", help="train a small transformer LM on a local cluster")

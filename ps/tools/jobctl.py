@@ -1,5 +1,8 @@
 """``hps job create|list|end``: manage jobs through any tier (relays forward to the root).
 
+Every function takes the admin token (``token=``; ``admin_token()`` reads HPS_ADMIN_TOKEN or
+HPS_ADMIN_TOKEN_FILE); ``create`` returns the job's token, minted by the root, once.
+
 >>> declare(address, JobConfig(name="jobctl-lm", mode="ssp", staleness=2))   # False: it existed
 True
 >>> print(format_jobs([r for r in list_jobs(address) if r["config"].name == "jobctl-lm"]))
@@ -12,31 +15,51 @@ jobctl-lm  declared  ssp(2)  sgd 0.01   fp32         0        0           0
 
 from __future__ import annotations
 
+import os
+
 from ps.core.config import JobConfig
 from ps.net.rpc import Caller
 from ps.net.tls import TlsFiles
 from ps.net.wire import encode_create_job, jobs_from_pb, pb
 
-__all__ = ["declare", "list_jobs", "end", "format_jobs"]
+__all__ = ["admin_token", "create", "declare", "list_jobs", "end", "format_jobs"]
 
 
-def _rpc(address: str, name: str, request, timeout_s: float = 10.0):
-    with Caller(address, TlsFiles.from_env()) as rpc:  # mutual TLS when HPS_TLS_* are set
+def admin_token() -> str | None:
+    """The admin token from HPS_ADMIN_TOKEN, or the file HPS_ADMIN_TOKEN_FILE names (None: none)."""
+    if os.environ.get("HPS_ADMIN_TOKEN"):
+        return os.environ["HPS_ADMIN_TOKEN"].strip()
+    if os.environ.get("HPS_ADMIN_TOKEN_FILE"):
+        from ps.server.auth import read_token_file
+
+        return read_token_file(os.environ["HPS_ADMIN_TOKEN_FILE"], "admin token")
+    return None
+
+
+def _rpc(address: str, name: str, request, token: str | None, timeout_s: float = 10.0):
+    with Caller(address, TlsFiles.from_env(), token) as rpc:  # mutual TLS when HPS_TLS_* are set
         return rpc.call(name, request, timeout_s)
 
 
-def declare(address: str, config: JobConfig) -> bool:
-    """Declare a job's configuration; its first worker brings the parameters. False: existed."""
-    return _rpc(address, "CreateJob", iter(encode_create_job(config, None, []))).created
+def create(address: str, config: JobConfig, token: str | None = None) -> tuple[bool, str]:
+    """Declare a job's configuration (its first worker brings the parameters): (created, the
+    job's token: "" when the job had one already, or the tiers run without tokens)."""
+    r = _rpc(address, "CreateJob", iter(encode_create_job(config, None, [])), token)
+    return r.created, r.job_token
 
 
-def list_jobs(address: str) -> list[dict]:
-    return jobs_from_pb(_rpc(address, "ListJobs", pb.ListJobsRequest()))
+def declare(address: str, config: JobConfig, token: str | None = None) -> bool:
+    """``create``, the token dropped. False: the job existed."""
+    return create(address, config, token)[0]
 
 
-def end(address: str, job: str) -> int:
+def list_jobs(address: str, token: str | None = None) -> list[dict]:
+    return jobs_from_pb(_rpc(address, "ListJobs", pb.ListJobsRequest(), token))
+
+
+def end(address: str, job: str, token: str | None = None) -> int:
     """End a job; returns its last version."""
-    return _rpc(address, "EndJob", pb.EndJobRequest(job=job)).version
+    return _rpc(address, "EndJob", pb.EndJobRequest(job=job), token).version
 
 
 def format_jobs(rows: list[dict]) -> str:

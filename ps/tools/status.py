@@ -80,9 +80,10 @@ def print_launch(launch_dir: str | Path, out) -> tuple[int, str]:
     return rc, root
 
 
-def fetch_status(address: str, timeout_s: float = 5.0) -> TierStatus:
-    """A tier's Status; over mutual TLS when ``HPS_TLS_CERT/KEY/CA`` are set (``hps status --tls-*``)."""
-    with Caller(address, TlsFiles.from_env()) as rpc:
+def fetch_status(address: str, timeout_s: float = 5.0, token: str | None = None) -> TierStatus:
+    """A tier's Status; over mutual TLS when ``HPS_TLS_CERT/KEY/CA`` are set (``hps status --tls-*``).
+    ``token``: the admin's (every job and the tree) or a job's (that job only)."""
+    with Caller(address, TlsFiles.from_env(), token) as rpc:
         return status_from_pb(rpc.call("Status", pb.StatusRequest(), timeout_s))
 
 
@@ -101,14 +102,14 @@ def fetch_ready(address: str, timeout_s: float = 5.0) -> str:
     return "ready" if r.status == health_pb2.HealthCheckResponse.SERVING else "NOT READY"
 
 
-def walk(address: str, depth: int = 0, seen: set | None = None):
+def walk(address: str, depth: int = 0, seen: set | None = None, token: str | None = None):
     """Yield (depth, address, StatusReply or error) for a tier and every relay below it."""
     seen = seen if seen is not None else set()
     if address in seen or depth > 8:
         return
     seen.add(address)
     try:
-        st = fetch_status(address)
+        st = fetch_status(address, token=token)
     except HpsError as exc:
         yield depth, address, exc
         return
@@ -116,12 +117,12 @@ def walk(address: str, depth: int = 0, seen: set | None = None):
     children = sorted({m.address for m in st.children} |
                       {m.address for j in st.jobs for m in j.members if m.address})
     for child in children:
-        yield from walk(child, depth + 1, seen)
+        yield from walk(child, depth + 1, seen, token)
 
 
-def print_tree(address: str, out) -> int:
+def print_tree(address: str, out, token: str | None = None) -> int:
     rc = 0
-    for depth, addr, st in walk(address):
+    for depth, addr, st in walk(address, token=token):
         pad = "  " * depth
         if isinstance(st, Exception):
             print(f"{pad}{addr}: unreachable ({st})", file=out)
@@ -131,6 +132,8 @@ def print_tree(address: str, out) -> int:
         print(f"{pad}{st.role} {st.name} @ {addr} epoch {st.server_epoch:#x} "
               f"up {st.uptime_s:.0f}s, {fetch_ready(addr)}{parent}"
               f"{', INSECURE (plaintext, no client certificates)' if st.insecure else ''}", file=out)
+        if not st.tokens_required:
+            print(f"{pad}  OPEN: no admin token set; this tier accepts every call without a token", file=out)
         for j in st.jobs:
             workers = [m for m in j.members if m.role == "worker"]
             s = j.stats

@@ -1,0 +1,213 @@
+"""Bearer tokens: who may call what at this tier, checked before the tier sees the call.
+
+>>> guard = Guard(admin_token="s3cret-admin")                   # a root without a checkpoint dir
+>>> token = guard.mint("lm")                                    # what `hps job create` prints once
+>>> guard.check_job(("s3cret-admin",), "lm"); guard.check_job((token,), "lm")   # both pass
+>>> guard.check_admin((token,), "end jobs")
+Traceback (most recent call last):
+ps.core.errors.PermissionDenied: a job token cannot end jobs; present the admin token (HPS_ADMIN_TOKEN)
+>>> guard.check_job(("guess",), "lm")
+Traceback (most recent call last):
+ps.core.errors.Unauthenticated: the token presented is not the token of job 'lm'; present its job token ...
+>>> Guard(admin_token=None).check_admin((), "end jobs")          # no admin token: calls are open
+
+Roles. The admin token may do everything: create, list and end jobs, read the status of every
+job, and act in any job (a worker holding it creates its job and is handed the job's token,
+which it then uses). A job's token may register, push, pull, resolve and leave in that job,
+heartbeat for it, read that job's status only, and bring the initial values to that job once
+an admin declared it; it cannot create or end jobs. Refusals are ``Unauthenticated`` (no
+token, or none this tier knows) and ``PermissionDenied`` (a known token used for another job
+or for an admin's call); the sentence says what to supply and never echoes a token.
+
+Storage. Only SHA-256 hashes are kept, compared with ``hmac.compare_digest``. The root mints
+a job's token (``secrets.token_urlsafe(32)``) when the admin's CreateJob makes the job, returns
+it once in the reply, and keeps its hash in ``CHECKPOINT_DIR/job-tokens.json`` (written
+atomically, mode 0600), so a restarted root still knows every job's token. A tier started
+without an admin token (``--admin-token-file``) accepts every call as before and says so
+loudly in its log and in ``hps status``: the same posture as ``--insecure``.
+
+Trust model. Relays are cluster infrastructure: they check their own children's tokens against
+the hash their parent sent when they registered for the job (``RegisterReply.token_sha256``),
+and call their parent with their own identity. Until tiers present certificates (the mutual-TLS
+half of issue 14) a parent cannot tell a relay from anyone else, so a relay proves its right
+to a job by presenting the token of that job that its parent accepted when it registered (the
+token of the first child that registered there; the parent checks it), and forwards the
+admin's token for the admin calls it relays (create, list, end jobs), which the root decides.
+Once certificates exist, ``relay_identity`` names the relay a verified certificate belongs to,
+and a parent lets a verified relay act in any job without a job token (its children were
+checked where they connected). A heartbeat naming no job is accepted without a token: it only
+says a relay is alive (``hps status`` walks it), and readiness must not wait for a first job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+
+from ps.core.errors import PermissionDenied, Unauthenticated, short
+from ps.server.peers import peer_identity
+
+__all__ = ["Guard", "guard_for", "digest", "relay_identity", "read_token_file", "TOKENS_FILE"]
+
+TOKENS_FILE = "job-tokens.json"  # in the root's checkpoint directory: job -> SHA-256 of its token
+
+log = logging.getLogger("hps.auth")
+
+_JOB_TOKEN_HINT = "present its job token (token= or HPS_TOKEN, as `hps job create` printed it)"
+_ADMIN_HINT = "present the admin token (HPS_ADMIN_TOKEN)"
+
+
+def digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def read_token_file(path: str, what: str = "token") -> str:
+    """A token from a file (its first line, stripped); ValueError names the file, never its content."""
+    try:
+        text = Path(path).read_text().strip().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read the {what} file {path!r}: {exc.strerror}") from None
+    if not text or not text[0].strip():
+        raise ValueError(f"the {what} file {path!r} is empty")
+    return text[0].strip()
+
+
+def relay_identity(context) -> str | None:
+    """The relay a call's verified client certificate belongs to, or None (no TLS, or a worker's
+    or a foreign certificate). A certificate-verified relay acts for the jobs of its children
+    without their tokens (the trust model above); ``ps.server.peers`` checks that it calls as
+    the relay its certificate names."""
+    ident = peer_identity(context)
+    return ident.name if ident is not None and ident.relay else None
+
+
+class Guard:
+    """One tier's credentials: the admin token's hash and, at the root, every job's token hash
+    (``store``: a file to persist them in); a relay asks ``hashes_from`` (its parent link's
+    ``token_hashes``) instead."""
+
+    def __init__(self, admin_token: str | None, store: str | Path | None = None,
+                 hashes_from: dict[str, bytes] | None = None) -> None:
+        self._admin = digest(admin_token) if admin_token else None
+        self._store = Path(store) if store else None
+        self._root = hashes_from is None
+        self._hashes: dict[str, bytes] = {} if hashes_from is None else hashes_from
+        if self._store is not None and self._store.exists():
+            saved = json.loads(self._store.read_text())
+            self._hashes.update({job: bytes.fromhex(h) for job, h in saved.items()})
+
+    @property
+    def enabled(self) -> bool:
+        """False: no admin token configured; every call is accepted (and the tier says so)."""
+        return self._admin is not None
+
+    # -- job tokens at the root -----------------------------------------------------------------
+    def has_token(self, job: str) -> bool:
+        return bool(self._hashes.get(job))
+
+    def hash_of(self, job: str) -> bytes:
+        """The job's token hash, as a relay child learns it (b"": none, or tokens are off)."""
+        return self._hashes.get(job, b"") if self.enabled else b""
+
+    def mint(self, job: str) -> str:
+        """A new token for ``job``: its hash is kept (and persisted) here, the token returned once."""
+        token = secrets.token_urlsafe(32)
+        self._hashes[job] = digest(token)
+        self._save()
+        return token
+
+    def forget(self, job: str) -> None:
+        if self._root and self._hashes.pop(job, None) is not None:
+            self._save()
+
+    def _save(self) -> None:
+        if self._store is None:
+            return
+        self._store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._store.with_name(f".{self._store.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({job: h.hex() for job, h in self._hashes.items()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._store)
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _is_admin(self, tokens: tuple[str, ...]) -> bool:
+        return any(hmac.compare_digest(digest(t), self._admin) for t in tokens) if self._admin else False
+
+    def _jobs_of(self, tokens: tuple[str, ...]) -> set[str]:
+        """The jobs whose token is among ``tokens`` (every hash compared, in constant time each)."""
+        mine = set()
+        for t in tokens:
+            d = digest(t)
+            for job, h in list(self._hashes.items()):
+                if h and hmac.compare_digest(d, h):
+                    mine.add(job)
+        return mine
+
+    def check_admin(self, tokens: tuple[str, ...], what: str) -> None:
+        if not self.enabled or self._is_admin(tokens):
+            return
+        if not tokens:
+            raise Unauthenticated(f"this tier needs the admin token to {what}; {_ADMIN_HINT}")
+        if self._jobs_of(tokens):
+            raise PermissionDenied(f"a job token cannot {what}; {_ADMIN_HINT}")
+        raise Unauthenticated(f"the token presented is not the admin token; {_ADMIN_HINT} to {what}")
+
+    def check_job(self, tokens: tuple[str, ...], job: str, relay: str | None = None) -> None:
+        """Pass if ``tokens`` hold ``job``'s token or the admin's (or a verified relay calls)."""
+        if not self.enabled or relay is not None or self._is_admin(tokens):
+            return
+        h = self._hashes.get(job)
+        if h is None and not self._root:
+            # A relay that holds no such job: the tier registers upward presenting these tokens,
+            # where the parent checks them, or answers NotMember (register first).
+            return
+        if h is not None and not h:
+            return  # a relay whose parent requires no tokens for this job: the job is open
+        if not tokens:
+            raise Unauthenticated(f"job {short(job)} needs its token; {_JOB_TOKEN_HINT}")
+        if h is not None and any(hmac.compare_digest(digest(t), h) for t in tokens):
+            return
+        if self._jobs_of(tokens):
+            raise PermissionDenied(f"the token presented belongs to another job, not {short(job)}; "
+                                   f"{_JOB_TOKEN_HINT}")
+        raise Unauthenticated(f"the token presented is not the token of job {short(job)}; {_JOB_TOKEN_HINT}")
+
+    def knows(self, job: str) -> bool:
+        """Whether this tier can check ``job``'s tokens itself (a relay: once it registered)."""
+        return job in self._hashes
+
+    def status_scope(self, tokens: tuple[str, ...]) -> set[str] | None:
+        """The jobs whose status the caller may read (None: all of them, and the tree)."""
+        if not self.enabled or self._is_admin(tokens):
+            return None
+        mine = self._jobs_of(tokens)
+        if not mine:
+            if tokens:
+                raise Unauthenticated("the token presented is neither the admin token nor a job's; "
+                                      f"{_ADMIN_HINT}, or a job's token for that job's status")
+            raise Unauthenticated(f"this tier's status needs a token; {_ADMIN_HINT}, or a job's token "
+                                  "for that job's status")
+        return mine
+
+
+def guard_for(config, tier) -> Guard:
+    """The guard of a tier started with ``config`` (a ServerConfig); logs loudly when it is open."""
+    admin = read_token_file(config.admin_token_file, "admin token") if config.admin_token_file else None
+    if config.role == "global":
+        store = Path(config.checkpoint_dir) / TOKENS_FILE if config.checkpoint_dir else None
+        guard = Guard(admin, store=store)
+    else:
+        guard = Guard(admin, hashes_from=tier.parent_link().token_hashes)
+    if not guard.enabled:
+        log.warning("%s %s: NO ADMIN TOKEN (--admin-token-file): this tier accepts every call from anyone "
+                    "who can reach it, without a token; run it so only on a trusted network",
+                    config.role, config.display_name)
+    return guard

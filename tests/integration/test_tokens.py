@@ -1,0 +1,168 @@
+"""Tokens against real tiers on loopback: job A's token cannot act in job B, a job token cannot
+create or end jobs, refusals change nothing and are counted, no token leaks into logs, metrics,
+`hps status` or error sentences, and the root still knows every job's token after kill -9."""
+
+from __future__ import annotations
+
+import io
+import logging
+import signal
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from ps.core.codecs import get_codec
+from ps.core.config import JobConfig, OptimizerConfig, ServerConfig
+from ps.core.errors import HpsError, PermissionDenied, Unauthenticated
+from ps.core.tensors import split
+from ps.core.types import PushMeta
+from ps.core.view import KeySpec, Layout
+from ps.net.rpc import Caller
+from ps.net.wire import encode_create_job, encode_push, pb
+from ps.server.lifecycle import create_server
+from ps.tools import jobctl
+from ps.tools.launch import Cluster
+from ps.tools.status import fetch_status, print_tree
+from tests.helpers import FAST
+from worker import ParameterClient
+
+LAYOUT = Layout([KeySpec("w", (4, 3))])
+ADMIN = "admin-token-for-tests-0123456789abcdef"
+
+
+def _job(name: str) -> JobConfig:
+    return JobConfig(name=name, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+
+
+def _refused(fn) -> HpsError:
+    with pytest.raises((Unauthenticated, PermissionDenied)) as info:
+        fn()
+    return info.value
+
+
+def _push_frames(job: str) -> list[bytes]:
+    chunks = split(LAYOUT, np.ones(LAYOUT.numel, np.float32), get_codec("fp32"))
+    return encode_push(PushMeta(job, "intruder", 1, 0, incarnation=7), chunks)
+
+
+def test_job_tokens_stay_in_their_job_and_never_leak(tree, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    admin_file = tmp_path / "admin"
+    admin_file.write_text(ADMIN + "\n")
+    registry = CollectorRegistry()
+    server = tree.lt.run(create_server(ServerConfig(role="global", name="root", admin_token_file=str(admin_file),
+                                                    **FAST), registry))
+    tree.servers["root"] = server
+    root = tree.addr("root")
+    zone = tree.add("eu-a", "zone", parent="root", admin_token_file=str(admin_file))
+
+    created_a, token_a = jobctl.create(root, _job("a"), ADMIN)
+    created_b, token_b = jobctl.create(zone, _job("b"), ADMIN)   # relayed: the root mints, the zone hands it on
+    assert created_a and created_b and token_a and token_b and token_a != token_b
+    assert jobctl.create(root, _job("a"), ADMIN) == (False, "")   # printed once, never again
+
+    workers = {}
+    for job, token in (("a", token_a), ("b", token_b)):
+        w = ParameterClient(zone, job, f"w-{job}", timeout_s=10, retry_s=5, token=token)
+        assert w.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        w.register()
+        w.pull(min_version=0)
+        v, _ = w.push(np.ones(LAYOUT.numel, np.float32))
+        w.pull(min_version=v)
+        workers[job] = w
+    before = fetch_status(root, token=ADMIN)
+    errors: list[HpsError] = []
+
+    # Job A's token, at the zone and at the root, in job B: register, push, pull, status, end.
+    for address in (zone, root):
+        intruder = ParameterClient(address, "b", "intruder", timeout_s=5, retry_s=1, token=token_a)
+        errors.append(_refused(intruder.register))
+        intruder.close()
+        with Caller(address, token=token_a) as rpc:
+            errors.append(_refused(lambda rpc=rpc: rpc.call("Push", iter(_push_frames("b")), 5)))
+            errors.append(_refused(lambda rpc=rpc: rpc.stream("Pull", pb.PullRequest(job="b", member="w-b"), 5)))
+            errors.append(_refused(lambda rpc=rpc: rpc.call("Leave", pb.LeaveRequest(job="b", member="w-b"), 5)))
+            errors.append(_refused(lambda rpc=rpc: rpc.call("EndJob", pb.EndJobRequest(job="b"), 5)))
+            errors.append(_refused(lambda rpc=rpc: rpc.call("ListJobs", pb.ListJobsRequest(), 5)))
+            errors.append(_refused(lambda rpc=rpc: rpc.call(
+                "CreateJob", iter(encode_create_job(_job("c"), None, [])), 5)))
+            assert [j.name for j in fetch_status(address, token=token_a).jobs] == ["a"]  # its own job only
+        for token in (None, "not-a-token"):  # no credential, or one nobody issued
+            with Caller(address, token=token) as rpc:
+                errors.append(_refused(lambda rpc=rpc: rpc.call("ListJobs", pb.ListJobsRequest(), 5)))
+                errors.append(_refused(lambda rpc=rpc: rpc.stream("Pull", pb.PullRequest(job="a", member="w-a"), 5)))
+                errors.append(_refused(lambda rpc=rpc: rpc.call("Status", pb.StatusRequest(), 5)))
+    kinds = {type(e).__name__ for e in errors}
+    assert kinds == {"Unauthenticated", "PermissionDenied"}, kinds
+    assert all("token" in str(e) for e in errors)  # each sentence says what to supply
+
+    # Nothing changed: job B trains on, and its members and versions are as they were.
+    after = fetch_status(root, token=ADMIN)
+    assert [(j.name, j.version, len(j.members)) for j in after.jobs] == \
+        [(j.name, j.version, len(j.members)) for j in before.jobs]
+    v, _ = workers["b"].push(np.ones(LAYOUT.numel, np.float32))
+    assert v == before.jobs[[j.name for j in before.jobs].index("b")].version + 1
+    errors.append(_refused(lambda: jobctl.end(root, "b", token_b)))  # its own job's token cannot end it
+
+    # A worker holding the admin token creates its job and is handed the job's token.
+    boss = ParameterClient(zone, "c", "w-c", timeout_s=10, retry_s=5, token=ADMIN)
+    assert boss.create_job(_job("c"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    token_c = boss._rpc.token
+    assert token_c not in (ADMIN, token_a, token_b)
+    boss.register()
+    with Caller(root, token=token_c) as rpc:
+        assert [j.name for j in fetch_status(root, token=token_c).jobs] == ["c"]
+        errors.append(_refused(lambda: rpc.call("EndJob", pb.EndJobRequest(job="c"), 5)))
+    boss.close()
+    assert jobctl.end(root, "c", ADMIN) >= 0
+
+    metrics = generate_latest(registry).decode()
+    assert 'code="PERMISSION_DENIED"' in metrics and 'code="UNAUTHENTICATED"' in metrics
+    out = io.StringIO()
+    print_tree(root, out, token=ADMIN)
+    assert "OPEN" not in out.getvalue() and "job b" in out.getvalue()
+    for w in workers.values():
+        w.close()
+    secrets = (ADMIN, token_a, token_b, token_c)
+    for where, text in (("logs", caplog.text), ("metrics", generate_latest(registry).decode()),
+                        ("status", out.getvalue()), ("errors", " ".join(map(str, errors)))):
+        assert not [s for s in secrets if s in text], f"a token appears in the {where}"
+
+
+def test_a_tier_without_an_admin_token_is_open_and_says_so(tree, caplog):
+    root = tree.add("root", "global")
+    assert "NO ADMIN TOKEN" in caplog.text
+    assert jobctl.create(root, _job("open"), None) == (True, "")   # no token minted, none needed
+    out = io.StringIO()
+    print_tree(root, out)
+    assert "OPEN: no admin token" in out.getvalue()
+
+
+def test_job_tokens_survive_a_root_kill_9(tmp_path):
+    admin_file = tmp_path / "admin"
+    admin_file.write_text(ADMIN)
+    topo = {"host": "127.0.0.1", "settings": {"heartbeat_s": 0.2, "member_timeout_s": 3.0},
+            "root": {"name": "root", "port": 0, "checkpoint_dir": str(tmp_path / "ckpt")}}
+    with Cluster.start(topo, tmp_path / "logs", extra_root_args=["--admin-token-file", str(admin_file)]) as cluster:
+        addr = cluster.address("root")
+        _, token_a = jobctl.create(addr, _job("a"), ADMIN)
+        _, token_b = jobctl.create(addr, _job("b"), ADMIN)
+        w = ParameterClient(addr, "a", "w0", timeout_s=10, token=token_a)
+        w.create_job("a", LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        w.register()
+        w.pull(min_version=0)
+        v, _ = w.push(np.ones(LAYOUT.numel, np.float32))
+        w.close()
+        assert (tmp_path / "ckpt" / "job-tokens.json").stat().st_mode & 0o777 == 0o600
+        cluster.restart("root", signal.SIGKILL)
+        again = ParameterClient(addr, "a", "w0", timeout_s=10, retry_s=30, token=token_a)
+        again.register()                                   # the job's token is still its token
+        again.pull(min_version=v)
+        again.close()
+        intruder = ParameterClient(addr, "a", "w1", timeout_s=10, retry_s=1, token=token_b)
+        _refused(intruder.register)                        # and another job's is still refused
+        intruder.close()
+        assert {r["config"].name for r in jobctl.list_jobs(addr, ADMIN)} == {"a", "b"}
+        logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+        assert not [s for s in (ADMIN, token_a, token_b) if s in logs]
