@@ -36,6 +36,7 @@ DOCTESTED = (
     "ps.core.errors",
     "ps.core.exactly_once",
     "ps.core.intake",
+    "ps.core.losswatch",
     "ps.core.logs",
     "ps.core.optim",
     "ps.core.replica",

@@ -40,6 +40,7 @@ EVENTS = frozenset({
     "parent.lost", "parent.regained", "parent.restarted",
     "launch.tier_died", "launch.tier_restarted", "launch.tier_failed",
     "worker.retrying", "worker.recovered", "worker.gave_up",
+    "training.loss_rising",
 })
 
 # What every LogRecord has; anything else on a record came with ``extra=``.

@@ -32,6 +32,7 @@ from ps.core.deltas import DeltaLog
 from ps.core.encoder import Encoder
 from ps.core.errors import HpsError, Stale, UnknownJob
 from ps.core.exactly_once import AppliedBook, SeqBook
+from ps.core.losswatch import LossWatch
 from ps.core.optim import ServerOptimizer
 from ps.core.tensors import Chunk, split
 from ps.core.types import JobStats, PushKey
@@ -215,6 +216,7 @@ class RootJob(JobState):
     apply_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one version at a time
     last_checkpoint: tuple[float, float, int] | None = None  # (unix time, seconds, version)
     scratch: np.ndarray | None = None    # reused buffer for params - view
+    loss_watch: LossWatch = field(default_factory=LossWatch)  # the loss-anomaly check, in-process
 
 
 @dataclass

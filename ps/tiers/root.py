@@ -51,7 +51,7 @@ from ps.core.exactly_once import decode_keys, encode_keys
 from ps.core.logs import event
 from ps.core.optim import ServerOptimizer
 from ps.core.tensors import assemble, split
-from ps.core.types import Ack, PushKey
+from ps.core.types import Ack, PushKey, PushMeta
 from ps.core.view import KeySpec, Layout, checksum
 from ps.tiers import checkpoint
 from ps.tiers.jobstate import RootJob
@@ -333,6 +333,21 @@ class Root(Tier):
         js.reported_floor = js.view.clock_min
         js.log.append(DeltaEntry(version, crc, tuple(chunks), js.view.clock_min, contributors))
         js.notify()
+
+    def _telemetry(self, js: RootJob, meta: PushMeta) -> bool:
+        """Count the push's training report, and check the job's loss as the alert rule does
+        (``ps.core.losswatch``): the root hears every worker, so it can say so in its log."""
+        if not super()._telemetry(js, meta):
+            return False
+        if meta.loss_count:
+            hit = js.loss_watch.add(meta.loss_sum, meta.loss_count, self.clock())
+            if hit is not None:
+                log.warning("job %s: the training loss rose for three reports in a row, to %.4g from %.4g, "
+                            "while its step rate fell (as HpsTrainingLossRising; deploy/OPERATING.md)",
+                            js.config.name, hit[0], hit[1],
+                            extra=event("training.loss_rising", job=js.config.name, version=js.view.version,
+                                        loss=hit[0], loss_before=hit[1]))
+        return True
 
     # -- resolve ---------------------------------------------------------------------------
     async def _resolve_here(self, js: RootJob, keys: tuple[PushKey, ...], wait_s: float
