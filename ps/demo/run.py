@@ -47,6 +47,32 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=5)
 
 
+def _declare(args, root: str, admin_token: str) -> str:
+    """Declare the demo's job with the admin token; the job's token, for its workers."""
+    from ps.demo.train import demo_job
+    from ps.tools import jobctl
+
+    job = demo_job("demo", args.mode, args.staleness, args.codec, args.topk, args.delta_codec, args.damping)
+    _, token = jobctl.create(root, job, admin_token)
+    if not token:
+        raise RuntimeError("the root handed out no token for the demo's job (it existed already?)")
+    return token
+
+
+def _keep_token(directory: Path, token: str) -> Path:
+    """The job's token in a 0600 file beside the CA, for another worker to join with (HPS_TOKEN)."""
+    path = directory / "demo.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return path
+
+
+def _without_admin(env) -> dict[str, str]:
+    """The environment minus the admin's credentials: workers hold their job's token only."""
+    return {k: v for k, v in env.items() if k not in ("HPS_ADMIN_TOKEN", "HPS_ADMIN_TOKEN_FILE")}
+
+
 def main(args) -> int:
     if getattr(args, "damping", False) and args.mode == "bsp":
         print("hps demo: --damping applies to --mode ssp or async (bsp has no stale updates)", file=sys.stderr)
@@ -55,9 +81,24 @@ def main(args) -> int:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"hps demo: starting the local topology (logs in {logs})", flush=True)
-    cluster = Cluster.start(load_topology(args.topology), logs)
+    cluster = Cluster.start(load_topology(args.topology), logs, secure=not args.insecure)
     workers: list[subprocess.Popen] = []
+    worker_env: dict[str, str] = {}
     try:
+        if cluster.secrets is not None:
+            # Secure by default: mutual TLS with a throw-away CA and tokens. This process is the
+            # admin (it declares the job and reads every tier's status); the workers get a
+            # client certificate and the job's token only.
+            client = cluster.secrets.client_env()
+            os.environ.update(client)
+            worker_env = {k: v for k, v in client.items() if k.startswith("HPS_TLS_")}
+            root_tier = next(t for t in cluster.tiers.values() if t.role == "global")
+            worker_env["HPS_TOKEN"] = _declare(args, root_tier.address, cluster.secrets.admin_token())
+            kept = _keep_token(cluster.secrets.directory, worker_env["HPS_TOKEN"])
+            print(f"hps demo: mutual TLS and tokens (throw-away CA, admin token and the job's token "
+                  f"{kept.name} in {cluster.secrets.directory})", flush=True)
+        else:
+            print("hps demo: INSECURE: plaintext, no client certificates, no tokens (--insecure)", flush=True)
         zones = [t for t in cluster.tiers.values() if t.role == "zone"] or list(cluster.tiers.values())[:1]
         root = next(t for t in cluster.tiers.values() if t.role == "global")
         for t in cluster.tiers.values():
@@ -86,7 +127,7 @@ def main(args) -> int:
                  "--codec", args.codec, "--topk", str(args.topk), "--delta-codec", args.delta_codec,
                  "--slow", str(args.slow if i == args.workers - 1 else 1.0)],
                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+                env={**_without_admin(os.environ), **worker_env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
             workers.append(proc)
             threading.Thread(target=read_events, args=(proc, q), daemon=True).start()
         mode = (f"ssp({args.staleness})" if args.mode == "ssp" else args.mode) + (" damped" if args.damping else "")
@@ -145,7 +186,8 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
     # relays have caught up with the root's last version.
     depth = {"global": 0, "regional": 1, "zone": 2}
     for _ in range(100):
-        tiers = [(depth[t.role], t.address, fetch_status(t.address)) for t in cluster.tiers.values()]
+        admin = cluster.secrets.admin_token() if cluster.secrets is not None else None
+        tiers = [(depth[t.role], t.address, fetch_status(t.address, token=admin)) for t in cluster.tiers.values()]
         if len({(j.version, j.checksum) for _, _, st in tiers for j in st.jobs}) <= 1:
             break
         time.sleep(0.05)

@@ -147,7 +147,7 @@ def _launch(args) -> int:
     from pathlib import Path
 
     from ps.core.errors import BadInput
-    from ps.tools.launch import Cluster, load_topology
+    from ps.tools.launch import Cluster, load_topology, write_client_env
     from ps.tools.supervise import RestartPolicy, Supervisor
 
     try:
@@ -168,7 +168,8 @@ def _launch(args) -> int:
         signal.signal(sig, _raise_stop)
     try:
         # stops what it started if this raises
-        cluster = Cluster.start(topo, args.logdir, env={"HPS_LOG_FORMAT": args.log_format})
+        cluster = Cluster.start(topo, args.logdir, env={"HPS_LOG_FORMAT": args.log_format},
+                                secure=not args.insecure)
     except _Stop:
         return 0
     except BadInput as exc:
@@ -184,6 +185,13 @@ def _launch(args) -> int:
             print(f"{t.role:9s} {t.name:8s} {t.address:22s} metrics {t.metrics_port}  log {t.log}")
         for t in cluster.links.values():  # emulated WAN links (latency_ms / bandwidth_mbit edges)
             print(f"{'link':9s} {t.name:8s} {t.address:22s} -> {t.parent}  log {t.log}")
+        if cluster.secrets is not None:
+            env_file = write_client_env(cluster)
+            print(f"mutual TLS and tokens (throw-away CA in {cluster.secrets.directory}); clients: "
+                  f"`set -a; . {env_file}; set +a` (HPS_TLS_*, HPS_ADMIN_TOKEN_FILE), or "
+                  f"`hps status --launch-dir {cluster.logdir}`")
+        else:
+            print("INSECURE: plaintext, no client certificates, no tokens (--insecure)")
         print(f"cluster up; a tier that dies is restarted (at most {policy.max_restarts} times in "
               f"{policy.window_s:.0f}s); state in {cluster.logdir / 'launch.json'}; Ctrl-C stops it", flush=True)
         # From here a signal only asks to stop: raised mid-respawn it would orphan the new
@@ -212,6 +220,11 @@ def _launch(args) -> int:
 def _status(args) -> int:
     from ps.tools.status import print_launch, print_tree
 
+    if args.launch_dir:  # a secure local cluster: its client credentials, unless given
+        from ps.tools.launch import read_client_env
+
+        for k, v in read_client_env(args.launch_dir).items():
+            os.environ.setdefault(k, v)
     _client_tls(args)
     rc, address = 0, args.address
     if args.launch_dir:
@@ -339,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", action=_EnvDefault, default="text", choices=["text", "json"],
                    help="json: one JSON object per line (ts, level, logger, message, tier, region/zone, "
                    "name, and event, job, version where known) for a log pipeline; also given to every tier")
+    s.add_argument("--insecure", action="store_true",
+                   help="plaintext and no tokens (debugging only; every tier says so). By default the "
+                   "cluster runs mutual TLS with a throw-away CA and an admin token under LOGDIR/secrets, "
+                   "and LOGDIR/client.env holds what a client needs (source it)")
     s.set_defaults(fn=_launch)
 
     s = sub.add_parser("status", help="show the tree, versions, lag and members")
@@ -397,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the root's codec for published deltas (fp16, int8: lossy, error kept at the root)")
     s.add_argument("--slow", type=float, default=1.0,
                    help="make the last worker this many times slower (e.g. 2), to see the modes differ")
+    s.add_argument("--insecure", action="store_true",
+                   help="plaintext and no tokens (debugging only); by default the demo's cluster runs "
+                   "mutual TLS with a throw-away CA and tokens under OUT/logs/secrets")
     s.add_argument("--damping", action="store_true",
                    help="ssp/async: the root scales each update's lr by 1/(1+staleness)")
     s.set_defaults(fn=_demo)

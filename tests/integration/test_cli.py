@@ -100,3 +100,28 @@ def test_job_create_list_end_through_a_relay(tree):
     with pytest.raises(UnknownJob, match="not declared"):
         HpsOptimizer(torch.nn.Linear(2, 2), zone, "nope", worker_id="w1")
     opt.close()
+
+
+def test_demo_runs_mutual_tls_and_tokens_by_default_and_leaks_no_secret(tmp_path):
+    out = tmp_path / "demo"
+    r = subprocess.run(HPS + ["demo", "--steps", "2", "--out", str(out)], capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "mutual TLS and tokens" in r.stdout and "INSECURE" not in r.stdout
+    assert "replicas agree with the root bit for bit: yes" in r.stdout
+    secrets_dir = out / "logs" / "secrets"
+    admin = (secrets_dir / "admin-token").read_text().strip()
+    job = (secrets_dir / "demo.token").read_text().strip()
+    keys = [p.read_text().strip().splitlines()[1] for p in (secrets_dir / "certs").glob("*.key")]
+    assert len(admin) >= 32 and len(job) >= 32 and len(keys) >= 8
+    for p in [(secrets_dir / "admin-token"), (secrets_dir / "demo.token"), *(secrets_dir / "certs").glob("*.key")]:
+        assert p.stat().st_mode & 0o077 == 0, p  # nobody but the owner reads a secret
+    # Everything the run printed or logged, the tiers' logs and the summary: no token, no key.
+    texts = {"stdout": r.stdout, "stderr": r.stderr}
+    for p in out.rglob("*"):
+        if p.is_file() and secrets_dir not in p.parents and p.suffix != ".png":
+            texts[str(p)] = p.read_text(errors="replace")
+    assert len(texts) > 8
+    for where, text in texts.items():
+        for secret in (admin, job, *keys):
+            assert secret not in text, where
