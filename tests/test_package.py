@@ -73,8 +73,9 @@ def test_the_wheel_installs_and_runs_launch_and_status(tmp_path):
         tiers = ("global root", "regional eu", "regional us", "zone eu-a", "zone eu-b", "zone us-a", "zone us-b")
         deadline = time.monotonic() + 30  # relays announce their children with their heartbeats
         while True:
-            status = subprocess.run([str(venv / "bin" / "hps"), "status", root], cwd=work, env=env,
-                                    capture_output=True, text=True, timeout=60)
+            # secure by default: --launch-dir brings the client certificate and admin token
+            status = subprocess.run([str(venv / "bin" / "hps"), "status", "--launch-dir", str(work / "logs"), root],
+                                    cwd=work, env=env, capture_output=True, text=True, timeout=60)
             assert status.returncode == 0, status.stdout + status.stderr
             if all(t in status.stdout for t in tiers) or time.monotonic() > deadline:
                 break

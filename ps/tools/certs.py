@@ -42,8 +42,8 @@ def tiers_of(topology: dict) -> list[tuple[str, str, str]]:
     """(role, name, region) of every tier in a topology (``hps launch``'s format)."""
     root = topology.get("root") if isinstance(topology.get("root"), dict) else {}
     out = [("global", str(root.get("name") or "root"), "")]
-    for z in root.get("zones") or []:  # zones straight below the root (no regional tier)
-        out.append(("zone", str(z["name"] if isinstance(z, dict) else z), ""))
+    for z in root.get("zones") or []:  # zones straight below the root: the root is their region
+        out.append(("zone", str(z["name"] if isinstance(z, dict) else z), out[0][1]))
     for r in topology.get("regions") or []:
         out.append(("regional", str(r["name"]), str(r["name"])))
         for z in r.get("zones") or []:

@@ -20,6 +20,8 @@ import yaml
 
 from ps.core.config import JobConfig
 from ps.core.view import KeySpec, Layout
+from ps.net.tls import TlsFiles
+from ps.tools.launch import read_client_env
 from ps.tools.status import read_state
 from worker import ParameterClient
 
@@ -58,6 +60,14 @@ class Launch:
     def text(self) -> str:
         self.out.seek(0)
         return self.out.read()
+
+    def client(self, address: str, job: str, worker_id: str, **kw) -> ParameterClient:
+        """A worker of this secure-by-default cluster: the client certificate and the admin
+        token its launch left under LOGDIR (client.env), so it may create its job."""
+        env = read_client_env(self.dir)
+        tls = TlsFiles(env["HPS_TLS_CERT"], env["HPS_TLS_KEY"], env["HPS_TLS_CA"])
+        token = Path(env["HPS_ADMIN_TOKEN_FILE"]).read_text().strip()
+        return ParameterClient(address, job=job, worker_id=worker_id, tls=tls, token=token, **kw)
 
     def status(self) -> subprocess.CompletedProcess:
         return subprocess.run(HPS + ["status", "--launch-dir", str(self.dir)], capture_output=True,
@@ -127,7 +137,7 @@ def test_a_restarted_root_restores_its_jobs_and_a_clean_stop_exits_0(tmp_path, l
     st = lc.wait(_up, "every tier up")
     root = st["tiers"]["root"]
     layout = Layout([KeySpec("w", (3,))])
-    c = ParameterClient(root["address"], job="kept", worker_id="w0", retry_s=30)
+    c = lc.client(root["address"], job="kept", worker_id="w0", retry_s=30)
     try:
         assert c.create_job(JobConfig(name="kept"), layout, np.arange(3, dtype=np.float32))
         ckpt = lc.dir / "checkpoints" / "kept"  # launch gave the root a checkpoint dir
@@ -168,7 +178,7 @@ def test_json_logs_carry_tier_job_version_and_event_fields(tmp_path, launches):
     launches(lc)
     st = lc.wait(_up, "every tier up")
     layout = Layout([KeySpec("w", (3,))])
-    c = ParameterClient(st["tiers"]["z"]["address"], job="logged", worker_id="w0", retry_s=30)
+    c = lc.client(st["tiers"]["z"]["address"], job="logged", worker_id="w0", retry_s=30)
     try:
         c.create_job(JobConfig(name="logged"), layout, np.zeros(3, np.float32))
         c.register()
