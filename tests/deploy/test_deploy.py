@@ -728,6 +728,14 @@ def test_every_tier_mounts_its_certificate_and_the_admin_token_from_secrets(rend
         ("global", "hps-root-tls"), *((r, f"hps-{t}-tls") for r, zs in REGIONS.items() for t in (r, *zs))}
 
 
+def test_operating_says_how_to_make_the_secrets_the_tiers_mount():
+    text = (DEPLOY / "OPERATING.md").read_text()
+    section = text.split("\n## Security\n", 1)[1].split("\n## ", 1)[0]
+    for needed in ("hps certs init", "--from-file=tls.crt=", "--from-file=ca.crt=", "hps-admin-token",
+                   "--from-file=token=", "cert-manager", "hps-ca", "Rotation", "hps job create", "7001"):
+        assert needed in section, needed
+
+
 def test_no_source_asks_for_plaintext():
     for f in K8S.rglob("*.yaml"):  # in any object (comments may say why it is gone)
         assert "HPS_INSECURE" not in yaml.safe_dump(_load(f)), f
