@@ -143,6 +143,9 @@ class ServerConfig:
     parent: str = ""
     name: str = ""
     metrics_port: int = -1  # -1: no /metrics endpoint; 0: any free port
+    # A second gRPC port, plaintext, serving grpc.health.v1.Health only (what kubelet's gRPC
+    # probe, which cannot do TLS, asks): -1 off; 0 any free port. Bound on --listen's host.
+    health_port: int = -1
     heartbeat_s: float = 0.5
     member_timeout_s: float = 3.0
     checkpoint_dir: str = ""
@@ -190,6 +193,7 @@ class ServerConfig:
                  f"heartbeat ({self.heartbeat_s}s) must be positive and shorter than the member "
                  f"timeout ({self.member_timeout_s}s)")
         _require(self.metrics_port >= -1, f"metrics port must be >= -1, got {self.metrics_port}")
+        _require(self.health_port >= -1, f"health port must be >= -1, got {self.health_port}")
         _require(self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         _require(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
         _require(self.upstream_timeout_s > 0, f"upstream timeout must be positive, got {self.upstream_timeout_s}")

@@ -10,6 +10,11 @@
 >>> asyncio.run(up_and_down())
 ('ready', 'ready ?')
 
+With ``health_port`` >= 0 a second gRPC server listens on ``--listen``'s host, plaintext, with
+``grpc.health.v1.Health`` alone (``health_port(tier)`` says where): kubelet's gRPC probe cannot
+do TLS, and the main port of a secure tier takes mutual TLS only. Nothing but the health
+answers is on it (every hps method: UNIMPLEMENTED), so it needs no certificate.
+
 ``serve`` prints one ready line (``hps: serving ROLE NAME on HOST:PORT``) that ``hps launch``
 reads to learn the bound port (with ``ready_stream=None``, as ``--log-format json`` runs it, the
 line is logged as event ``tier.started`` instead), and stops gracefully on SIGTERM/SIGINT: the root writes a
@@ -38,12 +43,16 @@ from ps.tiers.metrics import TierMetrics, process_registry, serve_metrics
 from ps.tiers.relay import Relay
 from ps.tiers.tier import Tier
 
-__all__ = ["create_server", "shutdown", "serve"]
+__all__ = ["create_server", "shutdown", "serve", "health_port"]
 
 log = logging.getLogger("hps.server")
 
-# What shutdown() must wind down besides the tier and the server: its health and metrics.
-_OPS: weakref.WeakKeyDictionary[Tier, tuple[Health, TierMetrics]] = weakref.WeakKeyDictionary()
+# What shutdown() must wind down besides the tier and the server: its health, its metrics, and
+# the plaintext health-only server with its port (None without --health-port).
+_OPS: weakref.WeakKeyDictionary[Tier, tuple[Health, TierMetrics, grpc.aio.Server | None, int | None]] = \
+    weakref.WeakKeyDictionary()
+# The health-only port takes nothing larger than a HealthCheckRequest (a service name).
+_HEALTH_OPTIONS = [("grpc.max_receive_message_length", 4096)]
 
 
 async def create_server(config: ServerConfig, registry: CollectorRegistry | None = None
@@ -68,21 +77,38 @@ async def create_server(config: ServerConfig, registry: CollectorRegistry | None
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
     host = config.listen.rsplit(":", 1)[0]
+    probe_server, probe_port = None, None
+    if config.health_port >= 0:  # probes without TLS: this server has the health service and nothing else
+        probe_server = grpc.aio.server(options=_HEALTH_OPTIONS)
+        probe_server.add_generic_rpc_handlers([health_handler(health)])
+        probe_port = probe_server.add_insecure_port(f"{host}:{config.health_port}")
+        if probe_port == 0:
+            raise OSError(f"could not bind the health port {host}:{config.health_port}")
     tier.set_address(f"{host}:{port}")
     await server.start()
+    if probe_server is not None:
+        await probe_server.start()
     await tier.start()
     metrics.start()
-    _OPS[tier] = (health, metrics)
+    _OPS[tier] = (health, metrics, probe_server, probe_port)
     return server, port, tier
 
 
+def health_port(tier: Tier) -> int | None:
+    """The bound plaintext health-only port of a tier that create_server started, or None."""
+    ops = _OPS.get(tier)
+    return ops[3] if ops is not None else None
+
+
 async def shutdown(server: grpc.aio.Server, tier: Tier, grace: float = 2.0) -> None:
-    health, metrics = _OPS.pop(tier, (None, None))
+    health, metrics, probe_server, _ = _OPS.pop(tier, (None, None, None, None))
     if health is not None:
         health.drain()  # probes answer NOT_SERVING while the tier winds down
         await metrics.stop()
     await tier.stop()
     await server.stop(grace)
+    if probe_server is not None:  # last: probes see NOT_SERVING, not a refused port, while it drains
+        await probe_server.stop(0)
 
 
 async def serve(config: ServerConfig, ready_stream=sys.stdout) -> None:
@@ -99,11 +125,14 @@ async def serve(config: ServerConfig, ready_stream=sys.stdout) -> None:
         # Same interface as gRPC: 0.0.0.0 in a pod, so Prometheus can scrape it.
         metrics_port = serve_metrics(registry, config.metrics_port, host).server_port
     extra = f" metrics {metrics_port}" if metrics_port is not None else ""
+    if health_port(tier) is not None:
+        extra += f" health {health_port(tier)}"
     ready = f"hps: serving {config.role} {config.display_name} on {host}:{port}{extra}"
     if ready_stream is not None:
         print(ready, file=ready_stream, flush=True)
     else:  # structured logs: the ready line is a log event too (launch finds it in the log)
-        log.info(ready, extra=event("tier.started", address=f"{host}:{port}", metrics_port=metrics_port))
+        log.info(ready, extra=event("tier.started", address=f"{host}:{port}", metrics_port=metrics_port,
+                                    health_port=health_port(tier)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -95,7 +95,7 @@ def _serve(args) -> int:
     try:
         cfg = ServerConfig(
             role=args.role, listen=args.listen, parent=args.parent or "", name=args.name or "",
-            metrics_port=int(args.metrics_port), heartbeat_s=float(args.heartbeat_s),
+            metrics_port=int(args.metrics_port), health_port=int(args.health_port), heartbeat_s=float(args.heartbeat_s),
             member_timeout_s=float(args.member_timeout_s), checkpoint_dir=args.checkpoint_dir or "",
             checkpoint_every=int(args.checkpoint_every), round_timeout_s=float(args.round_timeout_s),
             flush_ms=float(args.flush_ms), flush_bytes=int(args.flush_bytes), up_codec=args.up_codec or "",
@@ -297,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--parent", action=_EnvDefault, help="parent HOST:PORT (relays)")
     s.add_argument("--name", action=_EnvDefault, help="tier name, e.g. eu-a")
     s.add_argument("--metrics-port", action=_EnvDefault, default="-1", help="/metrics port (-1 off, 0 any)")
+    s.add_argument("--health-port", action=_EnvDefault, default="-1",
+                   help="a second, plaintext gRPC port on --listen's host serving only grpc.health.v1.Health "
+                   "(readiness: service ''; liveness: hps.liveness), for probes that cannot do TLS such as "
+                   "kubelet's; no hps method is served there (-1 off, 0 any)")
     s.add_argument("--heartbeat-s", action=_EnvDefault, default="0.5", help="heartbeat interval")
     s.add_argument("--member-timeout-s", action=_EnvDefault, default="3.0", help="drop silent members after")
     s.add_argument("--checkpoint-dir", action=_EnvDefault, help="root: checkpoint directory")

@@ -23,6 +23,8 @@ K8S = DEPLOY / "k8s"
 PROM = DEPLOY / "prometheus"
 REGIONS = {"eu": ["eu-a", "eu-b"], "us": ["us-a", "us-b"]}
 GRPC_PORT = 7000
+HEALTH_PORT = 7001  # plaintext, grpc.health.v1.Health only (`hps serve --health-port`): the probes
+TLS_DIR, ADMIN_DIR = "/etc/hps/tls", "/etc/hps/admin"
 ROOT_ADDRESS = f"hps-root.hps-global.svc.cluster.local:{GRPC_PORT}"
 # An env var or ConfigMap key with one of these in its name must not carry a literal value.
 _SECRETISH = re.compile(r"PASSWORD|PASSWD|TOKEN|SECRET|CREDENTIAL|API_?KEY|PRIVATE", re.I)
@@ -52,14 +54,24 @@ def env_of(container: dict) -> dict[str, dict]:
 
 
 def check_container(c: dict, where: str) -> None:
-    """Probes through the standard gRPC health service, requests and limits, no secrets."""
+    """Probes through the standard gRPC health service on the plaintext health port (kubelet's
+    gRPC probe cannot do TLS), requests and limits, no secrets, TLS and the admin token from files."""
     ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
     assert ports.get("grpc") == GRPC_PORT and "metrics" in ports, f"{where}: ports {ports}"
+    assert ports.get("health") == HEALTH_PORT, f"{where}: ports {ports}"
     ready, live = c.get("readinessProbe", {}), c.get("livenessProbe", {})
-    assert ready.get("grpc", {}).get("port") == GRPC_PORT, f"{where}: readiness {ready}"
+    assert ready.get("grpc", {}).get("port") == HEALTH_PORT, f"{where}: readiness {ready}"
     assert ready["grpc"].get("service", "") == "", f"{where}: readiness asks the default service"
-    assert live.get("grpc", {}).get("port") == GRPC_PORT, f"{where}: liveness {live}"
+    assert live.get("grpc", {}).get("port") == HEALTH_PORT, f"{where}: liveness {live}"
     assert live["grpc"].get("service") == "hps.liveness", f"{where}: liveness {live}"
+    if "startupProbe" in c:
+        assert c["startupProbe"]["grpc"]["port"] == HEALTH_PORT, f"{where}: startup {c['startupProbe']}"
+    env = env_of(c)
+    assert env["HPS_HEALTH_PORT"]["value"] == str(HEALTH_PORT), f"{where}: {env.get('HPS_HEALTH_PORT')}"
+    assert "HPS_INSECURE" not in env, f"{where}: runs plaintext"
+    assert {k: env.get(f"HPS_{k}", {}).get("value") for k in ("TLS_CERT", "TLS_KEY", "TLS_CA", "ADMIN_TOKEN_FILE")} == {
+        "TLS_CERT": f"{TLS_DIR}/tls.crt", "TLS_KEY": f"{TLS_DIR}/tls.key", "TLS_CA": f"{TLS_DIR}/ca.crt",
+        "ADMIN_TOKEN_FILE": f"{ADMIN_DIR}/token"}, f"{where}: TLS and admin token files"
     res = c.get("resources", {})
     for kind in ("requests", "limits"):
         assert {"cpu", "memory"} <= set(res.get(kind, {})), f"{where}: resources {res}"
@@ -67,6 +79,9 @@ def check_container(c: dict, where: str) -> None:
     omp = env_of(c).get("OMP_NUM_THREADS", {}).get("valueFrom", {}).get("resourceFieldRef", {})
     assert omp.get("resource") == "limits.cpu" and omp.get("containerName") == c["name"], f"{where}: {omp}"
     for name, e in env_of(c).items():
+        # A *_FILE variable holds the path of a mounted Secret's file, not the secret.
+        if name.endswith("_FILE") and e.get("value", "").startswith((TLS_DIR + "/", ADMIN_DIR + "/")):
+            continue
         assert not (_SECRETISH.search(name) and "value" in e), f"{where}: {name} in plain text"
 
 
@@ -78,6 +93,7 @@ def check_no_plain_secrets(objs: list[dict], where: str) -> None:
         if o["kind"] == "ConfigMap":
             bad = [k for k in o.get("data", {}) if _SECRETISH.search(k)]
             assert not bad, f"{name} holds {bad}"
+            assert "HPS_INSECURE" not in o.get("data", {}), f"{name}: the tiers must not run plaintext"
 
 
 # -- kubectl kustomize --------------------------------------------------------------------------
@@ -311,7 +327,7 @@ def test_dockerfile_runs_hps_as_pid_1_as_the_manifests_user_on_their_ports():
         w = _load(K8S / "base" / tier / f"{kind}.yaml")[0]
         pod = w["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsUser"] == 10001
-        assert {p["containerPort"] for p in hps_container(w)["ports"]} == {7000, 9100}
+        assert {p["containerPort"] for p in hps_container(w)["ports"]} == {7000, HEALTH_PORT, 9100}
 
 
 def test_the_image_installs_the_package_as_built_not_the_working_tree():
@@ -330,7 +346,8 @@ def test_the_image_installs_the_package_as_built_not_the_working_tree():
 OVERLAYS = ["global", *sorted(REGIONS)]
 # Every directory `kubectl apply -k` is documented for: the overlays, and the same on top of the
 # Prometheus Operator's objects (deploy/k8s/operator/<overlay>).
-KUSTOMIZATIONS = [f"overlays/{o}" for o in OVERLAYS] + [f"operator/{o}" for o in OVERLAYS]
+# ... and with cert-manager issuing the tiers' certificates (deploy/k8s/cert-manager/<overlay>).
+KUSTOMIZATIONS = [f"{d}/{o}" for d in ("overlays", "operator", "cert-manager") for o in OVERLAYS]
 # kubernetes-validate bundles the schemas (no network). 1.27: the oldest release these manifests
 # need (gRPC probes GA, PDB unhealthyPodEvictionPolicy); 1.37: the newest it bundles.
 K8S_VERSIONS = ["1.27.0", "1.37.0"]
@@ -352,8 +369,8 @@ def test_every_rendered_object_validates_against_the_kubernetes_schemas(rendered
     checked = 0
     for where, objs in rendered.items():
         for o in objs:
-            if o["apiVersion"].startswith("monitoring.coreos.com/"):
-                continue  # CRDs: no bundled schema; test_prometheus_operator_objects_have_the_crd_shape
+            if o["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
+                continue  # CRDs: no bundled schema; test_*_objects_have_the_crd_shape
             for version in K8S_VERSIONS:
                 try:
                     kv.validate(o, version, strict=True)
@@ -582,6 +599,9 @@ def test_network_policies_let_each_tier_reach_only_its_parent(rendered, tmp_path
         if "hps.io/tier" in pod["labels"] and pod["ns"].startswith("hps-"):
             assert reach("prometheus", name, 9100), name
             assert not reach("prometheus", name, GRPC_PORT) and not reach("worker", name, 9100), name
+            # The plaintext health port: no pod at all (kubelet's probes come from the node, which
+            # the common CNIs exempt from NetworkPolicy; deploy/OPERATING.md, "Security").
+            assert not any(reach(src, name, HEALTH_PORT) for src in pods if src != name), name
     # The worker component keeps workers to the zones (and DNS).
     assert not reach("worker", "prometheus", 9090)
 
@@ -668,3 +688,123 @@ def test_constraints_pin_every_package_the_image_and_the_venv_install():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^\t\$\(BIN\)/pip install -q -c constraints\.txt -e ", makefile, re.M)
     assert re.search(r"^\$\(STAMP\): .*constraints\.txt", makefile, re.M)
+
+
+# -- mutual TLS and tokens from Secrets (issue 14) ------------------------------------------------------
+def tier_identity(w: dict) -> tuple[str, str, str]:
+    """(role, name, region) of a rendered tier, from its env and labels: what its certificate names."""
+    env = env_of(hps_container(w))
+    labels = w["spec"]["template"]["metadata"]["labels"]
+    role = env["HPS_ROLE"]["value"]
+    if role == "global":
+        return role, env["HPS_NAME"]["value"], ""
+    return role, labels["hps.io/zone" if role == "zone" else "hps.io/region"], labels["hps.io/region"]
+
+
+def test_every_tier_mounts_its_certificate_and_the_admin_token_from_secrets(rendered):
+    seen = set()
+    for where, objs in rendered.items():
+        for name, w in workloads(objs).items():
+            spec, c = w["spec"]["template"]["spec"], hps_container(w)
+            check_container(c, f"{where}/{name}")
+            _, tier, _ = tier_identity(w)
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+            for path, secret, keys in ((TLS_DIR, f"hps-{tier}-tls", None), (ADMIN_DIR, "hps-admin-token", ["token"])):
+                m = mounts[path]
+                assert m.get("readOnly") is True and "subPath" not in m, f"{where}/{name}: {m}"  # subPath: no updates
+                v = volumes[m["name"]]["secret"]
+                assert v["secretName"] == secret, f"{where}/{name}: {v}"
+                assert v["defaultMode"] == 0o400, f"{where}/{name}: {v}"
+                assert not v.get("optional"), f"{where}/{name}: a tier without its Secret must not start"
+                if keys:
+                    assert [i["key"] for i in v["items"]] == keys and v["items"][0]["path"] == "token"
+                seen.add((where.split("/")[1], secret))
+            # 0400 files owned by root: readable by the non-root user through fsGroup only
+            sc = spec["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["fsGroup"] == sc["runAsGroup"] == sc["runAsUser"], sc
+    # cert-manager's Secret names, one per tier, in the namespace of each overlay
+    assert {x for x in seen if x[1] != "hps-admin-token"} == {
+        ("global", "hps-root-tls"), *((r, f"hps-{t}-tls") for r, zs in REGIONS.items() for t in (r, *zs))}
+
+
+def test_operating_says_how_to_make_the_secrets_the_tiers_mount():
+    text = (DEPLOY / "OPERATING.md").read_text()
+    section = text.split("\n## Security\n", 1)[1].split("\n## ", 1)[0]
+    for needed in ("hps certs init", "--from-file=tls.crt=", "--from-file=ca.crt=", "hps-admin-token",
+                   "--from-file=token=", "cert-manager", "hps-ca", "Rotation", "hps job create", "7001"):
+        assert needed in section, needed
+
+
+def test_no_source_asks_for_plaintext():
+    for f in K8S.rglob("*.yaml"):  # in any object (comments may say why it is gone)
+        assert "HPS_INSECURE" not in yaml.safe_dump(_load(f)), f
+
+
+_CM_META = {**_META, "additionalProperties": False}
+CERT_MANAGER_SCHEMAS = {
+    "Issuer": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+               "additionalProperties": False, "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"}, "kind": {"const": "Issuer"}, "metadata": _CM_META,
+        "spec": {"type": "object", "additionalProperties": False, "required": ["ca"], "properties": {
+            "ca": {"type": "object", "additionalProperties": False, "required": ["secretName"], "properties": {
+                "secretName": {"type": "string"},
+                "crlDistributionPoints": {"type": "array", "items": {"type": "string"}}}}}}}},
+    "Certificate": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+                    "additionalProperties": False, "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"}, "kind": {"const": "Certificate"}, "metadata": _CM_META,
+        "spec": {"type": "object", "additionalProperties": False, "required": ["secretName", "issuerRef"],
+                 "properties": {
+            "secretName": {"type": "string"}, "commonName": {"type": "string"},
+            "issuerRef": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+                "name": {"type": "string"}, "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+                "group": {"type": "string"}}},
+            "uris": {"type": "array", "items": {"type": "string"}},
+            "dnsNames": {"type": "array", "items": {"type": "string"}},
+            "ipAddresses": {"type": "array", "items": {"type": "string"}},
+            "usages": {"type": "array", "items": {"enum": [
+                "signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+                "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any",
+                "server auth", "client auth", "code signing", "email protection", "s/mime", "ipsec end system",
+                "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc"]}},
+            "privateKey": {"type": "object", "additionalProperties": False, "properties": {
+                "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]}, "size": {"type": "integer"},
+                "encoding": {"enum": ["PKCS1", "PKCS8"]}, "rotationPolicy": {"enum": ["Never", "Always"]}}},
+            "duration": {"type": "string", "pattern": r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"},
+            "renewBefore": {"type": "string", "pattern": r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"},
+            "subject": {"type": "object"}, "isCA": {"type": "boolean"}}}}},
+}
+
+
+def test_cert_manager_objects_have_the_crd_shape_and_name_each_tier_as_hps_certs_init_does(rendered):
+    """Issuer and Certificate are CRDs kubernetes-validate has no schema for: checked against the
+    fields hps uses (from cert-manager's v1 API reference), and each Certificate against the tier
+    that mounts its Secret: the SAN URI ps/tools/certs.py gives it, the DNS name clients verify,
+    usable as server and as client (a relay calls its parent with it)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from ps.net.tls import TIER_NAME
+    from ps.tools.certs import identity_uri
+
+    for o in OVERLAYS:
+        objs = rendered[f"cert-manager/{o}"]
+        cm = [x for x in objs if x["apiVersion"].startswith("cert-manager.io/")]
+        for x in cm:
+            errors = sorted(jsonschema.Draft202012Validator(CERT_MANAGER_SCHEMAS[x["kind"]]).iter_errors(x), key=str)
+            assert not errors, f"{o}: {x['kind']}: " + "; ".join(e.message for e in errors)
+        (issuer,) = [x for x in cm if x["kind"] == "Issuer"]
+        assert issuer["spec"]["ca"]["secretName"] == "hps-ca"
+        certs = {x["spec"]["secretName"]: x for x in cm if x["kind"] == "Certificate"}
+        tiers = {}
+        for w in workloads(objs).values():
+            (tls,) = [v for v in w["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+            tiers[tls["secret"]["secretName"]] = tier_identity(w)
+        assert set(certs) == set(tiers), o  # one Certificate per tier, and none for a tier that is not here
+        for secret, (role, name, region) in tiers.items():
+            spec = certs[secret]["spec"]
+            assert certs[secret]["metadata"]["namespace"] == f"hps-{o}"
+            assert spec["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer"}
+            assert spec["uris"] == [identity_uri(role, name, region)], secret
+            assert TIER_NAME in spec["dnsNames"], secret
+            assert {"server auth", "client auth"} <= set(spec["usages"]), secret
+        # the overlay alone has none of them: cert-manager is opt-in
+        assert not any(x["apiVersion"].startswith("cert-manager.io/") for x in rendered[f"overlays/{o}"])

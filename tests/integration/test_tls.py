@@ -194,3 +194,82 @@ def test_hps_serve_needs_certificates_or_insecure(reap, certs):
     p.terminate()  # (before its signal handlers are in place it dies of the signal: either is fine here)
     p.wait(timeout=20)
     assert "WARNING hps.server: INSECURE" in p.stderr.read()
+
+
+# -- the plaintext health-only port (--health-port): what kubelet's gRPC probe, which cannot do TLS, asks
+def _health_check(channel, service=""):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_the_health_port_answers_probes_in_plaintext_and_serves_no_hps_method(tree, certs):
+    from ps.server.lifecycle import health_port
+
+    _secure(tree, certs, "root", "global")
+    f = certs["eu-a"]
+    zone = tree.add("eu-a", "zone", parent="root", tls_cert=f.cert, tls_key=f.key, tls_ca=f.ca, health_port=0)
+    port = health_port(tree.tier("eu-a"))
+    assert port and str(port) != zone.rsplit(":", 1)[1]
+    probe = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    deadline = time.monotonic() + 20
+    while _health_check(probe) != "SERVING":  # readiness: once the zone synced with its parent (over mTLS)
+        assert time.monotonic() < deadline, "the zone never turned ready on its health port"
+        time.sleep(0.1)
+    assert _health_check(probe, "hps.liveness") == "SERVING"
+    with pytest.raises(grpc.RpcError) as err:
+        _health_check(probe, "no.such.Service")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    # every hps method: not there at all (no handler ran, nothing reached the tier)
+    for name, (kind, _, _) in METHODS.items():
+        call = getattr(probe, kind)(f"/{SERVICE}/{name}")
+        body = iter([b"\x00"]) if kind.startswith("stream") else b""
+        with pytest.raises(grpc.RpcError) as err:
+            out = call(body, timeout=5)
+            if kind.endswith("_stream"):
+                list(out)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, (name, err.value)
+    assert tree.lt.call(lambda: dict(tree.tier("eu-a").jobs)) == {}
+    # ... while the main port still takes mutual TLS only, even for the health service
+    plain = grpc.insecure_channel(zone, options=CHANNEL_OPTIONS)
+    with pytest.raises(grpc.RpcError) as err:
+        _health_check(plain)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    plain.close()
+    # a tier without --health-port opens no second port
+    assert health_port(tree.tier("root")) is None
+    tree.stop("eu-a")  # stopped with the tier: nothing answers there any more
+    with pytest.raises(grpc.RpcError) as err:
+        _health_check(probe)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    probe.close()
+
+
+def test_hps_serve_opens_the_health_port_from_its_flag_or_environment(reap, certs, capsys):
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from ps.tools.cli import build_parser
+
+    with pytest.raises(SystemExit):  # documented in `hps serve --help`
+        build_parser().parse_args(["serve", "--help"])
+    assert "--health-port" in capsys.readouterr().out
+    f = certs["root"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPS_")}
+    env |= {"HPS_HEALTH_PORT": "0", "HPS_TLS_CERT": f.cert, "HPS_TLS_KEY": f.key, "HPS_TLS_CA": f.ca}
+    p = subprocess.Popen([sys.executable, "-m", "ps.tools.cli", "serve", "--role", "global",
+                          "--listen", "127.0.0.1:0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    reap(p)
+    line = p.stdout.readline()
+    m = re.match(r"hps: serving global \S+ on 127\.0\.0\.1:(\d+) health (\d+)$", line.strip())
+    assert m, line
+    probe = grpc.insecure_channel(f"127.0.0.1:{m.group(2)}", options=CHANNEL_OPTIONS)
+    assert _health_check(probe) == "SERVING" and _health_check(probe, "hps.liveness") == "SERVING"
+    probe.close()
+    os.kill(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=20) == 0
