@@ -18,6 +18,14 @@ by environment (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=..., the setting ``hps
 gives its servers): glibc returns every >= 32 MiB buffer to the OS on free, so each large
 message faults its pages in again. Ratio = TCP time / hps time (1.0 = as fast as raw TCP).
 Goal: push and pull at least 0.8x of the TCP stream. Writes benchmarks/results/dataplane.json.
+
+Mutual TLS (``--tls both``, the default): each row on the allocators ``--tls-allocators``
+names (tuned: what ``hps launch`` gives) runs twice, plaintext and with mutual TLS (every
+tier on its own certificate from ``ps.tools.certs.init_certs`` in a temporary directory, the
+worker on a worker certificate; ECDSA P-256, whatever cipher gRPC's BoringSSL negotiates),
+one right after the other, in alternating order over ``--rounds`` rounds so that drift of a
+shared machine hits both alike; each TLS row reports ``tls_over_plain``: its median time over
+the plaintext row's (1.0 = TLS costs nothing, 2.0 = twice as long).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 from _common import RESULTS, ROOT, met, plot, write
+
+from ps.net.tls import TlsFiles
 
 GOAL = 0.8
 from ps.tools.launch import MALLOC_ENV as TUNED  # noqa: E402  (what hps launch gives its servers)
@@ -79,7 +89,15 @@ def tcp_stream(nbytes: int, reps: int) -> list[float]:
     return times
 
 
-def _wire_server(params: int, key_elems: int) -> None:
+def _files(tls_dir: str | None, name: str) -> TlsFiles | None:
+    """``name``'s certificate in a directory ``init_certs`` made, or None (plaintext)."""
+    if not tls_dir:
+        return None
+    d = Path(tls_dir)
+    return TlsFiles(str(d / f"{name}.crt"), str(d / f"{name}.key"), str(d / "ca.crt"))
+
+
+def _wire_server(params: int, key_elems: int, tls_dir: str | None = None) -> None:
     """A gRPC server with hps's method table and frames that does nothing with them: Push
     reads every frame and acknowledges, Pull streams pre-encoded frames of the whole model."""
     import asyncio
@@ -88,6 +106,7 @@ def _wire_server(params: int, key_elems: int) -> None:
 
     from ps.core.types import PullMeta, VersionMeta
     from ps.net.rpc import SERVER_OPTIONS
+    from ps.net.tls import server_credentials
     from ps.net.wire import SERVICE, encode_pull_reply, pb
 
     frames = list(encode_pull_reply(PullMeta(1, 0, 1, False, 1), [(VersionMeta(1, 0), _chunks(params, key_elems))]))
@@ -106,7 +125,9 @@ def _wire_server(params: int, key_elems: int) -> None:
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
             "Push": grpc.stream_unary_rpc_method_handler(push, response_serializer=pb.PushAck.SerializeToString),
             "Pull": grpc.unary_stream_rpc_method_handler(pull, request_deserializer=pb.PullRequest.FromString)})])
-        port = server.add_insecure_port("127.0.0.1:0")
+        tls = _files(tls_dir, "root")  # the root's certificate: clients verify it as a tier
+        port = (server.add_secure_port("127.0.0.1:0", server_credentials(tls)) if tls
+                else server.add_insecure_port("127.0.0.1:0"))
         await server.start()
         print(port, flush=True)
         await server.wait_for_termination()
@@ -129,21 +150,25 @@ def _layout(params: int, key_elems: int):
                    for i, off in enumerate(range(0, params, key_elems))])
 
 
-def wire_rows(params: int, key_elems: int, reps: int, env: dict) -> dict:
+def wire_rows(params: int, key_elems: int, reps: int, env: dict, tls_dir: str | None = None) -> dict:
     """hps's frames over gRPC to a server that does no work: the transport alone."""
     import grpc
 
     from ps.core.types import PushMeta
     from ps.net.rpc import CHANNEL_OPTIONS
+    from ps.net.tls import ClientTls, client_options
     from ps.net.wire import encode_push, pb, stubs
 
     proc = subprocess.Popen([sys.executable, __file__, "--wire-server", "--params", str(params),
-                             "--key-elems", str(key_elems)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
+                             "--key-elems", str(key_elems), *(["--tls-dir", tls_dir] if tls_dir else [])],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
     try:
         port = int(proc.stdout.readline())
         frames = encode_push(PushMeta("big", "w0", 1, 0), _chunks(params, key_elems))
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+        tls = _files(tls_dir, "w0")
+        channel = (grpc.secure_channel(f"127.0.0.1:{port}", ClientTls(tls).credentials(),
+                                       options=CHANNEL_OPTIONS + client_options()) if tls
+                   else grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS))
         rpc = stubs(channel)
         push, pull = [], []
         for _ in range(reps + 1):  # the first is a warm-up (connection, first allocations)
@@ -161,7 +186,10 @@ def wire_rows(params: int, key_elems: int, reps: int, env: dict) -> dict:
     return dict(push_s=push[1:], pull_s=pull[1:], warm_up=dict(push_s=push[0], pull_s=pull[0]))
 
 
-def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: dict) -> dict:
+def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: dict,
+             tls_dir: str | None = None) -> dict:
+    from _tls import tls_cluster
+
     from ps.core.config import JobConfig, OptimizerConfig
     from ps.tools.launch import Cluster
     from worker.client import ParameterClient
@@ -173,9 +201,11 @@ def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: di
     grad = np.random.default_rng(1).standard_normal(params, dtype=np.float32) * 1e-3
     job = JobConfig(name="big", optimizer=OptimizerConfig(kind="sgd", lr=0.01), delta_log_length=2)
     push, pull = [], []
-    with tempfile.TemporaryDirectory() as tmp, Cluster.start(topo, tmp, env=env, tune_malloc=bool(env)) as cluster:
+    tls = _files(tls_dir, "w0")
+    kind = tls_cluster({n: _files(tls_dir, n) for n in ("root", "z")}) if tls else Cluster
+    with tempfile.TemporaryDirectory() as tmp, kind.start(topo, tmp, env=env, tune_malloc=bool(env)) as cluster:
         c = ParameterClient(cluster.address("z" if through_zone else "root"), "big", "w0",
-                            timeout_s=300, round_timeout_s=300)
+                            timeout_s=300, round_timeout_s=300, tls=tls)
         try:
             c.create_job(job, layout, values)
             c.register()
@@ -195,37 +225,23 @@ def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: di
                 snapshot_pull_s=snapshot)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", type=int, default=100_000_000, help="float32 values in the model")
-    p.add_argument("--key-elems", type=int, default=4_000_000, help="values per key (tensor)")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--rows", default="wire,root,zone",
-                   help="rows to run: wire (gRPC + hps frames, no processing), root, zone")
-    p.add_argument("--allocators", default="default,tuned", help="server allocators: default, tuned")
-    p.add_argument("--tcp-sender", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--wire-server", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--row", help=argparse.SUPPRESS)
-    p.add_argument("--alloc", default="default", help=argparse.SUPPRESS)
-    p.add_argument("--out")
-    args = p.parse_args()
-    nbytes = 4 * args.params
-    if args.tcp_sender:
-        _tcp_sender(args.tcp_sender, nbytes, args.reps)
-        return 0
-    if args.wire_server:
-        _wire_server(args.params, args.key_elems)
-        return 0
+def _run_row(args, where: str, alloc: str, tls_dir: str | None) -> dict:
+    env = TUNED if alloc == "tuned" else {}
+    out = subprocess.run([sys.executable, __file__, "--row", where, "--alloc", alloc, "--params",
+                          str(args.params), "--key-elems", str(args.key_elems), "--reps", str(args.reps),
+                          *(["--tls-dir", tls_dir] if tls_dir else [])],
+                         cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if out.returncode != 0 or line is None:
+        print(f"{where}/{alloc}{' TLS' if tls_dir else ''}: failed\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}",
+              file=sys.stderr)
+        return dict(error=out.stderr[-500:])
+    return json.loads(line[len("RESULT "):])
 
-    if args.row:  # one row in a process of its own, so its allocator setting covers the client too
-        where, env = args.row, TUNED if args.alloc == "tuned" else {}
-        if where == "wire":
-            r = wire_rows(args.params, args.key_elems, args.reps, env)
-        else:
-            r = hps_rows(args.params, args.key_elems, args.reps, where == "zone", env)
-        print("RESULT " + json.dumps(r), flush=True)
-        return 0
 
+def measure(args, nbytes: int, certs: str | None) -> tuple[list[float], dict[str, dict]]:
+    """Every row, each after a TCP stream of its own (its reference); with ``certs``, each row on
+    --tls-allocators twice, plaintext and mutual TLS, in alternating order, ``--rounds`` times."""
     # The machine is shared and its speed drifts: every row is compared with a TCP stream
     # measured just before it (each row's own reference), and all of them are kept.
     tcp_all: list[float] = []
@@ -234,40 +250,131 @@ def main() -> int:
         for alloc in args.allocators.split(","):
             name = {"wire": "gRPC + hps frames", "root": "hps push/pull at the root",
                     "zone": "hps push/pull through a zone"}[where] + f", {alloc} allocator"
-            env = TUNED if alloc == "tuned" else {}
-            tcp = tcp_stream(nbytes, args.reps)
-            tcp_all += tcp
-            t_tcp = statistics.median(tcp)
-            out = subprocess.run([sys.executable, __file__, "--row", where, "--alloc", alloc, "--params",
-                                  str(args.params), "--key-elems", str(args.key_elems), "--reps", str(args.reps)],
-                                 cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
-            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if out.returncode != 0 or line is None:
-                print(f"{name}: failed\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}", file=sys.stderr)
-                rows[name] = dict(error=out.stderr[-500:])
-                continue
-            r = json.loads(line[len("RESULT "):])
-            t_push, t_pull = statistics.median(r["push_s"]), statistics.median(r["pull_s"])
-            r.update(tcp_s=tcp, push_vs_tcp=t_tcp / t_push, pull_vs_tcp=t_tcp / t_pull,
-                     push_gb_s=nbytes / t_push / 1e9, pull_gb_s=nbytes / t_pull / 1e9)
-            r["meets_goal"] = r["push_vs_tcp"] >= GOAL and r["pull_vs_tcp"] >= GOAL
-            rows[name] = r
-            print(f"{name:45s} push {t_push:6.3f}s ({r['push_vs_tcp']:.2f}x TCP)  pull {t_pull:6.3f}s "
-                  f"({r['pull_vs_tcp']:.2f}x TCP; TCP just before: {t_tcp:.3f}s)", flush=True)
+            variants = [(name, None)]
+            if certs and alloc in args.tls_allocators.split(","):
+                variants.append((f"{name}, mutual TLS", certs))
+            got: dict[str, dict] = {n: dict(push_s=[], pull_s=[], warm_ups=[], tcp_s=[]) for n, _ in variants}
+            for rnd in range(args.rounds):
+                tcp = tcp_stream(nbytes, args.reps)
+                tcp_all += tcp
+                for n, tls_dir in (variants if rnd % 2 == 0 else variants[::-1]):
+                    r = _run_row(args, where, alloc, tls_dir)
+                    if "error" in r:
+                        got[n]["error"] = r["error"]
+                        continue
+                    g = got[n]
+                    g["push_s"] += r["push_s"]
+                    g["pull_s"] += r["pull_s"]
+                    g["tcp_s"] += tcp
+                    g["warm_ups"].append(r["warm_up"])
+                    if "snapshot_pull_s" in r:
+                        g.setdefault("snapshot_pull_s_all", []).append(r["snapshot_pull_s"])
+                    print(f"  round {rnd + 1}/{args.rounds} {n:60s} push {statistics.median(r['push_s']):6.3f}s  "
+                          f"pull {statistics.median(r['pull_s']):6.3f}s  (TCP {statistics.median(tcp):.3f}s)",
+                          flush=True)
+            for n, _ in variants:
+                r = got[n]
+                if "error" in r or not r["push_s"]:
+                    rows[n] = dict(error=r.get("error", "no result"))
+                    continue
+                t_tcp = statistics.median(r["tcp_s"])
+                t_push, t_pull = statistics.median(r["push_s"]), statistics.median(r["pull_s"])
+                r.update(warm_up=r["warm_ups"][0], push_vs_tcp=t_tcp / t_push, pull_vs_tcp=t_tcp / t_pull,
+                         push_gb_s=nbytes / t_push / 1e9, pull_gb_s=nbytes / t_pull / 1e9, runs=args.rounds)
+                if "snapshot_pull_s_all" in r:
+                    r["snapshot_pull_s"] = r["snapshot_pull_s_all"][0]
+                r["meets_goal"] = r["push_vs_tcp"] >= GOAL and r["pull_vs_tcp"] >= GOAL
+                rows[n] = r
+                print(f"{n:60s} push {t_push:6.3f}s ({r['push_vs_tcp']:.2f}x TCP)  pull {t_pull:6.3f}s "
+                      f"({r['pull_vs_tcp']:.2f}x TCP; TCP just before: {t_tcp:.3f}s)", flush=True)
+            if len(variants) == 2 and "push_s" in rows.get(variants[0][0], {}) and "push_s" in rows.get(
+                    variants[1][0], {}):
+                plain, tls = rows[variants[0][0]], rows[variants[1][0]]
+                tls["tls_over_plain"] = dict(
+                    plain_row=variants[0][0], rounds=args.rounds, reps_per_round=args.reps,
+                    push=statistics.median(tls["push_s"]) / statistics.median(plain["push_s"]),
+                    pull=statistics.median(tls["pull_s"]) / statistics.median(plain["pull_s"]),
+                    # per round (rows measured back to back): the spread of the ratio
+                    push_by_round=[statistics.median(tls["push_s"][i:i + args.reps]) /
+                                   statistics.median(plain["push_s"][i:i + args.reps])
+                                   for i in range(0, min(len(tls["push_s"]), len(plain["push_s"])), args.reps)],
+                    pull_by_round=[statistics.median(tls["pull_s"][i:i + args.reps]) /
+                                   statistics.median(plain["pull_s"][i:i + args.reps])
+                                   for i in range(0, min(len(tls["pull_s"]), len(plain["pull_s"])), args.reps)])
+    return tcp_all, rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=int, default=100_000_000, help="float32 values in the model")
+    p.add_argument("--key-elems", type=int, default=4_000_000, help="values per key (tensor)")
+    p.add_argument("--reps", type=int, default=3, help="timed pushes and pulls per row and round")
+    p.add_argument("--rows", default="wire,root,zone",
+                   help="rows to run: wire (gRPC + hps frames, no processing), root, zone")
+    p.add_argument("--allocators", default="default,tuned", help="server allocators: default, tuned")
+    p.add_argument("--tls", choices=("plain", "both"), default="both",
+                   help="plain: plaintext rows only; both: each row on --tls-allocators also with mutual TLS")
+    p.add_argument("--tls-allocators", default="tuned", help="allocators whose rows also run with mutual TLS")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every row (and its TLS twin, in alternating order) this many times")
+    p.add_argument("--tcp-sender", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--wire-server", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--row", help=argparse.SUPPRESS)
+    p.add_argument("--alloc", default="default", help=argparse.SUPPRESS)
+    p.add_argument("--tls-dir", help=argparse.SUPPRESS)
+    p.add_argument("--out")
+    args = p.parse_args()
+    nbytes = 4 * args.params
+    if args.tcp_sender:
+        _tcp_sender(args.tcp_sender, nbytes, args.reps)
+        return 0
+    if args.wire_server:
+        _wire_server(args.params, args.key_elems, args.tls_dir)
+        return 0
+
+    if args.row:  # one row in a process of its own, so its allocator setting covers the client too
+        where, env = args.row, TUNED if args.alloc == "tuned" else {}
+        if where == "wire":
+            r = wire_rows(args.params, args.key_elems, args.reps, env, args.tls_dir)
+        else:
+            r = hps_rows(args.params, args.key_elems, args.reps, where == "zone", env, args.tls_dir)
+        print("RESULT " + json.dumps(r), flush=True)
+        return 0
+
+    with tempfile.TemporaryDirectory() as certs:
+        if args.tls == "both":
+            from _tls import make_certs
+
+            from ps.tools.certs import issue
+
+            make_certs(certs, {"root": {"name": "root"}}, workers=["w0"])  # a CA, the root, worker w0
+            issue(certs, "zone", "z", region="root")  # init_certs skips zones straight below the root
+        tcp_all, rows = measure(args, nbytes, certs if args.tls == "both" else None)
+    tls_rows = {n: r["tls_over_plain"] for n, r in rows.items() if "tls_over_plain" in r}
     write("dataplane", dict(
         settings=dict(params=args.params, bytes=nbytes, key_elems=args.key_elems, reps=args.reps,
-                      optimizer="sgd (no state)", codec="fp32", tuned_allocator_env=TUNED),
+                      rounds=args.rounds, optimizer="sgd (no state)", codec="fp32", tuned_allocator_env=TUNED,
+                      tls=args.tls, tls_allocators=args.tls_allocators if args.tls == "both" else "",
+                      tls_certificates="ECDSA P-256 from ps.tools.certs.init_certs; tiers and worker each their own"),
         goal=f"push and pull at least {GOAL}x of the TCP stream (TCP time / hps time)",
         tcp=dict(seconds=tcp_all, gb_s_median=nbytes / statistics.median(tcp_all) / 1e9,
-                 gb_s_best=nbytes / min(tcp_all) / 1e9), rows=rows), args.out)
+                 gb_s_best=nbytes / min(tcp_all) / 1e9), rows=rows, tls_over_plain=tls_rows), args.out)
     print(f"\n{args.params:,} float32 = {nbytes / 1e6:.0f} MB; TCP stream median {statistics.median(tcp_all):.3f}s "
           f"= {nbytes / statistics.median(tcp_all) / 1e9:.2f} GB/s (best {nbytes / min(tcp_all) / 1e9:.2f} GB/s)")
     for name, r in rows.items():
         if "error" in r:
-            print(f"{name:45s} failed: {r['error'][-200:]}")
+            print(f"{name:60s} failed: {r['error'][-200:]}")
             continue
-        print(f"{name:45s} push {r['push_vs_tcp']:.2f}x  pull {r['pull_vs_tcp']:.2f}x  (goal {GOAL}x: "
+        print(f"{name:60s} push {r['push_vs_tcp']:.2f}x  pull {r['pull_vs_tcp']:.2f}x  (goal {GOAL}x: "
               f"{met(min(r['push_vs_tcp'], r['pull_vs_tcp']), GOAL)})")
+    if tls_rows:
+        print(f"\nwhat mutual TLS costs ({args.rounds} rounds x {args.reps} reps, medians; time with TLS / without):")
+        print(f"{'row':46s} {'push GB/s plain':>15s} {'TLS':>6s} {'ratio':>6s}   {'pull GB/s plain':>15s} "
+              f"{'TLS':>6s} {'ratio':>6s}")
+        for name, t in tls_rows.items():
+            plain, tls = rows[t["plain_row"]], rows[name]
+            print(f"{t['plain_row']:46s} {plain['push_gb_s']:15.2f} {tls['push_gb_s']:6.2f} {t['push']:5.2f}x   "
+                  f"{plain['pull_gb_s']:15.2f} {tls['pull_gb_s']:6.2f} {t['pull']:5.2f}x")
 
     def draw(ax):
         names = [n for n, r in rows.items() if "error" not in r]

@@ -45,8 +45,11 @@ def headline(name: str) -> dict:
         return {}
     if name == "wanem":
         return {k: round(v["ratio"], 3) for k, v in r["figures"].items()}
-    if name == "dataplane":
-        return {k: dict(push_vs_tcp=round(v["push_vs_tcp"], 3), pull_vs_tcp=round(v["pull_vs_tcp"], 3))
+    if name == "dataplane":  # TLS rows (", mutual TLS") also carry their time over the plaintext row's
+        return {k: dict(push_vs_tcp=round(v["push_vs_tcp"], 3), pull_vs_tcp=round(v["pull_vs_tcp"], 3),
+                        **({"tls_over_plain": dict(push=round(v["tls_over_plain"]["push"], 3),
+                                                   pull=round(v["tls_over_plain"]["pull"], 3))}
+                           if "tls_over_plain" in v else {}))
                 for k, v in r["rows"].items() if "push_vs_tcp" in v}
     if name == "bsp_vs_gloo":
         return {n: {c: round(v["vs_gloo"], 2) if "vs_gloo" in v else v.get("status") for c, v in row["hps"].items()}
@@ -54,7 +57,8 @@ def headline(name: str) -> dict:
     if name == "wan_loss":
         return {m: {k: v for k, v in c.items()} for m, c in r.get("comparisons", {}).items()}
     if name == "bsp_step":
-        return dict(bsp_over_compute_only=r.get("bsp_over_compute_only"), bsp_over_floor=r.get("bsp_over_floor"))
+        return dict(bsp_over_compute_only=r.get("bsp_over_compute_only"), bsp_over_floor=r.get("bsp_over_floor"),
+                    tls_over_plain={k: round(v["tls_over_plain"], 3) for k, v in (r.get("tls") or {}).items()})
     if name == "modes":
         return {k: dict(speedup_vs_bsp=v.get("speedup_vs_bsp"), val_loss_vs_bsp_pct=v.get("val_loss_vs_bsp_pct"),
                         staleness_mean=v.get("staleness_mean"))
