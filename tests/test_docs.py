@@ -53,6 +53,7 @@ DOCTESTED = (
     "ps.server.lifecycle",
     "ps.server.service",
     "ps.tiers.checkpoint",
+    "ps.tiers.families",
     "ps.tiers.jobstate",
     "ps.tiers.metrics",
     "ps.tiers.relay",

@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ps.core.types import JobStats, JobStatus, MemberInfo, TierStatus
-from ps.tiers.metrics import LinkWatch, RpcMetrics, _BuildInfo, _families
+from ps.tiers.families import families as _families
+from ps.tiers.metrics import LinkWatch, RpcMetrics, _BuildInfo
 from ps.tiers.wal import WalStats
 from worker.metrics import TrainingMetrics
 
