@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps.core.errors import BadInput, NotMember, NotReady, Stale, short
+from ps.core.types import NO_STEP, StepInfo
 
 __all__ = ["Member", "Membership", "BspRound", "Window", "Aggregate", "all_finite", "MAX_CONTRIBUTORS"]
 
@@ -142,6 +143,7 @@ class Aggregate:
     clock_max: int
     members: tuple[str, ...]
     nbytes: int = 0     # payload bytes received for it
+    step: StepInfo = NO_STEP  # the contributions' step information, merged
 
 
 @dataclass
@@ -154,8 +156,9 @@ class BspRound:
     _sum: np.ndarray | None = None
     _clock_min: int | None = None
     _clock_max: int | None = None
+    _step: StepInfo | None = None
 
-    def check(self, member: str, base_version: int, contributors: int = 0) -> None:
+    def check(self, member: str, base_version: int, contributors: int = 0, step: StepInfo | None = None) -> None:
         """Raise unless ``member`` may push for this round now (changes nothing)."""
         if base_version < self.round:
             raise Stale(f"gradient computed on version {base_version}, but round {self.round} is "
@@ -167,11 +170,18 @@ class BspRound:
         if member in self.pushed:
             raise BadInput(f"{short(member)} already pushed for round {self.round} with another sequence number")
         _check_contributors(self.pushed, contributors)
+        if step is not None and self._step is not None and contributors > 0:
+            differ = self._step.agrees(step)
+            if differ:
+                raise BadInput(f"the workers of round {self.round} disagree on a hyperparameter ({differ}); in "
+                               "bsp every worker must step its learning-rate schedule the same way")
 
     def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
-            clocks: tuple[int, int]) -> None:
-        self.check(member, base_version, contributors)
+            clocks: tuple[int, int], step: StepInfo | None = None) -> None:
+        self.check(member, base_version, contributors, step)
         if grad is not None and contributors > 0:
+            step = step or StepInfo()
+            self._step = step if self._step is None else self._step.merge(step)
             if self._sum is None:
                 self._sum = np.array(grad, dtype=np.float32, copy=True)
             else:
@@ -192,7 +202,7 @@ class BspRound:
         total = sum(self.pushed.values())
         grad = self._sum if self._sum is not None else np.zeros(self.numel, dtype=np.float32)
         return Aggregate(self.round, grad, total, self._clock_min or 0, self._clock_max or 0,
-                         tuple(self.pushed))
+                         tuple(self.pushed), step=self._step or StepInfo())
 
 
 @dataclass
@@ -208,6 +218,7 @@ class Window:
     _sum: np.ndarray | None = None
     _clock_min: int | None = None
     _clock_max: int | None = None
+    _step: StepInfo | None = None
 
     # async: a sender may keep several pushes in flight (MAX_IN_FLIGHT), so two of them can
     # land in one window and are summed; ssp senders keep one, so their clock floors arrive in
@@ -221,11 +232,16 @@ class Window:
         _check_contributors(self.pushed, contributors)
 
     def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
-            clocks: tuple[int, int], nbytes: int, now: float) -> None:
+            clocks: tuple[int, int], nbytes: int, now: float, step: StepInfo | None = None) -> None:
         self.check(member, contributors)
         if self.opened is None:
             self.opened = now
         if grad is not None and contributors > 0:
+            # ssp/async: pushes computed at different clocks may share a window; the newest
+            # clock's hyperparameters are the window's (a schedule only moves forward).
+            step = step or StepInfo()
+            newer = self._clock_max is None or clocks[1] >= self._clock_max
+            self._step = step if self._step is None else self._step.merge(step, other_newer=newer)
             if self._sum is None:
                 self._sum = np.array(grad, dtype=np.float32, copy=True)
             else:
@@ -248,4 +264,4 @@ class Window:
         grad = self._sum if self._sum is not None else np.zeros(self.numel, dtype=np.float32)
         base = self.base_min if self.base_min is not None else default_base
         return Aggregate(base, grad, total, self._clock_min or 0, self._clock_max or 0,
-                         tuple(self.pushed), self.nbytes)
+                         tuple(self.pushed), self.nbytes, self._step or StepInfo())

@@ -25,6 +25,7 @@ can then still tell a retry that was applied from one that was not.
 
 from __future__ import annotations
 
+import json
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -32,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ps.core.errors import BadInput, Conflict
-from ps.core.types import PushKey
+from ps.core.types import PushKey, StepInfo
 
-__all__ = ["SeqBook", "AppliedBook", "encode_keys", "decode_keys", "MAX_IN_FLIGHT"]
+__all__ = ["SeqBook", "AppliedBook", "encode_keys", "decode_keys", "encode_applied", "decode_applied",
+           "MAX_IN_FLIGHT"]
 
 # async: the most pushes one sender (worker or relay) keeps in flight at once. One at a time
 # made a push wait for the previous one's acknowledgement from the root at every tier:
@@ -198,3 +200,45 @@ def decode_keys(data: bytes) -> tuple[PushKey, ...]:
         out.append(PushKey(member, inc, seq, bytes(view[pos + n:pos + n + d])))
         pos += n + d
     return tuple(out)
+
+
+# A version's record: its step information (JSON), marked by a zero member length no push key
+# has, then its push keys. Records without the mark (written before step information) decode
+# with an empty step.
+_STEP = struct.Struct("<HI")  # 0, length of the step's JSON
+
+
+def encode_applied(keys: Iterable[PushKey], step: StepInfo) -> bytes:
+    """What the root's log records about a version beyond its gradient: the pushes it applied
+    and the step information they carried.
+
+    >>> step = StepInfo(hparams=((0, "lr", 0.05),), progress=((0, 3, 128),))
+    >>> blob = encode_applied((PushKey("w0", 1, 2, bytes(16)),), step)
+    >>> keys, got = decode_applied(blob)
+    >>> keys[0].member, got == step, decode_applied(encode_keys(keys)) == (keys, StepInfo())
+    ('w0', True, True)
+    """
+    body = encode_keys(keys)
+    if step.empty:
+        return body
+    data = json.dumps([step.hparams, step.absent, step.skip, step.buffers, step.progress],
+                      separators=(",", ":")).encode()
+    return _STEP.pack(0, len(data)) + data + body
+
+
+def decode_applied(data: bytes) -> tuple[tuple[PushKey, ...], StepInfo]:
+    if len(data) >= 2 and data[0] == 0 and data[1] == 0:
+        if len(data) < _STEP.size:
+            raise BadInput("a version record's step information is cut short")
+        _, n = _STEP.unpack_from(data)
+        if _STEP.size + n > len(data):
+            raise BadInput(f"a version record's step information declares {n} bytes, "
+                           f"{len(data) - _STEP.size} present")
+        try:
+            h, a, skip, buffers, progress = json.loads(data[_STEP.size:_STEP.size + n])
+            step = StepInfo(tuple((int(g), str(k), float(v)) for g, k, v in h), tuple(int(i) for i in a),
+                            bool(skip), int(buffers), tuple((int(e), int(s), int(x)) for e, s, x in progress))
+        except (ValueError, TypeError) as exc:
+            raise BadInput(f"a version record's step information does not decode: {exc}") from None
+        return decode_keys(data[_STEP.size + n:]), step
+    return decode_keys(data), StepInfo()

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ps.core.config import OptimizerConfig
+from ps.core.types import StepInfo
 
 __all__ = ["ServerOptimizer", "lr_at"]
 
@@ -50,8 +51,11 @@ class ServerOptimizer:
             self._opt = torch.optim.Adam([self._p], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                          eps=cfg.eps, weight_decay=cfg.weight_decay)
 
-    def step(self, grad: np.ndarray, lr_scale: float = 1.0) -> None:
-        """Apply one aggregated (already averaged) gradient; ``lr_scale`` damps stale ones."""
+    def step(self, grad: np.ndarray, lr_scale: float = 1.0, step: StepInfo | None = None) -> None:
+        """Apply one aggregated (already averaged) gradient; ``lr_scale`` damps stale ones.
+        ``step.skip``: a contribution overflowed (AMP); nothing changes, as on one device."""
+        if step is not None and step.skip:
+            return
         if grad.shape != self._p.shape:
             raise ValueError(f"gradient has {grad.size} elements, parameters {self._p.numel()}")
         self._grad.copy_(torch.from_numpy(grad))

@@ -18,8 +18,8 @@ if TYPE_CHECKING:  # annotations only
     from ps.core.config import JobConfig
     from ps.core.view import Layout
 
-__all__ = ["Chunk", "PushKey", "PushMeta", "PullMeta", "VersionMeta", "Ack", "Registration", "JobStats",
-           "MemberInfo", "JobStatus", "TierStatus"]
+__all__ = ["Chunk", "PushKey", "StepInfo", "NO_STEP", "PushMeta", "PullMeta", "VersionMeta", "Ack", "Registration",
+           "JobStats", "MemberInfo", "JobStatus", "TierStatus"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,57 @@ class PushKey:
 
 
 @dataclass(frozen=True)
+class StepInfo:
+    """What a push says about its optimizer step beyond the gradient, merged up the tree.
+
+    >>> a = StepInfo(hparams=((0, "lr", 0.1),), absent=(2, 3), progress=((0, 5, 64),))
+    >>> b = StepInfo(hparams=((0, "lr", 0.1),), absent=(3,), skip=True)
+    >>> m = a.merge(b)
+    >>> m.absent, m.skip, m.progress         # absent where no contribution had a gradient
+    ((3,), True, ((0, 5, 64),))
+
+    ``hparams``: (param group, name, value) the worker's optimizer holds for this step (an
+    ``lr_scheduler`` or a hand-written schedule changed them); the root applies them to the
+    version the push makes. ``absent``: indices of layout keys this contribution has no
+    gradient for (torch leaves such a parameter alone). ``skip``: a contribution was not finite
+    (an AMP overflow): the round is skipped by everyone. ``buffers``: how many contributions
+    carry their buffers' values (averaged at the root). ``progress``: (epoch, shard, end offset)
+    of the leased data shards the step trained (recorded with the version that applies it).
+    """
+
+    hparams: tuple[tuple[int, str, float], ...] = ()
+    absent: tuple[int, ...] = ()
+    skip: bool = False
+    buffers: int = 0
+    progress: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return self == NO_STEP
+
+    def agrees(self, other: StepInfo) -> str:
+        """"" when ``other``'s hyperparameters equal these (bsp: a round's workers must agree),
+        else a sentence naming the first difference."""
+        mine, theirs = dict(((g, n), v) for g, n, v in self.hparams), dict(((g, n), v) for g, n, v in other.hparams)
+        for k in sorted(set(mine) | set(theirs)):
+            if mine.get(k) != theirs.get(k):
+                return (f"param group {k[0]} {k[1]}: {mine.get(k)} here, {theirs.get(k)} in another "
+                        "worker's push for the same round")
+        return ""
+
+    def merge(self, other: StepInfo, other_newer: bool = True) -> StepInfo:
+        """Two contributions summed: absent keys intersect, skips and progress accumulate, the
+        hyperparameters are the newer contribution's (bsp checks that they agree first)."""
+        absent = tuple(sorted(set(self.absent) & set(other.absent)))
+        return StepInfo(other.hparams if (other_newer and other.hparams) or not self.hparams else self.hparams,
+                        absent, self.skip or other.skip, self.buffers + other.buffers,
+                        self.progress + other.progress)
+
+
+NO_STEP = StepInfo()
+
+
+@dataclass(frozen=True)
 class PushMeta:
     """A push's header: who, which push, computed on what, and how many gradients it sums."""
 
@@ -65,6 +116,7 @@ class PushMeta:
     workers: int = 1               # live workers at or below the sender
     incarnation: int = 0           # the sender's process incarnation (as it registered)
     sources: tuple[PushKey, ...] = ()  # relays: the worker pushes the aggregate sums
+    step: StepInfo = NO_STEP      # hyperparameters, absent keys, skip, buffers, data progress
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ import numpy as np
 
 from ps.core.errors import BadInput, Stale, short
 
-__all__ = ["KeySpec", "Layout", "View", "checksum", "DTYPES", "MAX_ELEMENTS"]
+__all__ = ["KeySpec", "Layout", "View", "checksum", "DTYPES", "KEY_KINDS", "MAX_ELEMENTS"]
 
 DTYPES = ("float32",)
+KEY_KINDS = ("param", "frozen", "buffer")
 # Sanity bounds checked before anything is allocated; a tier's own budget is tighter
 # (ServerConfig.max_job_params).
 MAX_KEYS = 100_000
@@ -48,6 +49,9 @@ class KeySpec:
     key: str
     shape: tuple[int, ...]
     dtype: str = "float32"
+    # "param": trained (the root's optimizer updates it); "frozen": requires_grad=False, fixed
+    # at creation; "buffer": a module buffer, averaged across workers when pushes carry it.
+    kind: str = "param"
 
     @property
     def numel(self) -> int:
@@ -74,6 +78,8 @@ class Layout:
                     or s.key in self._by_key):
                 raise BadInput(f"parameter key {short(s.key)} is empty, repeated, longer than "
                                f"{MAX_KEY_LENGTH} characters or not printable")
+            if s.kind not in KEY_KINDS:
+                raise BadInput(f"key {short(s.key)} is of kind {short(s.kind)}, not one of {KEY_KINDS}")
             if s.dtype not in DTYPES:
                 raise BadInput(f"key {short(s.key)} has dtype {s.dtype}; parameters are held as {DTYPES}")
             if len(s.shape) > MAX_DIMS or any(d < 0 or d > MAX_ELEMENTS for d in s.shape):

@@ -19,14 +19,27 @@ How a message is cut into frames, and how a streamed body proves it is whole, is
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from ps.core.config import CODEC_NAMES, MODES, OPTIMIZERS, JobConfig, OptimizerConfig
 from ps.core.errors import BadInput, short
-from ps.core.types import Chunk, JobStats, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, TierStatus, VersionMeta
-from ps.core.view import KeySpec, Layout
+from ps.core.types import (
+    Chunk,
+    JobStats,
+    JobStatus,
+    MemberInfo,
+    PullMeta,
+    PushKey,
+    PushMeta,
+    StepInfo,
+    TierStatus,
+    VersionMeta,
+)
+from ps.core.view import KEY_KINDS, KeySpec, Layout
 from ps.net.frames import MAX_FRAME_PAYLOAD, BodyReader, decode_frame, encode_frame, with_end
 from ps.net.proto import hps_pb2 as pb
 
@@ -119,10 +132,44 @@ def keys_from_pb(keys: Iterable[pb.PushKey]) -> tuple[PushKey, ...]:
     return tuple(PushKey(k.member, k.incarnation, k.seq, bytes(k.digest)) for k in keys)
 
 
+# Bounds on a push's step information, checked as it is decoded (a header is at most a frame).
+MAX_HPARAMS = 1024
+MAX_PROGRESS = 4096
+_HPARAM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
+
+
+def step_to_pb(step: StepInfo) -> pb.StepInfo | None:
+    if step.empty:
+        return None
+    return pb.StepInfo(hparams=[pb.HParam(group=g, name=n, value=v) for g, n, v in step.hparams],
+                       absent=step.absent, skip=step.skip, buffers=step.buffers,
+                       progress=[pb.ShardProgress(epoch=e, shard=s, end=n) for e, s, n in step.progress])
+
+
+def step_from_pb(m: pb.StepInfo) -> StepInfo:
+    """A push's step information, or BadInput naming what is wrong with it."""
+    if len(m.hparams) > MAX_HPARAMS or len(m.progress) > MAX_PROGRESS:
+        raise BadInput(f"a push's step carries {len(m.hparams)} hyperparameters and {len(m.progress)} shard "
+                       f"progress entries; at most {MAX_HPARAMS} and {MAX_PROGRESS}")
+    hparams = []
+    for h in m.hparams:
+        if not _HPARAM_NAME.match(h.name) or not math.isfinite(h.value):
+            raise BadInput(f"hyperparameter {short(h.name)}={h.value!r} of group {h.group}: names are "
+                           "identifiers of at most 32 characters, values finite numbers")
+        hparams.append((h.group, h.name, h.value))
+    if len(set((g, n) for g, n, _ in hparams)) != len(hparams):
+        raise BadInput("a push's step names one hyperparameter of a group twice")
+    absent = tuple(m.absent)
+    if list(absent) != sorted(set(absent)):
+        raise BadInput("a push's absent keys must be increasing key indices")
+    return StepInfo(tuple(hparams), absent, m.skip, m.buffers,
+                    tuple((p.epoch, p.shard, p.end) for p in m.progress))
+
+
 def encode_push(meta: PushMeta, chunks: Iterable[Chunk]) -> list[bytes]:
     """A whole push: header frame, chunk frames, and the end marker that digests them."""
-    fields = {k: v for k, v in meta.__dict__.items() if k != "sources"}
-    h = pb.FrameHeader(push=pb.PushHeader(**fields, sources=keys_to_pb(meta.sources)))
+    fields = {k: v for k, v in meta.__dict__.items() if k not in ("sources", "step")}
+    h = pb.FrameHeader(push=pb.PushHeader(**fields, sources=keys_to_pb(meta.sources), step=step_to_pb(meta.step)))
     return with_end([encode_frame(h), *_chunk_frames(chunks)])
 
 
@@ -130,7 +177,8 @@ def push_meta_of(h: pb.FrameHeader) -> PushMeta:
     p = h.push
     return PushMeta(p.job, p.sender, p.seq, p.base_version, p.view_epoch, p.contributors,
                     p.clock_min, p.clock_max, p.clock_floor, p.loss_sum, p.loss_count,
-                    p.step_seconds_sum, max(1, p.workers), p.incarnation, keys_from_pb(p.sources))
+                    p.step_seconds_sum, max(1, p.workers), p.incarnation, keys_from_pb(p.sources),
+                    step_from_pb(p.step) if p.HasField("step") else StepInfo())
 
 
 def decode_push(frames: Iterable[bytes]) -> tuple[PushMeta, list[Chunk], bytes]:
@@ -269,12 +317,17 @@ def status_from_pb(m: pb.StatusReply) -> TierStatus:
                    for j in m.jobs))
 
 
+_KIND = {"param": pb.KEY_KIND_PARAM, "frozen": pb.KEY_KIND_FROZEN, "buffer": pb.KEY_KIND_BUFFER}
+assert set(_KIND.values()) == set(pb.KeyKind.values()) and set(_KIND) == set(KEY_KINDS)
+
+
 def layout_to_pb(layout: Layout) -> list[pb.KeySpec]:
-    return [pb.KeySpec(key=s.key, dtype=_DTYPE[s.dtype], shape=s.shape) for s in layout]
+    return [pb.KeySpec(key=s.key, dtype=_DTYPE[s.dtype], shape=s.shape, kind=_KIND[s.kind]) for s in layout]
 
 
 def layout_from_pb(keys: Iterable[pb.KeySpec]) -> Layout:
-    return Layout([KeySpec(k.key, tuple(k.shape), _name(_DTYPE, k.dtype, "dtype")) for k in keys])
+    return Layout([KeySpec(k.key, tuple(k.shape), _name(_DTYPE, k.dtype, "dtype"), _name(_KIND, k.kind, "key kind"))
+                   for k in keys])
 
 
 def encode_create_job(cfg: JobConfig | str, layout: Layout | None, chunks: Iterable[Chunk]) -> list[bytes]:

@@ -236,7 +236,7 @@ class Relay(Tier):
         (loss, n, secs), js.unsent_report = js.unsent_report, (0.0, 0, 0.0)
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
                                       agg.contributors, agg.clock_min, agg.clock_max, floor,
-                                      loss, n, secs, js.members.workers(), self.epoch, keys), chunks)
+                                      loss, n, secs, js.members.workers(), self.epoch, keys, agg.step), chunks)
         js.reported_floor = max(js.reported_floor, floor)
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]

@@ -47,11 +47,11 @@ from ps.core.config import JobConfig, OptimizerConfig, ServerConfig, check_name
 from ps.core.consistency import Aggregate, all_finite
 from ps.core.deltas import DeltaEntry
 from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
-from ps.core.exactly_once import decode_keys, encode_keys
+from ps.core.exactly_once import decode_applied, encode_applied
 from ps.core.logs import event
 from ps.core.optim import ServerOptimizer
 from ps.core.tensors import assemble, split
-from ps.core.types import Ack, PushKey, PushMeta
+from ps.core.types import Ack, PushKey, PushMeta, StepInfo
 from ps.core.view import KeySpec, Layout, checksum
 from ps.tiers import checkpoint
 from ps.tiers.jobstate import RootJob
@@ -237,19 +237,19 @@ class Root(Tier):
                 # Never more than one step: a fast sender that summed many queued gradients into
                 # one push would otherwise take an Adam step many times lr (measured: diverged).
                 scale *= min(1.0, agg.contributors / js.members.workers())
-        rec = WalRecord(js.view.version + 1, agg.contributors, floor, grad, scale, encode_keys(keys))
-        task = asyncio.ensure_future(self._apply_durably(js, agg, rec, keys, fut))
+        rec = WalRecord(js.view.version + 1, agg.contributors, floor, grad, scale, encode_applied(keys, agg.step))
+        task = asyncio.ensure_future(self._apply_durably(js, agg, rec, keys, agg.step, fut))
         self._ckpt_tasks.add(task)
         task.add_done_callback(self._ckpt_tasks.discard)
 
     async def _apply_durably(self, js: RootJob, agg: Aggregate, rec: WalRecord,
-                             keys: tuple[PushKey, ...], fut: asyncio.Future) -> None:
+                             keys: tuple[PushKey, ...], step: StepInfo, fut: asyncio.Future) -> None:
         async with js.apply_lock:
             if js.wal is None:  # no log to roll back from: keep an in-memory copy of this step's start
                 js.optimizer.save_point()
             try:
                 if rec.grad is not None:
-                    js.optimizer.step(rec.grad, rec.scale)
+                    js.optimizer.step(rec.grad, rec.scale, step)
                     if not all_finite(js.params):
                         raise BadInput(f"the optimizer's step for version {rec.version} of job "
                                        f"{js.config.name} made parameters non-finite; nothing was "
@@ -305,10 +305,11 @@ class Root(Tier):
 
     def _apply(self, js: RootJob, rec: WalRecord) -> None:
         """Replay one logged version (restore): the same arithmetic as when it was made."""
+        keys, step = decode_applied(rec.keys)
         if rec.grad is not None:
-            js.optimizer.step(rec.grad, rec.scale)
+            js.optimizer.step(rec.grad, rec.scale, step)
         self._publish(js, rec.clock_min, rec.contributors)
-        js.applied.add(rec.version, decode_keys(rec.keys))
+        js.applied.add(rec.version, keys)
 
     def _publish(self, js: RootJob, clock_min: int, contributors: int) -> None:
         # No separate residual: params - view is exactly what earlier deltas did not carry.
@@ -382,7 +383,7 @@ class Root(Tier):
         meta = dict(version=js.view.version, checksum=js.view.checksum, steps=js.optimizer.steps,
                     clock_min=js.view.clock_min,
                     config=dataclasses.asdict(js.config),
-                    keys=[[s.key, list(s.shape), s.dtype] for s in js.layout])
+                    keys=[[s.key, list(s.shape), s.dtype, s.kind] for s in js.layout])
         version, wal, name = js.view.version, js.wal, js.config.name
         # Records after this checkpoint go to a new segment; the old ones are deleted once
         # the checkpoint is durable (if it fails, replay still has everything).
@@ -436,7 +437,7 @@ class Root(Tier):
             return None
         arrays, meta = loaded
         cfg = _config(meta["config"])
-        layout = Layout([KeySpec(k, tuple(s), dt) for k, s, dt in meta["keys"]])
+        layout = Layout([KeySpec(k[0], tuple(k[1]), k[2], *k[3:]) for k in meta["keys"]])  # kind: since issue 13
         js = self._install(cfg, layout, arrays["params"], meta["version"], arrays["view"], register=False)
         state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
         js.optimizer.load_state_dict({"steps": meta["steps"], **state})

@@ -237,6 +237,9 @@ class Tier:
             if len(k.digest) != 16:
                 raise BadInput(f"push source {short(k.member)}/{k.seq} has a {len(k.digest)}-byte digest; a "
                                "push's digest is its end marker's XXH3-128, 16 bytes")
+        if meta.step.absent and meta.step.absent[-1] >= len(js.layout.specs):
+            raise BadInput(f"a push names key index {meta.step.absent[-1]} as absent; job {meta.job} has "
+                           f"{len(js.layout.specs)} keys")
         kind = js.book(meta.sender, meta.incarnation).classify(meta.seq)
         if member.in_flight >= MAX_IN_FLIGHT + 2:
             raise Exhausted(f"{meta.sender!r} has {member.in_flight} pushes in flight here (at most "
@@ -293,9 +296,10 @@ class Tier:
         nbytes = intake.nbytes
         clocks = (meta.clock_min, meta.clock_max)
         if js.bsp:
-            js.round.add(meta.sender, meta.base_version, grad, meta.contributors, clocks)
+            js.round.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, meta.step)
         else:
-            js.window.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, nbytes, self.clock())
+            js.window.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, nbytes, self.clock(),
+                          meta.step)
         js.add_sources(keys)
         intake.decoded_into_batch()
         member.pushes += 1
@@ -342,7 +346,7 @@ class Tier:
                 log.info("%s: round %d of %s is behind version %d; moving to round %d", self.role,
                          js.round.round, meta.job, js.view.version, meta.base_version)
                 js.round = BspRound(round=meta.base_version, numel=js.layout.numel)
-            js.round.check(meta.sender, meta.base_version, meta.contributors)
+            js.round.check(meta.sender, meta.base_version, meta.contributors, meta.step)
         else:
             js.window.check(meta.sender, meta.contributors)
             if js.view.ready and meta.base_version > js.view.version:
