@@ -53,7 +53,7 @@ from ps.core.errors import BadInput, Exhausted, HpsError, NotMember, NotReady, S
 from ps.core.logs import event
 from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes, split
-from ps.core.types import Chunk, PullMeta, PushMeta, VersionMeta
+from ps.core.types import NO_STEP, Chunk, PullMeta, PushMeta, StepInfo, VersionMeta
 from ps.core.view import Layout, View
 from ps.net.rpc import Caller
 from ps.net.tls import TlsFiles
@@ -351,7 +351,7 @@ class ParameterClient:
     def push(self, grad: np.ndarray | torch.Tensor, clock: int = 0, *, clock_max: int | None = None,
              base_version: int | None = None, view_epoch: int | None = None,
              contributors: int = 1, report: tuple[float, int, float] = (0.0, 0, 0.0),
-             pipelined: bool = False) -> tuple[int, int]:
+             pipelined: bool = False, step: StepInfo = NO_STEP) -> tuple[int, int]:
         """Push a flat gradient (a sum of ``contributors`` gradients computed at clocks
         ``clock..clock_max`` on ``base_version``, default: the held view); returns the version
         that applied it and the payload bytes sent.
@@ -363,6 +363,8 @@ class ParameterClient:
         losses, how many, sum of step seconds).
         ``pipelined`` (async): other pushes may be in flight at once, from other threads; each
         takes its own sequence number (the tiers accept them out of order).
+        ``step``: what the push says about its optimizer step beyond the gradient
+        (hyperparameters, keys without a gradient, an AMP skip, buffers, leased-data progress).
         Raises Stale when the round it belonged to was aborted (nothing applied).
         """
         clock_max = clock if clock_max is None else clock_max
@@ -383,7 +385,7 @@ class ParameterClient:
             frames = encode_push(PushMeta(
                 self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
                 self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
-                clock_max + 1, *report, incarnation=self.incarnation), chunks)
+                clock_max + 1, *report, incarnation=self.incarnation, step=step), chunks)
         nbytes = payload_bytes(chunks)
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
         reply = self._retrying("push", lambda: self._call("Push", iter(frames),
