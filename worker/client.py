@@ -129,6 +129,7 @@ class ParameterClient:
         self.bytes_up = 0
         self.bytes_down = 0
         self.lost_steps = 0
+        self.last_skipped = False   # the last acknowledged push's version skipped its step (AMP)
         # mutual TLS: this worker's certificate (None: HPS_TLS_CERT/KEY/CA if set, else plaintext);
         # rewritten files are picked up before the next call (ps/net/tls.py). The job's token
         # (or the admin's) is presented on every call; never logged.
@@ -369,7 +370,7 @@ class ParameterClient:
         """
         clock_max = clock if clock_max is None else clock_max
         finite = torch.isfinite(grad).all() if isinstance(grad, torch.Tensor) else np.isfinite(grad).all()
-        if not finite:
+        if contributors and not finite:
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
         with self._push_lock:
             # Numbers advance only on acknowledgement: a retry (lost ack) or a refused push
@@ -381,7 +382,8 @@ class ParameterClient:
                 seq = self.acked_seq + 1
             self.seq = seq
             # Encoded once: a retry resends these very bytes, so the residual is updated once.
-            chunks = self.encoder.split(self.layout, grad, step=clock_max)
+            # An empty contribution (a worker with no data left this round) carries no body.
+            chunks = self.encoder.split(self.layout, grad, step=clock_max) if contributors else []
             frames = encode_push(PushMeta(
                 self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
                 self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
@@ -393,6 +395,7 @@ class ParameterClient:
         with self._push_lock:
             self.acked_seq = max(self.acked_seq, seq)
             self.bytes_up += nbytes
+            self.last_skipped = reply.skipped
         return reply.applied_version, nbytes
 
 

@@ -1,28 +1,43 @@
-"""The three-line integration: an optimizer-like object whose ``step()`` trains through hps.
+"""The integration a PyTorch script expects: a ``torch.optim.Optimizer`` that trains through hps.
 
 >>> model = torch.nn.Linear(4, 1)
 >>> opt = HpsOptimizer(model, address, JobConfig(name="mlp"), worker_id="w0")
+>>> isinstance(opt, torch.optim.Optimizer), opt.rank, opt.world_size
+(True, 0, 1)
+>>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 >>> for x, y in [(torch.ones(8, 4), torch.zeros(8, 1))] * 3:
 ...     opt.zero_grad()
 ...     torch.nn.functional.mse_loss(model(x), y).backward()
 ...     result = opt.step()   # push gradients, wait for the round, bring parameters back
->>> result.version, result.applied
-(3, True)
+...     sched.step()          # the new lr travels with the next push; the root applies it
+>>> result.version, result.applied, opt.param_groups[0]["lr"]
+(3, True, 0.005)
 >>> opt.close()
 
-The model's parameters are overwritten with the published view on construction (every
-worker starts from the same values) and after every step. Gradients are gathered on the
-model's device into one flat vector; the job's push codec compresses it there (top-k selects,
-int8 quantises on the GPU), so only the compressed payload crosses to the host. Sparse
-gradients (``nn.Embedding(sparse=True)``) are gathered densely on the device and travel as
-rows. Parameters come back as one host-to-device copy per step.
+The job's param groups (``OptimizerConfig.groups``) appear as ``param_groups``; an
+``lr_scheduler`` or a hand-written ``group["lr"] = ...`` changes what the root applies for the
+version the next push makes (in bsp the round's workers must agree). The root holds the
+optimizer's state and runs the job's torch optimizer on the averaged gradient.
+
+The model's parameters, frozen parameters and buffers are overwritten with the published view
+on construction (every worker starts from the same values); parameters after every step,
+buffers after each step that averages them (``JobConfig.buffer_sync_every``). Gradients are
+gathered on the model's device into one flat vector; the job's push codec compresses it there
+(top-k selects, int8 quantises on the GPU), so only the compressed payload crosses to the
+host. A parameter whose ``.grad`` is None is not updated (torch's semantics), and AMP's
+``GradScaler`` works unchanged: a round in which any worker overflowed is skipped by every
+worker, and every worker's scaler backs off.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +45,8 @@ import torch
 from ps.core.config import JobConfig
 from ps.core.errors import Conflict, Stale, TimedOut, UnknownJob
 from ps.core.exactly_once import MAX_IN_FLIGHT
+from ps.core.optim import flat_hparams, group_defaults, group_index
+from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
 from ps.net.tls import TlsFiles
 from worker.client import ParameterClient, StepResult
@@ -39,53 +56,111 @@ __all__ = ["HpsOptimizer"]
 
 log = logging.getLogger("hps.worker")
 
+Params = torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]
 
-def _named(params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]
-           ) -> list[tuple[str, torch.nn.Parameter]]:
+
+def _keys(params: Params) -> list[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, kind) in layout order: parameters (trained or frozen), then buffers."""
     if isinstance(params, torch.nn.Module):
-        return list(params.named_parameters())
-    return list(params)
+        named = list(params.named_parameters())
+        buffers = [(n, b) for n, b in params.named_buffers() if b is not None]
+    else:
+        named, buffers = list(params), []
+    out = [(n, p, "param" if p.requires_grad else "frozen") for n, p in named]
+    return out + [(n, b, "buffer") for n, b in buffers]
 
 
-class HpsOptimizer:
-    """Trains ``params`` through the job ``job`` at the tier ``address``, like a torch optimizer.
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
-    >>> model = torch.nn.Linear(4, 1)
+
+def _env_run_id() -> str:
+    """The run this process belongs to: HPS_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID."""
+    run = os.environ.get("HPS_RUN_ID", "")
+    if not run:
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        run = "" if run == "none" else run
+    return run
+
+
+class HpsOptimizer(torch.optim.Optimizer):
+    """Trains ``params`` through the job ``job`` at the tier ``address``, as a torch optimizer.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     >>> job = JobConfig(name="mlp-ssp", mode="ssp", staleness=1)
     >>> with HpsOptimizer(model, address, job, worker_id="w0") as opt:   # leaves the job on exit
     ...     model(torch.ones(2, 4)).sum().backward()
     ...     _ = opt.step(loss=0.5)       # the loss rides along for the tiers' metrics
     ...     version = opt.sync()         # ssp/async: wait for the last push, load the newest view
-    ...     ckpt = opt.state_dict()      # clock and error-feedback residuals, for a checkpoint
-    >>> version, ckpt["clock"]
-    (1, 1)
+    ...     ckpt = opt.state_dict()      # torch's shape, plus hps's clock and residuals
+    >>> version, sorted(ckpt), ckpt["hps"]["clock"]
+    (1, ['hps', 'param_groups', 'state'], 1)
 
-    ``params``: a module or ``(name, parameter)`` pairs; parameters that do not require grad
-    are left out. ``job``: a ``JobConfig`` creates the job if it does not exist (the first
-    worker's values win; a running job with another configuration raises Conflict), a name
-    joins one declared with ``hps job create``. On construction the worker registers, and the
-    model's parameters are overwritten with the published view. ``timeout_s`` bounds each
-    call, ``round_timeout_s`` a wait for a round or a clock floor (seconds). ``record`` keeps
-    ``trace``: (clock, version computed on) per step, for tests. ``tls``: the worker's
-    certificate files for mutual TLS (None: ``HPS_TLS_*`` if set, else plaintext). ``token``:
-    the job's token (default: the environment's HPS_TOKEN; see ``ParameterClient``). Raises
-    ValueError when the model's parameters do not match the job's, and the hps errors of
-    ``ParameterClient``.
+    ``params``: a module (its parameters, frozen ones included, and its buffers) or
+    ``(name, parameter)`` pairs. ``address``: the worker's tier (default: ``HPS_ADDRESS``).
+    ``job``: a ``JobConfig`` creates the job if it does not exist (the first worker's values
+    win; a running job with another configuration raises Conflict); a name joins one declared
+    with ``hps job create`` (default: ``HPS_JOB``). ``worker_id``: default ``HPS_WORKER_ID``,
+    else ``rank<RANK>`` under torchrun, else a random one. On construction the worker
+    registers, takes a stable rank (``RANK`` if set), waits until the job's ``min_workers``
+    (``WORLD_SIZE`` under torchrun) have joined, and loads the published view.
+
+    A job that has trained (version > 0) is not joined by a new run: ``resume=True`` (or
+    ``HPS_RESUME=1``) continues it; workers of one run share ``HPS_RUN_ID`` (torchrun's run
+    id is used when set), and may then join, leave and restart freely.
+
+    ``timeout_s`` bounds each call, ``round_timeout_s`` a wait for a round or a clock floor
+    (seconds); ``start_timeout_s`` the wait for ``min_workers``. ``record`` keeps ``trace``:
+    (clock, version computed on) per step, for tests. ``tls``: the worker's certificate files
+    (None: ``HPS_TLS_*`` if set, else plaintext). ``token``: the job's token (default:
+    ``HPS_TOKEN``). Raises ValueError when the model does not match the job, Conflict for
+    another configuration or run, and the hps errors of ``ParameterClient``.
     """
 
-    def __init__(self, params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
-                 address: str, job: JobConfig | str, worker_id: str | None = None,
-                 timeout_s: float = 30.0, round_timeout_s: float = 600.0, record: bool = False,
-                 tls: TlsFiles | None = None, token: str | None = None) -> None:
-        self.params = [(n, p) for n, p in _named(params) if p.requires_grad]
-        if not self.params:
+    _step_supports_amp_scaling = True  # GradScaler hands step() its scale and found_inf
+
+    def __init__(self, params: Params, address: str | None = None, job: JobConfig | str | None = None,
+                 worker_id: str | None = None, timeout_s: float = 30.0, round_timeout_s: float = 600.0,
+                 record: bool = False, tls: TlsFiles | None = None, token: str | None = None,
+                 resume: bool | None = None, start_timeout_s: float = 600.0) -> None:
+        address = address or os.environ.get("HPS_ADDRESS", "")
+        if not address:
+            raise ValueError("no tier address: pass address= or set HPS_ADDRESS (e.g. zone-eu-a:7001)")
+        if job is None:
+            job = os.environ.get("HPS_JOB", "")
+            if not job:
+                raise ValueError("no job: pass job=JobConfig(...) or a job name, or set HPS_JOB")
+        requested_rank = _env_int("RANK")
+        self.local_rank = _env_int("LOCAL_RANK") or 0
+        run_id = _env_run_id()
+        if resume is None:
+            resume = os.environ.get("HPS_RESUME", "").lower() in ("1", "true", "yes")
+        if isinstance(job, JobConfig):
+            world = _env_int("WORLD_SIZE")
+            if run_id and not job.run_id:
+                job = replace(job, run_id=run_id)
+            if world and hasattr(job, "min_workers") and not job.min_workers:
+                job = replace(job, min_workers=world)
+        worker_id = (worker_id or os.environ.get("HPS_WORKER_ID")
+                     or (f"rank{requested_rank}" if requested_rank is not None else None))
+        self._keys = _keys(params)
+        if not any(kind == "param" for _, _, kind in self._keys):
             raise ValueError("HpsOptimizer needs at least one parameter that requires grad")
         name = job.name if isinstance(job, JobConfig) else job
         self.client = ParameterClient(address, name, worker_id, timeout_s, round_timeout_s, tls=tls, token=token)
-        self.layout = Layout([KeySpec(n, tuple(p.shape)) for n, p in self.params])
+        self.layout = Layout([KeySpec(n, tuple(t.shape), kind=kind) for n, t, kind in self._keys])
         self.clock = 0
         self.last_step_s = 0.0
+        self.last_result: StepResult | None = None
         self._iteration_start = time.perf_counter()  # step time = from one step() to the next
+        self._sampler: Any = None  # a LeasedSampler whose progress rides with each push
+        self._carried: tuple[tuple[int, int, int], ...] = ()  # ssp/async: progress of unpushed steps
         # Join a running job without sending the initial values: across a WAN every joining
         # worker would otherwise ship the whole model to the root only to have it ignored.
         # Otherwise a JobConfig creates the job, and a name adopts one declared with `hps job
@@ -94,23 +169,33 @@ class HpsOptimizer:
             self.client.register()
             created = False
         except UnknownJob:
-            created = self.client.create_job(job, self.layout, self._flat(lambda p: p.detach()))
+            created = self.client.create_job(job, self.layout, self._values())
             self.client.register()
-        problem: Exception | None = None
-        if isinstance(job, JobConfig) and self.client.config != job:
-            problem = Conflict(f"job {name!r} is running with another configuration "
-                               f"({self.client.config}); this worker asked for {job}")
-        elif self.client.layout != self.layout:
-            problem = ValueError(f"the model's parameters do not match job {name!r}: the job holds "
-                                 f"{[(s.key, s.shape) for s in self.client.layout]}")
-        if problem is not None:
+        try:
+            self._check_join(job, name, created, run_id, resume)
+        except Exception:
             self.client.close()  # leave again: a member that never pushes would hold up bsp rounds
-            raise problem
-        log.info("%s: job %s %s", self.client.worker_id, name, "created" if created else "joined")
+            raise
+        cfg = self.client.config
+        self.rank, self.world_size = self._take_rank(requested_rank, getattr(cfg, "min_workers", 0), start_timeout_s)
+        log.info("%s: job %s %s as rank %d of %d", self.client.worker_id, name,
+                 "created" if created else "joined", self.rank, self.world_size)
         self.client.pull(min_version=self.client.start_version)
-        self._load_view()
-        self.mode = self.client.config.mode
-        self.staleness = self.client.config.staleness
+        self._load_view(buffers=True, frozen=True)
+        # The job's param groups, as torch's class would hold them; what the script changes in
+        # them from these values travels with each push.
+        trained = [(i, t) for i, (_, t, kind) in enumerate(self._keys) if kind == "param"]
+        defaults = group_defaults(cfg.optimizer)
+        where = group_index(cfg.optimizer, [self._keys[i][0] for i, _ in trained])
+        groups: list[dict[str, Any]] = [{"params": [], **d} for d in defaults]
+        for (_, t), g in zip(trained, where, strict=True):
+            groups[g]["params"].append(t)
+        self._configured = [flat_hparams(d) for d in defaults]
+        self._init_done = False
+        super().__init__(groups, defaults[0])
+        self._init_done = True
+        self.mode = cfg.mode
+        self.staleness = cfg.staleness
         self.clock = self.client.start_clock
         self.trace: list[tuple[int, int]] = []  # (clock, version computed on), if record
         self._record = record
@@ -119,72 +204,197 @@ class HpsOptimizer:
         self.sender = (Sender(self.client, record, in_flight=MAX_IN_FLIGHT if self.mode == "async" else 1)
                        if self.mode != "bsp" else None)
 
+    # -- joining -----------------------------------------------------------------------------
+    def _check_join(self, job: JobConfig | str, name: str, created: bool, run_id: str, resume: bool) -> None:
+        have = self.client.config
+        if self.client.layout != self.layout:
+            raise ValueError(f"the model's parameters do not match job {name!r}: the job holds "
+                             f"{[(s.key, s.shape, s.kind) for s in self.client.layout]}")
+        if created:
+            return
+        ours = job.run_id if isinstance(job, JobConfig) else run_id
+        other_run = have.run_id != ours
+        if isinstance(job, JobConfig) and have != job and replace(have, run_id=job.run_id) != job:
+            raise Conflict(f"job {name!r} is running with another configuration ({have}); this worker "
+                           f"asked for {job}")
+        if resume or self.client.start_version == 0:
+            return  # resuming on purpose, or nothing trained yet (a declared job, a fresh one)
+        if not other_run and ours:
+            return  # a worker of the same run joining (late, elastically, or restarted)
+        raise Conflict(
+            f"job {name!r} already trained to version {self.client.start_version}"
+            + (f" in run {have.run_id!r}" if have.run_id else "")
+            + (f"; this worker is of run {ours!r}" if ours else "; this worker names no run (HPS_RUN_ID)")
+            + ". To continue that job pass resume=True (or set HPS_RESUME=1); to start afresh pick "
+            "another job name or end it first (hps job end " + name + "). Workers of one run share "
+            "HPS_RUN_ID (torchrun's run id counts) and then join and restart freely.")
+
+    def _take_rank(self, requested: int | None, min_workers: int, timeout_s: float) -> tuple[int, int]:
+        rank_fn = getattr(self.client, "rank", None)
+        if rank_fn is None:  # a client without rank assignment (older tiers)
+            return 0, 1
+        rank, world = rank_fn(requested)
+        if min_workers > 1:
+            world = self.client.wait_workers(min_workers, timeout_s)
+        return rank, max(world, min_workers, 1)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the worker that saves checkpoints and logs for the job."""
+        return self.rank == 0
+
     @property
     def version(self) -> int:
         """The version of the parameters the model holds now."""
         return self.client.view.version
 
-    def _flat(self, get: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
-        return self._flat_device(get).cpu().numpy()
+    def sampler(self, dataset_len: int, batch_size: int, **kw: Any) -> Any:
+        """A batch sampler leasing this job's data shards from the root (``worker.sampler``):
+        every sample of an epoch is trained once across the workers, whoever joins or dies.
+        Its progress rides with each push. ``kw``: ``LeasedSampler``'s options."""
+        from worker.sampler import LeasedSampler
+        self._sampler = LeasedSampler(self.client, dataset_len, batch_size, idle=self.idle, **kw)
+        return self._sampler
 
-    def _flat_device(self, get: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_init_done", False):
+            raise ValueError("the job's param groups are fixed when it is created: declare them in "
+                             "OptimizerConfig.groups (parameter-name patterns with their options)")
+        super().add_param_group(param_group)
+
+    # -- values in and out ----------------------------------------------------------------------
+    def _values(self) -> np.ndarray:
         with torch.no_grad():
-            return torch.cat([get(p).reshape(-1).to(torch.float32) for _, p in self.params])
+            return torch.cat([t.detach().reshape(-1).to(torch.float32) for _, t, _ in self._keys]).cpu().numpy()
 
-    @staticmethod
-    def _grad(p: torch.Tensor) -> torch.Tensor:
-        g = p.grad
-        if g is None:
-            return torch.zeros_like(p)
-        return g.coalesce().to_dense() if g.is_sparse else g
+    def _device(self) -> torch.device:
+        return self._keys[0][1].device
 
-    def _load_view(self) -> None:
+    def _load_view(self, buffers: bool = False, frozen: bool = False) -> None:
         values = torch.from_numpy(self.client.view.values)
-        device = self.params[0][1].device
+        device = self._device()
         if device.type != "cpu":
             values = values.to(device, non_blocking=True)
         off = 0
         with torch.no_grad():
-            for _, p in self.params:
-                n = p.numel()
-                p.copy_(values[off:off + n].view_as(p))
+            for _, t, kind in self._keys:
+                n = t.numel()
+                if kind == "param" or (kind == "buffer" and buffers) or (kind == "frozen" and frozen):
+                    v = values[off:off + n].view(t.shape)
+                    t.copy_(v if t.is_floating_point() else v.round())
                 off += n
 
+    def _gather(self, sync_buffers: bool, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """This step's flat vector on the device (gradients, unscaled if AMP scaled them; buffer
+        values on a step that averages them) and the keys it carries nothing for."""
+        device = self._device()
+        parts, absent = [], []
+        with torch.no_grad():
+            for i, (_, t, kind) in enumerate(self._keys):
+                g = t.grad if kind == "param" else None
+                if g is not None:
+                    g = (g.coalesce().to_dense() if g.is_sparse else g).reshape(-1).to(torch.float32)
+                    parts.append(g * inv_scale if inv_scale is not None else g)
+                elif kind == "buffer" and sync_buffers:
+                    parts.append(t.detach().reshape(-1).to(torch.float32))
+                else:
+                    parts.append(torch.zeros(t.numel(), dtype=torch.float32, device=device))
+                    absent.append(i)
+            return torch.cat(parts), tuple(absent)
+
+    def _hparams(self) -> tuple[tuple[int, str, float], ...]:
+        """What the script changed in the groups (an lr schedule): sent, applied at the root."""
+        out = []
+        for i, group in enumerate(self.param_groups):
+            configured = self._configured[i]
+            for name, value in flat_hparams(group).items():
+                if name in configured and value != configured[name]:
+                    out.append((i, name, value))
+        return tuple(out)
+
+    # -- the step --------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does."""
-        for _, p in self.params:
+        for _, t, kind in self._keys:
+            if kind != "param" or t.grad is None:
+                continue
             if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+                t.grad = None
+            else:
+                t.grad.detach_()
+                t.grad.zero_()
 
-    def step(self, loss: float | torch.Tensor | None = None) -> StepResult:
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: float | torch.Tensor | None = None
+             ) -> Any:
         """Push this step's gradients and bring back the parameters to compute the next on.
+
+        Follows ``torch.optim.Optimizer.step``: ``closure`` (optional) re-evaluates the model
+        and returns the loss, which ``step`` then returns; without one, ``step`` returns the
+        ``StepResult`` (version held, whether the update was applied, bytes moved), also kept
+        in ``last_result``. ``loss`` (optional) travels with the push, with the time since the
+        previous step, so every tier exports the job's training loss and step time.
 
         bsp: waits for the round and returns version v+1. ssp(s): hands the gradient to the
         background sender, then waits until every live worker's updates from clocks < c - s
         are in the held version. async: takes whatever version the tier holds now.
-        ``loss`` (optional) travels with the push, with the time since the previous step, so
-        every tier exports the job's training loss and step time (``hps_worker_loss``).
-        Raises TimedOut when the round or the clock floor does not come within
-        ``round_timeout_s``; ssp/async raise here what a background push ended with (UnknownJob
-        once the job ended). A push refused as Stale is logged and counted, not raised.
+        A non-finite gradient (an AMP overflow, found by ``GradScaler`` or here) is not
+        applied: in bsp the whole round is skipped by every worker; in ssp/async this worker's
+        step is not pushed. Raises TimedOut when the round or the clock floor does not come
+        within ``round_timeout_s``; ssp/async raise here what a background push ended with.
         """
+        if closure is not None and not callable(closure):
+            raise TypeError("step() takes an optional closure, as torch.optim does; pass the loss as "
+                            "step(loss=...)")
+        returned = None
+        if closure is not None:
+            with torch.enable_grad():
+                returned = closure()
+            loss = loss if loss is not None else returned
         t0 = time.perf_counter()
         report = (0.0, 0, 0.0)
         if loss is not None:
             value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             report = (value, 1, t0 - self._iteration_start)
         self._iteration_start = t0
-        grad = self._flat_device(self._grad)  # stays on the device: the codec runs there
+        # GradScaler (with _step_supports_amp_scaling) sets these for the duration of the call:
+        # the scale still in the gradients (None once unscale_ ran) and whether it saw inf/NaN.
+        scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        inv_scale = (scale.double().reciprocal().float().to(self._device())
+                     if isinstance(scale, torch.Tensor) else None)
+        every = self.client.config.buffer_sync_every
+        sync_buffers = bool(every) and (self.clock + 1) % every == 0
+        grad, absent = self._gather(sync_buffers, inv_scale)
+        overflow = bool(found_inf.item() > 0) if isinstance(found_inf, torch.Tensor) else \
+            not bool(torch.isfinite(grad).all())
+        if overflow:
+            grad.zero_()
+            if found_inf is None:
+                log.warning("%s: step %d has a non-finite gradient; %s", self.client.worker_id, self.clock,
+                            "the round is skipped by every worker" if self.mode == "bsp" else "not pushed")
+        has_buffers = sync_buffers and any(kind == "buffer" for _, _, kind in self._keys)
+        progress = self._sampler.step_progress() if self._sampler is not None else ()
+        info = StepInfo(self._hparams(), absent, overflow and self.mode == "bsp", int(has_buffers), progress)
         if self._record:
             self.trace.append((self.clock, self.client.view.version))
         if self.sender is not None:
-            return self._step_nonblocking(grad, t0, report)
+            result = self._step_nonblocking(grad, t0, report, info, skip=overflow, sync_buffers=sync_buffers)
+        else:
+            result = self._step_bsp(grad, t0, report, info, sync_buffers)
+            if self.client.last_skipped and not overflow and found_inf is not None:
+                self._scaler_backs_off()
+        self.last_result = result
+        return returned if closure is not None else result
+
+    def _step_bsp(self, grad: torch.Tensor, t0: float, report: tuple[float, int, float], info: StepInfo,
+                  sync_buffers: bool, contributors: int = 1) -> StepResult:
         down0 = self.client.bytes_down
         applied, up = True, 0
         try:
-            version, up = self.client.push(grad, clock=self.clock, report=report)
+            version, up = self.client.push(grad, clock=self.clock, report=report, step=info,
+                                           contributors=contributors)
+            applied = not self.client.last_skipped
         except Stale as exc:
             # Not applied, and it will not be (its round closed while a tier restarted, or the
             # root restarted): counted in lost_steps. Wait for the version the tier names --
@@ -193,48 +403,112 @@ class HpsOptimizer:
             self.client.lost_steps += 1
             applied, version = False, exc.wait_version or 0
         self.client.pull(min_version=version)
-        self._load_view()
+        self._load_view(buffers=sync_buffers)
         self.clock += 1
         self.last_step_s = time.perf_counter() - t0
         return StepResult(self.client.view.version, applied, up, self.client.bytes_down - down0)
 
-    def _step_nonblocking(self, grad: torch.Tensor, t0: float, report: tuple[float, int, float]) -> StepResult:
+    def _scaler_backs_off(self) -> None:
+        """Another worker overflowed, so the round was skipped: make this worker's GradScaler
+        see an overflow too, so every worker's scale backs off together as one device's would.
+        The scaler is the caller of ``step`` (``GradScaler.step``); without one, nothing to do."""
+        frame = inspect.currentframe()
+        try:
+            for _ in range(8):
+                frame = frame.f_back if frame is not None else None
+                if frame is None:
+                    break
+                state, owner = frame.f_locals.get("optimizer_state"), frame.f_locals.get("self")
+                if isinstance(owner, torch.amp.GradScaler) and isinstance(state, dict):
+                    for t in state.get("found_inf_per_device", {}).values():
+                        t.fill_(1.0)
+                    return
+        finally:
+            del frame
+
+    def idle(self) -> StepResult | None:
+        """Take part in a bsp round with nothing to contribute (a worker whose data for the
+        epoch is done while others still train), so the others' rounds are not held up; then
+        load the round's parameters. ssp/async: nothing to do."""
+        if self.mode != "bsp":
+            return None
+        t0 = time.perf_counter()
+        empty = torch.zeros(0)
+        return self._step_bsp(empty, t0, (0.0, 0, 0.0), StepInfo(), False, contributors=0)
+
+    def _step_nonblocking(self, grad: torch.Tensor, t0: float, report: tuple[float, int, float],
+                          info: StepInfo, skip: bool, sync_buffers: bool) -> StepResult:
         assert self.sender is not None  # ssp and async have one
         sender = self.sender
         down0, up0 = self.client.bytes_down, sender.bytes_up
         view = self.client.view
-        sender.submit(grad, self.clock, view.version, view.epoch, report)
+        if skip:  # not pushed; the batch still counts as consumed (as a skipped step on one device)
+            self._carried = self._carried + info.progress
+        else:
+            sender.submit(grad, self.clock, view.version, view.epoch, report,
+                          replace(info, progress=self._carried + info.progress))
+            self._carried = ()
         self.clock += 1
         if self.mode == "ssp":
             self.client.pull(min_clock=max(0, self.clock - self.staleness))
         else:
             self.client.pull(wait_s=0.0)
-        self._load_view()
+        self._load_view(buffers=sync_buffers)
         self.last_step_s = time.perf_counter() - t0
-        return StepResult(self.client.view.version, True, sender.bytes_up - up0,
+        return StepResult(self.client.view.version, not skip, sender.bytes_up - up0,
                           self.client.bytes_down - down0)
 
     def sync(self, timeout_s: float = 60.0) -> int:
-        """Wait until every pushed gradient is applied, then load the newest parameters
-        (the end of training in ssp/async); returns the version now held."""
+        """Wait until every pushed gradient is applied, then load the newest parameters and
+        buffers (the end of training in ssp/async); returns the version now held."""
         if self.sender is not None and not self.sender.drain(timeout_s):
             raise TimedOut(f"pushes still unacknowledged after {timeout_s:.0f}s")
         self.client.pull(wait_s=0.0)
-        self._load_view()
+        self._load_view(buffers=self.client.config.buffer_sync_every > 0)
         return self.version
 
-    def state_dict(self) -> dict:
-        """What a worker checkpoint needs beyond the model: its clock and the push edge's
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's shape: ``state`` (empty here: the job's optimizer state lives at the root,
+        which checkpoints it; ``hps checkpoint export`` writes it out as torch's) and
+        ``param_groups`` (hyperparameters as the script left them, parameter indices), plus
+        ``hps``: the job, the version held, the worker's clock and the push edge's
         error-feedback residuals (gradient mass not yet sent)."""
         self._quiesce()
+        groups, index = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(index, index + n))})
+            index += n
         enc = self.client.encoder
-        return {"clock": self.clock, "residuals": enc.state_dict() if enc is not None else {}}
+        return {"state": {}, "param_groups": groups,
+                "hps": {"job": self.client.job, "version": self.version, "clock": self.clock,
+                        "rank": self.rank, "residuals": enc.state_dict() if enc is not None else {}}}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved: the clock (never moved back) and the residuals."""
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` saved: the groups' hyperparameters (so a schedule goes on
+        where it was), the clock (never moved back) and the residuals. A torch optimizer's
+        ``state`` (its moments) cannot be loaded into a worker: the root holds the job's; say
+        ``resume=True`` to continue a job, whose state the root restores from its checkpoint.
+        Older hps checkpoints (``{"clock", "residuals"}``) load too."""
         self._quiesce()
-        self.clock = max(self.clock, int(state["clock"]))
-        self.client.encoder.load_state_dict(state["residuals"])
+        if state_dict.get("state"):
+            raise ValueError("this state dict holds a torch optimizer's per-parameter state; with hps the "
+                             "job's optimizer state lives at the root (restored from its checkpoint when "
+                             "the job is resumed with resume=True). Load only hps's own state dicts here")
+        saved_groups = state_dict.get("param_groups")
+        if saved_groups is not None:
+            if len(saved_groups) != len(self.param_groups) or any(
+                    len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=True)):
+                raise ValueError(f"the saved param groups ({[len(s['params']) for s in saved_groups]} parameters) "
+                                 f"do not match this job's ({[len(g['params']) for g in self.param_groups]})")
+            for saved, group in zip(saved_groups, self.param_groups, strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        hps = state_dict.get("hps", state_dict)
+        if "clock" in hps:
+            self.clock = max(self.clock, int(hps["clock"]))
+        if "residuals" in hps:
+            self.client.encoder.load_state_dict(hps["residuals"])
 
     def _quiesce(self, timeout_s: float = 60.0) -> None:
         """ssp/async: let the background sender push what it holds, so the residuals are not
@@ -244,7 +518,7 @@ class HpsOptimizer:
 
     def close(self) -> None:
         """Drain the background sender (ssp/async), stop heart-beating and leave the job."""
-        if self.sender is not None:
+        if getattr(self, "sender", None) is not None:
             self.sender.close(self.client.timeout_s)
         self.client.close()
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ps.core.errors import HpsError, Stale
+from ps.core.types import NO_STEP, StepInfo
 from worker.client import ParameterClient
 
 __all__ = ["Sender"]
@@ -61,6 +62,7 @@ class Sender:
         self._clocks = (0, 0)
         self._base = (0, 0)  # (view epoch, oldest base version) of the summed gradients
         self._report = (0.0, 0, 0.0)  # telemetry of the summed steps (loss sum, count, seconds)
+        self._step = NO_STEP  # the summed steps' step information, merged
         self._busy = 0  # pushes in flight
         self.peak_in_flight = 0
         self._pipelined = in_flight > 1
@@ -72,7 +74,7 @@ class Sender:
             t.start()
 
     def submit(self, grad: np.ndarray | torch.Tensor, clock: int, base_version: int, view_epoch: int,
-               report: tuple[float, int, float] = (0.0, 0, 0.0)) -> None:
+               report: tuple[float, int, float] = (0.0, 0, 0.0), step: StepInfo = NO_STEP) -> None:
         """Queue a gradient; raises the error a previous push ended with (e.g. the job ended)."""
         with self._cv:
             if self._error is not None:
@@ -83,7 +85,7 @@ class Sender:
                     self.client.lost_steps += self._n
                 self._sum, self._n = grad.clone() if isinstance(grad, torch.Tensor) else grad.copy(), 1
                 self._clocks, self._base = (clock, clock), (view_epoch, base_version)
-                self._report = report
+                self._report, self._step = report, step
             else:
                 self._sum += grad
                 self._n += 1
@@ -91,6 +93,7 @@ class Sender:
                 self._base = (view_epoch, min(self._base[1], base_version))
                 (loss, n, secs), (loss2, n2, secs2) = self._report, report
                 self._report = (loss + loss2, n + n2, secs + secs2)
+                self._step = self._step.merge(step)
             self._cv.notify_all()
 
     def _run(self) -> None:
@@ -101,14 +104,14 @@ class Sender:
                 if self._sum is None:
                     return
                 grad, n, clocks, (epoch, base) = self._sum, self._n, self._clocks, self._base
-                report = self._report
+                report, step = self._report, self._step
                 self._sum = None
                 self._busy += 1
                 self.peak_in_flight = max(self.peak_in_flight, self._busy)
             try:
                 version, nbytes = self.client.push(grad, clocks[0], clock_max=clocks[1], base_version=base,
                                                    view_epoch=epoch, contributors=n, report=report,
-                                                   pipelined=self._pipelined)
+                                                   pipelined=self._pipelined, step=step)
                 with self._cv:
                     self.bytes_up += nbytes
                     self.pushes += 1

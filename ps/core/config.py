@@ -107,9 +107,19 @@ class JobConfig:
     # workers keep the velocity and sparsify it (masking what they sent); the root then steps
     # plain SGD on what arrives. Momentum at the root would apply to stale, sparse sums instead.
     momentum_correction: bool = False
+    # Module buffers (BatchNorm's running statistics) are averaged across workers every this
+    # many steps (1: every step, like DDP's broadcast_buffers; 0: never, each worker keeps its
+    # own). Frozen parameters and buffers start from the creating worker's values either way.
+    buffer_sync_every: int = 1
+    # The run that created the job (HPS_RUN_ID, or torchrun's TORCHELASTIC_RUN_ID): a worker of
+    # another run does not silently join it and its old weights; it resumes only when told to.
+    run_id: str = ""
 
     def __post_init__(self) -> None:
         _finite(self)
+        _require(self.buffer_sync_every >= 0, f"buffer_sync_every must be >= 0, got {self.buffer_sync_every}")
+        _require(self.run_id == "" or bool(_MEMBER.match(self.run_id)),
+                 f"run id {short(self.run_id)} must be 1-128 letters, digits, '.', '_', ':', '@' or '-'")
         _require(isinstance(self.name, str) and bool(_NAME.match(self.name)),
                  f"job name {short(self.name)} must be 1-63 letters, digits, '.', '_' or '-'")
         _require(self.mode in MODES, f"mode {self.mode!r} is not one of {MODES}")

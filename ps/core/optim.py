@@ -15,13 +15,16 @@ vector: the root then matches a single process using torch.optim to fp32 roundin
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import numpy as np
 import torch
 
 from ps.core.config import OptimizerConfig
 from ps.core.types import StepInfo
 
-__all__ = ["ServerOptimizer", "lr_at"]
+__all__ = ["ServerOptimizer", "lr_at", "group_index", "group_defaults", "flat_hparams"]
 
 
 def lr_at(cfg: OptimizerConfig, step: int) -> float:
@@ -103,3 +106,33 @@ class ServerOptimizer:
                  if k.startswith("state.")}
         if inner:
             self._opt.state[self._p] = inner
+
+
+# -- the job's param groups as a worker's torch optimizer mirrors them ----------------------
+# (provisional: the single-group form until the root runs any torch optimizer with groups)
+
+def group_index(cfg: OptimizerConfig, names: Sequence[str]) -> list[int]:
+    """The param group of each parameter name (one group: every name in group 0)."""
+    return [0 for _ in names]
+
+
+def group_defaults(cfg: OptimizerConfig) -> list[dict[str, Any]]:
+    """Each group's hyperparameters as torch's class holds them in ``param_groups`` (no params)."""
+    probe = ServerOptimizer(cfg, np.zeros(1, np.float32))
+    return [{k: v for k, v in g.items() if k != "params"} for g in probe._opt.param_groups]
+
+
+def flat_hparams(group: Mapping[str, Any]) -> dict[str, float]:
+    """A group's numeric hyperparameters as the wire carries them: scalars by name, tuples as
+    ``name_0``, ``name_1`` (Adam's betas); booleans and None are structure, not schedule."""
+    out: dict[str, float] = {}
+    for k, v in group.items():
+        if k == "params" or isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = float(v)
+        if isinstance(v, (int, float)):
+            out[k] = float(v)
+        elif isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            out.update({f"{k}_{i}": float(x) for i, x in enumerate(v)})
+    return out

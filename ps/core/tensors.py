@@ -45,13 +45,18 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
 
     ``encode(name, codec, part)`` replaces ``codec.encode(part)`` for senders with state (error
     feedback keyed by ``name``, "key@offset"); keys in ``rows`` travel as their non-zero rows
-    (the lossless rows codec), in chunks of whole rows.
+    (the lossless rows codec), in chunks of whole rows. Buffer keys (BatchNorm's running
+    statistics) carry values, not gradients, and always travel as lossless fp32: a top-k of a
+    running mean would be no average at all.
     """
     out = []
+    fp32 = get_codec("fp32")
     for spec in layout:
         base = layout.offset(spec.key)
-        key_codec, step = codec, chunk_elems
-        if spec.key in rows:
+        key_codec, step, plain = codec, chunk_elems, encode is None
+        if spec.kind == "buffer" and not codec.lossless:
+            key_codec, plain = fp32, True
+        elif spec.key in rows:
             width = row_width(spec)
             key_codec = get_codec("rows", width=width)
             step = max(width, chunk_elems // width * width)
@@ -60,7 +65,7 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
             if n <= 0:
                 break
             part = flat[base + off: base + off + n]
-            payload = key_codec.encode(part) if encode is None else encode(f"{spec.key}@{off}", key_codec, part)
+            payload = key_codec.encode(part) if plain else encode(f"{spec.key}@{off}", key_codec, part)
             out.append(Chunk(spec.key, spec.shape, spec.dtype, off, n, key_codec.name, payload))
     return out
 

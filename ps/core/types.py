@@ -143,6 +143,7 @@ class Ack:
     applied_version: int
     view_epoch: int
     duplicate: bool = False
+    skipped: bool = False  # the version skipped its step (a contribution overflowed under AMP)
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             if args.slow > 1.0:  # a slower device: the same work, stretched
                 time.sleep((args.slow - 1.0) * (time.perf_counter() - t0))
-            r = opt.step(loss)  # the loss travels with the push: every tier exports it
+            r = opt.step(loss=loss)  # the loss travels with the push: every tier exports it
             _emit(event="step", worker=args.worker_id, step=step, loss=loss.item(), version=r.version,
                   applied=r.applied, bytes_up=r.bytes_up, bytes_down=r.bytes_down,
                   step_s=time.perf_counter() - t0)

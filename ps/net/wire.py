@@ -240,7 +240,8 @@ def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
         delta_log_length=cfg.delta_log_length, damping=cfg.damping,
         relay_codec=_CODEC[cfg.relay_codec] if cfg.relay_codec else pb.CODEC_UNSPECIFIED,
         topk=cfg.topk, topk_warmup_steps=cfg.topk_warmup_steps,
-        momentum_correction=cfg.momentum_correction)
+        momentum_correction=cfg.momentum_correction, buffer_sync_every=cfg.buffer_sync_every,
+        buffers_never=cfg.buffer_sync_every == 0, run_id=cfg.run_id)
 
 
 def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
@@ -259,7 +260,8 @@ def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
         delta_log_length=m.delta_log_length, damping=m.damping,
         relay_codec=_name(_CODEC, m.relay_codec, "codec") if m.relay_codec else "",
         topk=m.topk or 0.01,  # 0: a peer from before the field; its default
-        topk_warmup_steps=m.topk_warmup_steps, momentum_correction=m.momentum_correction)
+        topk_warmup_steps=m.topk_warmup_steps, momentum_correction=m.momentum_correction,
+        buffer_sync_every=0 if m.buffers_never else (m.buffer_sync_every or 1), run_id=m.run_id)
 
 
 def jobs_to_pb(rows: list[dict]) -> pb.ListJobsReply:

@@ -274,14 +274,14 @@ class Root(Tier):
                                       f"({type(exc).__name__}); nothing was applied; retry")
                 self._refuse(js, agg, fut, exc)
                 return
-            self._publish(js, rec.clock_min, rec.contributors)
+            self._publish(js, rec.clock_min, rec.contributors, step.skip)
             doubles = js.applied.add(js.view.version, keys)
             if doubles:  # invariant 4 broken: loud, counted, never silent
                 js.stats.double_applied += doubles
                 log.critical("job %s: version %d applied %d worker push(es) an earlier version had "
                              "applied already", js.config.name, js.view.version, doubles)
             if not fut.done():
-                fut.set_result(Ack(js.view.version, js.view.epoch))
+                fut.set_result(Ack(js.view.version, js.view.epoch, skipped=step.skip))
             if js.view.version % self.config.checkpoint_every == 0:
                 self._checkpoint(js)
 
@@ -308,10 +308,10 @@ class Root(Tier):
         keys, step = decode_applied(rec.keys)
         if rec.grad is not None:
             js.optimizer.step(rec.grad, rec.scale, step)
-        self._publish(js, rec.clock_min, rec.contributors)
+        self._publish(js, rec.clock_min, rec.contributors, step.skip)
         js.applied.add(rec.version, keys)
 
-    def _publish(self, js: RootJob, clock_min: int, contributors: int) -> None:
+    def _publish(self, js: RootJob, clock_min: int, contributors: int, skip: bool = False) -> None:
         # No separate residual: params - view is exactly what earlier deltas did not carry.
         # Into buffers the job keeps: fresh 400 MB arrays for the difference, the decoded delta
         # and the new view measured ~40% of a 100M-parameter push at the root (py-spy).
@@ -320,6 +320,8 @@ class Root(Tier):
         if js.scratch is None:
             js.scratch = np.empty_like(js.params)
         diff = np.subtract(js.params, js.view.values, out=js.scratch)
+        if skip:  # a skipped step changes nothing, not even what earlier deltas left unsent
+            diff.fill(0.0)
         chunks = split(js.layout, diff, codec)  # the payloads are copies: scratch is free again
         # A lossless codec decodes to exactly ``diff``: no need to decode what was just encoded.
         decoded = diff if codec.lossless else assemble(js.layout, chunks, what="published delta",
