@@ -6,7 +6,7 @@
 'adamw'
 >>> OptimizerConfig(kind="sgd", options=(("momentom", 0.9),))
 Traceback (most recent call last):
-ps.core.errors.BadInput: optimizer SGD takes no option 'momentom'; its options: lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused
+ps.core.errors.BadInput: optimizer SGD takes no option 'momentom'; its options: lr, momentum, dampening, ...
 >>> srv = ServerConfig(role="zone", listen="127.0.0.1:0", parent="127.0.0.1:7000")
 >>> JobConfig(name="lm", mode="bsp", staleness=2)
 Traceback (most recent call last):
@@ -25,8 +25,8 @@ from typing import Any
 
 from ps.core.errors import BadInput, short
 
-__all__ = ["OptimizerConfig", "ParamGroup", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS", "CODEC_NAMES", "check_name",
-           "check_member"]
+__all__ = ["OptimizerConfig", "ParamGroup", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS",
+           "CODEC_NAMES", "check_name", "check_member"]
 
 MODES = ("bsp", "ssp", "async")
 # The codecs a job may name (ps.core.codecs implements each and asserts so at import; this

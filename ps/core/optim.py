@@ -77,8 +77,8 @@ def optimizer_class(kind: str) -> type[torch.optim.Optimizer]:
 
 
 def _accepted(cls: type) -> list[str]:
-    return [n for n, p in inspect.signature(cls.__init__).parameters.items()
-            if n not in ("self", "params") and p.kind is not p.VAR_KEYWORD]
+    return [n for n, p in inspect.signature(cls).parameters.items()
+            if n != "params" and p.kind is not p.VAR_KEYWORD]
 
 
 def torch_kwargs(cfg: OptimizerConfig, strict: bool = False) -> dict[str, Any]:
@@ -194,9 +194,8 @@ def apply_hparams(group: dict[str, Any], flat: dict[str, float], where: str = "p
             group[name] = int(value) if isinstance(current, int) and float(value).is_integer() else float(value)
             continue
         m = _INDEXED.match(name)
-        tup = group.get(m.group(1)) if m else None
-        if m and isinstance(tup, tuple) and int(m.group(2)) < len(tup) and isinstance(tup[int(m.group(2))], (int, float)):
-            i = int(m.group(2))
+        tup, i = (group.get(m.group(1)), int(m.group(2))) if m else (None, 0)
+        if m and isinstance(tup, tuple) and i < len(tup) and isinstance(tup[i], (int, float)):
             group[m.group(1)] = tup[:i] + (float(value),) + tup[i + 1:]
             continue
         raise BadInput(f"{where}: the job's optimizer has no numeric hyperparameter {short(name)}")
