@@ -61,6 +61,7 @@ DOCTESTED = (
     "ps.tiers.tier",
     "ps.tiers.wal",
     "ps.tiers.walrecord",
+    "ps.tools.export",
     "ps.tools.format",
     "ps.tools.jobctl",
     "ps.tools.launch",

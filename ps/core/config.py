@@ -1,6 +1,12 @@
 """Validated, frozen configuration: one dataclass per job and per server role.
 
 >>> job = JobConfig(name="lm", optimizer=OptimizerConfig(kind="adam", lr=3e-4))
+>>> OptimizerConfig(kind="AdamW", lr=1e-3, options=(("amsgrad", True),),
+...                 groups=(ParamGroup(("*.bias", "*norm*"), (("weight_decay", 0.0),)),)).kind
+'adamw'
+>>> OptimizerConfig(kind="sgd", options=(("momentom", 0.9),))
+Traceback (most recent call last):
+ps.core.errors.BadInput: optimizer SGD takes no option 'momentom'; its options: lr, momentum, dampening, ...
 >>> srv = ServerConfig(role="zone", listen="127.0.0.1:0", parent="127.0.0.1:7000")
 >>> JobConfig(name="lm", mode="bsp", staleness=2)
 Traceback (most recent call last):
@@ -19,15 +25,22 @@ from typing import Any
 
 from ps.core.errors import BadInput, short
 
-__all__ = ["OptimizerConfig", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS", "CODEC_NAMES", "check_name",
-           "check_member"]
+__all__ = ["OptimizerConfig", "ParamGroup", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS",
+           "CODEC_NAMES", "check_name", "check_member"]
 
 MODES = ("bsp", "ssp", "async")
 # The codecs a job may name (ps.core.codecs implements each and asserts so at import; this
 # module names them without importing torch, so a configuration loads in milliseconds).
 CODEC_NAMES = ("fp32", "fp32+zstd", "fp16", "bf16", "int8", "topk", "sign", "rows")
 ROLES = ("global", "regional", "zone")
+# The optimizers the wire's OptimizerKind enum names (older peers); any torch.optim class is
+# accepted by name (OptimizerConfig.kind), checked against torch itself.
 OPTIMIZERS = ("sgd", "adam")
+_OPTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+MAX_OPTIONS = 64      # options per optimizer or per group
+MAX_GROUPS = 64       # param groups besides the default one
+MAX_PATTERNS = 64     # patterns per group
+MAX_PATTERN_LENGTH = 256
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _MEMBER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
@@ -59,9 +72,81 @@ def _finite(obj: Any) -> None:
             _require(math.isfinite(value), f"{f.name} must be a finite number, got {value!r}")
 
 
+OptionValue = bool | int | float | tuple[float, ...]
+Options = tuple[tuple[str, OptionValue], ...]
+
+
+def _options(raw: Any, where: str) -> Options:
+    """Keyword arguments of an optimizer class, normalised: (name, value) pairs sorted by name
+    (so equal configurations compare equal however they were written), values bool, int, float
+    or a tuple of floats (``betas``), every number finite. Accepts a mapping or pairs (lists
+    too: what JSON gives back from a checkpoint)."""
+    items = list(raw.items()) if isinstance(raw, dict) else list(raw)
+    _require(len(items) <= MAX_OPTIONS, f"{where}: at most {MAX_OPTIONS} options, got {len(items)}")
+    out: dict[str, OptionValue] = {}
+    for item in items:
+        _require(isinstance(item, (tuple, list)) and len(item) == 2, f"{where}: option {short(str(item))} "
+                 "is not a (name, value) pair")
+        name, value = item
+        _require(isinstance(name, str) and bool(_OPTION_NAME.match(name)),
+                 f"{where}: option name {short(str(name))} is not an identifier")
+        _require(name not in out, f"{where}: option {name!r} is given twice")
+        _require(name not in ("params", "differentiable"),
+                 f"{where}: option {name!r} cannot be set (the root owns the parameters and steps without autograd)")
+        if isinstance(value, (tuple, list)):
+            _require(0 < len(value) <= 8 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 for v in value),
+                     f"{where}: option {name}={short(str(value))} must be 1-8 numbers")
+            value = tuple(float(v) for v in value)
+            _require(all(math.isfinite(v) for v in value), f"{where}: option {name} must be finite, got {value}")
+        elif isinstance(value, float):
+            _require(math.isfinite(value), f"{where}: option {name} must be a finite number, got {value!r}")
+        elif not isinstance(value, (bool, int)):
+            _require(False, f"{where}: option {name}={short(str(value))} must be a number, a bool or numbers")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            _require(abs(value) < 1 << 63, f"{where}: option {name}={value} is out of range")
+        out[name] = value
+    return tuple(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """A torch param group of the job's optimizer: the parameters whose names match one of the
+    ``fnmatch`` patterns (case-sensitive), with their own options (``weight_decay=0`` for
+    ``*.bias``). A key goes to the first group that matches; keys matching none to group 0."""
+
+    match: tuple[str, ...]
+    options: Options = ()
+
+    def __post_init__(self) -> None:
+        match = (self.match,) if isinstance(self.match, str) else tuple(self.match)
+        _require(0 < len(match) <= MAX_PATTERNS, f"a param group needs 1-{MAX_PATTERNS} name patterns, "
+                 f"got {len(match)}")
+        for m in match:
+            _require(isinstance(m, str) and 0 < len(m) <= MAX_PATTERN_LENGTH and m.isprintable(),
+                     f"param group pattern {short(str(m))} must be 1-{MAX_PATTERN_LENGTH} printable characters")
+        object.__setattr__(self, "match", match)
+        object.__setattr__(self, "options", _options(self.options, f"param group {','.join(match)}"))
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """The root's optimizer for a job (torch semantics for every hyper-parameter)."""
+    """The root's optimizer for a job: any ``torch.optim`` class, with torch's semantics.
+
+    ``kind``: the class name, any case ("sgd", "adamw", "rmsprop"; stored lower-case).
+    ``options``: further keyword arguments of that class (``amsgrad``, ``alpha``, ``betas``).
+    ``groups``: param groups 1.. (``ParamGroup``); group 0 holds the keys no pattern matches.
+    The flat fields (lr, momentum, nesterov, weight_decay, beta1/beta2 as ``betas``, eps) are
+    passed to the class where it takes them: lr always, the others only when changed from
+    their defaults here, so each class keeps torch's own defaults otherwise (AdamW's
+    weight_decay 0.01, Adagrad's eps 1e-10). ``options`` win over flat fields.
+    ``warmup_steps``: lr rises linearly over the first steps (where a push sends no lr of its
+    own). ``clip_grad_norm``: > 0 clips the averaged gradient at the root as one process's
+    ``torch.nn.utils.clip_grad_norm_`` would (global L2 norm over the trained keys); workers
+    then must not clip themselves. Anything but plain sgd/adam is checked against torch at
+    construction (the class is instantiated and stepped once on a dummy tensor), which imports
+    torch; plain configurations stay torch-free.
+    """
 
     kind: str = "sgd"
     lr: float = 0.01
@@ -72,10 +157,20 @@ class OptimizerConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     warmup_steps: int = 0
+    options: Options = ()
+    groups: tuple[ParamGroup, ...] = ()
+    clip_grad_norm: float = 0.0
 
     def __post_init__(self) -> None:
         _finite(self)
-        _require(self.kind in OPTIMIZERS, f"optimizer kind {self.kind!r} is not one of {OPTIMIZERS}")
+        _require(isinstance(self.kind, str) and bool(_OPTION_NAME.match(self.kind)),
+                 f"optimizer kind {short(str(self.kind))} is not a torch.optim class name")
+        object.__setattr__(self, "kind", self.kind.lower())
+        object.__setattr__(self, "options", _options(self.options, f"optimizer {self.kind}"))
+        groups = tuple(ParamGroup(**g) if isinstance(g, dict) else g for g in self.groups)
+        _require(len(groups) <= MAX_GROUPS and all(isinstance(g, ParamGroup) for g in groups),
+                 f"an optimizer has at most {MAX_GROUPS} ParamGroups besides the default one")
+        object.__setattr__(self, "groups", groups)
         _require(self.lr > 0, f"learning rate must be positive, got {self.lr}")
         _require(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
         _require(not self.nesterov or self.momentum > 0, "nesterov needs momentum > 0")
@@ -84,6 +179,16 @@ class OptimizerConfig:
                  f"Adam betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
         _require(self.eps > 0, f"eps must be positive, got {self.eps}")
         _require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(self.clip_grad_norm >= 0, f"clip_grad_norm must be >= 0 (0: off), got {self.clip_grad_norm}")
+        if not self.plain:
+            from ps.core.optim import check_config  # torch: only for what needs it
+
+            check_config(self)
+
+    @property
+    def plain(self) -> bool:
+        """sgd or adam from the flat fields alone: checked here, without torch."""
+        return self.kind in OPTIMIZERS and not self.options and not self.groups
 
 
 @dataclass(frozen=True)

@@ -6,133 +6,390 @@
 >>> params                              # updated in place
 array([0.9, 0.8, 0.7], dtype=float32)
 >>> sorted(opt.state_dict())            # numpy arrays + counters: what a checkpoint saves
-['state.momentum_buffer', 'steps']
+['state.0.momentum_buffer', 'steps']
 
-The arithmetic is torch.optim's own, run on a tensor that shares memory with the numpy
-vector: the root then matches a single process using torch.optim to fp32 rounding
-(invariant 2), and torch's kernels are multi-threaded where numpy's are not.
+Any torch.optim class, with param groups chosen by name, on a layout of named keys:
+
+>>> layout = Layout([KeySpec("fc.weight", (2,)), KeySpec("fc.bias", (1,)), KeySpec("bn.mean", (1,), kind="buffer")])
+>>> cfg = OptimizerConfig(kind="adamw", lr=0.1, groups=(ParamGroup(("*.bias",), (("weight_decay", 0.0),)),))
+>>> group_index(cfg, ["fc.weight", "fc.bias"]), [g["weight_decay"] for g in group_defaults(cfg)]
+([0, 1], [0.01, 0.0])
+>>> flat_hparams(group_defaults(cfg)[0])["betas_1"]
+0.999
+>>> params = np.array([1, 1, 1, 5], np.float32)
+>>> opt = ServerOptimizer(cfg, params, layout)
+>>> step = StepInfo(hparams=((1, "lr", 0.5),), absent=(0,), buffers=1)   # fc.weight: no gradient
+>>> opt.step(np.array([1, 1, 1, 3], np.float32), step=step, contributors=2)
+>>> params.round(6)                     # bias: one AdamW step of lr 0.5; mean: 3 * 2 / 1
+array([1. , 1. , 0.5, 6. ], dtype=float32)
+
+Every key is a torch tensor that is a view into the flat vector, so torch's per-parameter
+semantics (a step count per tensor, a key without gradient left alone, weight decay per group)
+are those of one process holding the model: the root matches a single process using the same
+torch.optim class to fp32 rounding (invariant 2).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import fnmatch
+import functools
+import inspect
+import math
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from ps.core.config import OptimizerConfig
+from ps.core.config import OptimizerConfig, ParamGroup
+from ps.core.errors import BadInput, short
 from ps.core.types import StepInfo
+from ps.core.view import KeySpec, Layout
 
-__all__ = ["ServerOptimizer", "lr_at", "group_index", "group_defaults", "flat_hparams"]
+__all__ = ["ServerOptimizer", "lr_at", "optimizer_class", "check_config", "group_index", "group_defaults",
+           "flat_hparams", "apply_hparams", "torch_kwargs"]
+
+# What the root cannot run: it steps once per aggregated gradient, with no loss to re-evaluate.
+_REFUSED = {"lbfgs": "needs a closure that re-evaluates the loss, which only a worker can run; the root "
+                     "steps once per aggregated gradient",
+            "sparseadam": "needs sparse gradients; the root holds dense ones (use adam or adamw)"}
+_FLAT = (("momentum", "momentum"), ("nesterov", "nesterov"), ("weight_decay", "weight_decay"), ("eps", "eps"))
+_INDEXED = re.compile(r"^(.+)_(\d)$")
 
 
-def lr_at(cfg: OptimizerConfig, step: int) -> float:
-    """Learning rate for 0-based ``step``: linear warm-up to ``cfg.lr`` over warmup_steps."""
+@functools.cache
+def _classes() -> dict[str, type[torch.optim.Optimizer]]:
+    return {name.lower(): cls for name, cls in vars(torch.optim).items()
+            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
+
+
+def optimizer_class(kind: str) -> type[torch.optim.Optimizer]:
+    """The torch.optim class named ``kind`` (any case), or BadInput saying why not."""
+    key = kind.lower()
+    if key in _REFUSED:
+        raise BadInput(f"optimizer {kind!r} {_REFUSED[key]}; choose another torch.optim class")
+    cls = _classes().get(key)
+    if cls is None:
+        names = ", ".join(sorted(k for k in _classes() if k not in _REFUSED))
+        raise BadInput(f"optimizer {short(kind)} is not a torch.optim class; one of {names}")
+    return cls
+
+
+def _accepted(cls: type) -> list[str]:
+    return [n for n, p in inspect.signature(cls).parameters.items()
+            if n != "params" and p.kind is not p.VAR_KEYWORD]
+
+
+def torch_kwargs(cfg: OptimizerConfig, strict: bool = False) -> dict[str, Any]:
+    """The keyword arguments the class is built with: lr, the flat fields changed from their
+    defaults that the class takes (``strict``: a changed one it does not take is BadInput),
+    then ``options``."""
+    cls = optimizer_class(cfg.kind)
+    accepted = _accepted(cls)
+    defaults = OptimizerConfig.__dataclass_fields__
+    out: dict[str, Any] = {"lr": cfg.lr}
+    changed = [(key, getattr(cfg, f)) for f, key in _FLAT if getattr(cfg, f) != defaults[f].default]
+    if (cfg.beta1, cfg.beta2) != (defaults["beta1"].default, defaults["beta2"].default):
+        changed.append(("betas", (cfg.beta1, cfg.beta2)))
+    for key, value in changed:
+        if key in accepted:
+            out[key] = value
+        elif strict:
+            raise BadInput(f"optimizer {cls.__name__} takes no {key} (set to {value}); its options: "
+                           f"{', '.join(accepted)}")
+    for name, value in cfg.options:
+        if name not in accepted:
+            raise BadInput(f"optimizer {cls.__name__} takes no option {name!r}; its options: {', '.join(accepted)}")
+        out[name] = value
+    return out
+
+
+def _build(cfg: OptimizerConfig, groups: Sequence[list[torch.Tensor]]) -> torch.optim.Optimizer:
+    """The torch optimizer over ``groups`` (group 0 first), or BadInput with torch's reason."""
+    cls = optimizer_class(cfg.kind)
+    kwargs = torch_kwargs(cfg, strict=not cfg.plain)
+    accepted = _accepted(cls)
+    for g in cfg.groups:
+        for name, _ in g.options:
+            if name not in accepted:  # torch keeps unknown group keys silently: a typo would do nothing
+                raise BadInput(f"param group {','.join(g.match)}: optimizer {cls.__name__} takes no option "
+                               f"{name!r}; its options: {', '.join(accepted)}")
+    spec = [{"params": groups[0]}] + [{"params": groups[i + 1], **dict(g.options)} for i, g in enumerate(cfg.groups)]
+    try:
+        return cls(spec, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise BadInput(f"optimizer {cls.__name__}({_describe(kwargs)}) refused its configuration: {exc}") from None
+
+
+def _describe(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def _dummies(cfg: OptimizerConfig) -> list[list[torch.Tensor]]:
+    return [[torch.zeros(2, 2)] for _ in range(1 + len(cfg.groups))]  # 2-D: Muon takes matrices only
+
+
+def check_config(cfg: OptimizerConfig) -> None:
+    """BadInput unless torch builds ``cfg``'s optimizer and steps it once (on a dummy tensor)."""
+    groups = _dummies(cfg)
+    opt = _build(cfg, groups)
+    for g in groups:
+        g[0].grad = torch.ones_like(g[0])
+    try:
+        opt.step()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise BadInput(f"optimizer {type(opt).__name__} cannot step with this configuration: {exc}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _group_defaults(cfg: OptimizerConfig) -> tuple[tuple[tuple[str, Any], ...], ...]:
+    opt = _build(cfg, _dummies(cfg))
+    return tuple(tuple((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups)
+
+
+def group_defaults(cfg: OptimizerConfig) -> list[dict[str, Any]]:
+    """Per param group, what torch's class holds in ``param_groups[i]`` (minus "params"):
+    torch's defaults, the configuration's flat fields and options, each group's overrides."""
+    return [dict(g) for g in _group_defaults(cfg)]
+
+
+def group_index(cfg: OptimizerConfig | Sequence[ParamGroup], names: Sequence[str]) -> list[int]:
+    """The param group of each parameter name: 1 + the first group with a matching pattern, else 0."""
+    groups = cfg.groups if isinstance(cfg, OptimizerConfig) else cfg
+    out = []
+    for name in names:
+        out.append(next((i + 1 for i, g in enumerate(groups) if any(fnmatch.fnmatchcase(name, m) for m in g.match)),
+                        0))
+    return out
+
+
+def flat_hparams(group: dict[str, Any]) -> dict[str, float]:
+    """The numeric hyperparameters of a param group, as the wire carries them: float and int
+    scalars (not bools) by name, tuples element-wise as ``name_0``, ``name_1`` (``betas``)."""
+    out: dict[str, float] = {}
+    for name, value in group.items():
+        if name == "params" or isinstance(value, bool):
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)):
+            out[name] = float(value)
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[f"{name}_{i}"] = float(v)
+    return out
+
+
+def apply_hparams(group: dict[str, Any], flat: dict[str, float], where: str = "param group") -> None:
+    """The inverse of ``flat_hparams``, in place: each (name, value) sets the group's scalar or
+    the tuple element it names (an int stays an int). BadInput for a name the group does not
+    hold as a number, or a value that is not finite."""
+    for name, value in flat.items():
+        if not math.isfinite(value):
+            raise BadInput(f"{where}: hyperparameter {name} must be finite, got {value}")
+        current = group.get(name)
+        if isinstance(current, (int, float)) and not isinstance(current, bool):
+            group[name] = int(value) if isinstance(current, int) and float(value).is_integer() else float(value)
+            continue
+        m = _INDEXED.match(name)
+        tup, i = (group.get(m.group(1)), int(m.group(2))) if m else (None, 0)
+        if m and isinstance(tup, tuple) and i < len(tup) and isinstance(tup[i], (int, float)):
+            group[m.group(1)] = tup[:i] + (float(value),) + tup[i + 1:]
+            continue
+        raise BadInput(f"{where}: the job's optimizer has no numeric hyperparameter {short(name)}")
+
+
+def lr_at(cfg: OptimizerConfig, step: int, lr: float | None = None) -> float:
+    """Learning rate for 0-based ``step``: linear warm-up to ``lr`` (``cfg.lr``) over warmup_steps."""
+    lr = cfg.lr if lr is None else lr
     if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr
+        return lr * (step + 1) / cfg.warmup_steps
+    return lr
 
 
 class ServerOptimizer:
-    """One job's optimizer over its flat parameter vector."""
+    """One job's optimizer over its flat parameter vector, one torch tensor per layout key.
 
-    def __init__(self, cfg: OptimizerConfig, params: np.ndarray) -> None:
+    Only "param" keys are optimized, each in its group; "frozen" keys never change; "buffer"
+    keys take the average of the values the pushes carried (``StepInfo.buffers`` of them).
+    """
+
+    def __init__(self, cfg: OptimizerConfig, params: np.ndarray, layout: Layout | None = None) -> None:
         if params.dtype != np.float32 or params.ndim != 1:
             raise ValueError("params must be a flat float32 vector")
-        self.cfg = cfg
+        if layout is None:
+            layout = Layout([KeySpec("params", (params.size,))])
+        if layout.numel != params.size:
+            raise ValueError(f"params has {params.size} elements, the layout {layout.numel}")
+        self.cfg, self.layout, self.params = cfg, layout, params
         self.steps = 0
-        self._p = torch.from_numpy(params)  # shares memory: params change in place
-        self._grad = self._p.grad = torch.zeros_like(self._p)
-        self._saved: dict[str, torch.Tensor] | None = None  # save_point's buffers
+        self._flat = torch.from_numpy(params)  # shares memory: params change in place
+        self._gflat = torch.zeros_like(self._flat)
+        self._keys: list[int] = []                 # layout indices of the trained keys
+        self._p: dict[int, torch.Tensor] = {}      # layout index -> view of params
+        self._g: dict[int, torch.Tensor] = {}      # layout index -> view of the gradient
+        self._buffers: list[tuple[int, int]] = []  # (offset, numel) of buffer keys
+        off = 0
+        for i, s in enumerate(layout):
+            if s.kind == "param":
+                self._keys.append(i)
+                self._p[i] = self._flat[off:off + s.numel].view(s.shape)
+                self._g[i] = self._gflat[off:off + s.numel].view(s.shape)
+                self._p[i].grad = self._g[i]
+            elif s.kind == "buffer":
+                self._buffers.append((off, s.numel))
+            off += s.numel
+        gi = group_index(cfg, [layout.specs[i].key for i in self._keys])
+        self._group_of = dict(zip(self._keys, gi))
+        groups: list[list[torch.Tensor]] = [[] for _ in range(1 + len(cfg.groups))]
+        for i, g in zip(self._keys, gi):
+            groups[g].append(self._p[i])
+        self._opt = _build(cfg, groups)
+        # Per step every group starts from these (a push's hparams hold for its own step only).
+        self._configured = [{k: v for k, v in g.items() if k != "params"} for g in self._opt.param_groups]
+        self._saved_params: np.ndarray | None = None  # save_point's copy
+        self._saved: dict[int, dict[str, torch.Tensor]] = {}
         self._saved_steps = 0
-        self._opt: torch.optim.Optimizer
-        if cfg.kind == "sgd":
-            self._opt = torch.optim.SGD([self._p], lr=cfg.lr, momentum=cfg.momentum,
-                                        nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
-        else:
-            self._opt = torch.optim.Adam([self._p], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                         eps=cfg.eps, weight_decay=cfg.weight_decay)
 
-    def step(self, grad: np.ndarray, lr_scale: float = 1.0, step: StepInfo | None = None) -> None:
-        """Apply one aggregated (already averaged) gradient; ``lr_scale`` damps stale ones.
-        ``step.skip``: a contribution overflowed (AMP); nothing changes, as on one device."""
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer (its tensors are views into the flat vector)."""
+        return self._opt
+
+    def step(self, grad: np.ndarray, lr_scale: float = 1.0, step: StepInfo | None = None,
+             contributors: int = 1) -> None:
+        """Apply one aggregated (already averaged over ``contributors``) gradient; ``lr_scale``
+        damps stale ones. ``step.skip``: a contribution overflowed (AMP); nothing changes, as on
+        one device. ``step.absent``: keys without a gradient, left alone by torch.
+        ``step.hparams``: this step's hyperparameters per group (then lr *= lr_scale).
+        Buffer keys' slices of ``grad`` hold sum(values) / contributors: their average is that
+        times contributors / step.buffers, set when any push carried them."""
         if step is not None and step.skip:
             return
-        if grad.shape != self._p.shape:
-            raise ValueError(f"gradient has {grad.size} elements, parameters {self._p.numel()}")
-        self._grad.copy_(torch.from_numpy(grad))
-        for group in self._opt.param_groups:
-            group["lr"] = lr_at(self.cfg, self.steps) * lr_scale
-        self._opt.step()
+        if grad.shape != self._flat.shape:
+            raise ValueError(f"gradient has {grad.size} elements, parameters {self._flat.numel()}")
+        overrides = self._overrides(step)
+        self._gflat.copy_(torch.from_numpy(grad))
+        absent = set(step.absent) if step is not None else set()
+        for i in self._keys:
+            self._p[i].grad = None if i in absent else self._g[i]
+        for g, (group, base) in enumerate(zip(self._opt.param_groups, self._configured)):
+            group.update(base)
+            over = overrides.get(g, {})
+            apply_hparams(group, over, f"param group {g}")
+            if "lr" not in over:
+                group["lr"] = lr_at(self.cfg, self.steps, base["lr"])
+            group["lr"] = group["lr"] * lr_scale
+        if self.cfg.clip_grad_norm > 0:
+            with_grad = [self._p[i] for i in self._keys if i not in absent]
+            if with_grad:
+                torch.nn.utils.clip_grad_norm_(with_grad, self.cfg.clip_grad_norm)
+        if self._keys:
+            self._opt.step()
+        if step is not None and step.buffers > 0 and self._buffers:
+            for off, n in self._buffers:
+                avg = grad[off:off + n]
+                if contributors != step.buffers:
+                    avg = avg * np.float32(contributors / step.buffers)
+                self.params[off:off + n] = avg
         self.steps += 1
 
+    def _overrides(self, step: StepInfo | None) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        for g, name, value in (step.hparams if step is not None else ()):
+            if not 0 <= g < len(self._configured):
+                raise BadInput(f"a push set hyperparameter {short(name)} of param group {g}; the job has "
+                               f"{len(self._configured)} group(s)")
+            out.setdefault(g, {})[name] = value
+        return out
+
+    # -- state ------------------------------------------------------------------------------
     def save_point(self) -> None:
         """Remember the parameters and the optimizer's state, so ``roll_back`` can undo the next
         step exactly (a root that keeps no log refuses a step whose output is not finite). The
         buffers are kept and reused: allocating them per step faulted every page in again."""
-        state = self._opt.state.get(self._p, {})
-        saved = self._saved
-        if saved is None or saved.keys() != {"params", *state}:
-            saved = self._saved = {"params": self._p.detach().clone(),
-                                   **{k: v.detach().clone() for k, v in state.items()}}
+        if self._saved_params is None:
+            self._saved_params = self.params.copy()
         else:
-            saved["params"].copy_(self._p.detach())
-            for k, v in state.items():
-                saved[k].copy_(v)
+            np.copyto(self._saved_params, self.params)
+        saved: dict[int, dict[str, torch.Tensor]] = {}
+        for i in self._keys:
+            state = self._opt.state.get(self._p[i])
+            if not state:
+                continue
+            old = self._saved.get(i, {})
+            saved[i] = {k: old[k].copy_(v) if k in old and old[k].shape == v.shape and old[k].dtype == v.dtype
+                        else v.detach().clone() for k, v in state.items()}
+        self._saved = saved
         self._saved_steps = self.steps
 
     def roll_back(self) -> None:
         """Undo every step since ``save_point``."""
-        assert self._saved is not None, "roll_back without a save_point"
-        with torch.no_grad():
-            self._p.copy_(self._saved["params"])
-        state = {k: v.clone() for k, v in self._saved.items() if k != "params"}
-        if state:
-            self._opt.state[self._p] = state
-        else:
-            self._opt.state.pop(self._p, None)
+        assert self._saved_params is not None, "roll_back without a save_point"
+        np.copyto(self.params, self._saved_params)
+        for i in self._keys:
+            if i in self._saved:
+                self._opt.state[self._p[i]] = {k: v.clone() for k, v in self._saved[i].items()}
+            else:
+                self._opt.state.pop(self._p[i], None)
         self.steps = self._saved_steps
 
     def state_dict(self) -> dict[str, np.ndarray | int]:
+        """``steps`` and ``state.<layout index>.<name>`` arrays (what a checkpoint saves)."""
         out: dict[str, np.ndarray | int] = {"steps": self.steps}
-        for name, value in self._opt.state.get(self._p, {}).items():
-            out[f"state.{name}"] = value.detach().cpu().numpy().copy()
+        for i in self._keys:
+            for name, value in self._opt.state.get(self._p[i], {}).items():
+                out[f"state.{i}.{name}"] = _array(value)
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray | int]) -> None:
+        """What ``state_dict`` gave. Checkpoints from before per-key state (one flat
+        ``state.<name>`` per name) load too: flat arrays are sliced by key, scalars copied."""
         self.steps = int(state["steps"])
-        inner = {k[len("state."):]: torch.from_numpy(np.array(v)) for k, v in state.items()
-                 if k.startswith("state.")}
-        if inner:
-            self._opt.state[self._p] = inner
+        per: dict[int, dict[str, torch.Tensor]] = {}
+        offsets = {i: self.layout.offset(self.layout.specs[i].key) for i in self._keys}
+        for k, v in state.items():
+            if not k.startswith("state."):
+                continue
+            arr = np.array(v)
+            head, _, name = k[len("state."):].partition(".")
+            if name and head.isdigit():
+                i = int(head)
+                if i not in self._p or (arr.ndim and arr.shape != tuple(self._p[i].shape)):
+                    raise ValueError(f"optimizer state {k} of shape {arr.shape} does not fit a trained key")
+                per.setdefault(i, {})[name] = torch.from_numpy(arr)
+                continue
+            name = k[len("state."):]  # the flat layout: one array for the whole vector
+            for i in self._keys:
+                if arr.ndim == 0:
+                    part = arr.copy()
+                elif arr.size == self.layout.numel:
+                    part = arr[offsets[i]:offsets[i] + self._p[i].numel()].reshape(tuple(self._p[i].shape)).copy()
+                else:
+                    raise ValueError(f"optimizer state {k} has {arr.size} elements, parameters {self.layout.numel}")
+                per.setdefault(i, {})[name] = torch.from_numpy(part)
+        for i in self._keys:
+            if i in per:
+                self._opt.state[self._p[i]] = per[i]
+            else:
+                self._opt.state.pop(self._p[i], None)
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state as ``torch.optim.Optimizer.state_dict()`` shapes it: state by
+        the trained keys' ordinal in layout order, each group with its configured values and the
+        ordinals of its keys (load it into the class built over the model's trained parameters,
+        grouped the same way)."""
+        ordinal = {i: n for n, i in enumerate(self._keys)}
+        state = {ordinal[i]: {k: v.detach().clone() for k, v in self._opt.state[self._p[i]].items()}
+                 for i in self._keys if self._opt.state.get(self._p[i])}
+        groups = [{**base, "params": [ordinal[i] for i in self._keys if self._group_of[i] == g]}
+                  for g, base in enumerate(self._configured)]
+        return {"state": state, "param_groups": groups}
 
 
-# -- the job's param groups as a worker's torch optimizer mirrors them ----------------------
-# (provisional: the single-group form until the root runs any torch optimizer with groups)
-
-def group_index(cfg: OptimizerConfig, names: Sequence[str]) -> list[int]:
-    """The param group of each parameter name (one group: every name in group 0)."""
-    return [0 for _ in names]
-
-
-def group_defaults(cfg: OptimizerConfig) -> list[dict[str, Any]]:
-    """Each group's hyperparameters as torch's class holds them in ``param_groups`` (no params)."""
-    probe = ServerOptimizer(cfg, np.zeros(1, np.float32))
-    return [{k: v for k, v in g.items() if k != "params"} for g in probe._opt.param_groups]
-
-
-def flat_hparams(group: Mapping[str, Any]) -> dict[str, float]:
-    """A group's numeric hyperparameters as the wire carries them: scalars by name, tuples as
-    ``name_0``, ``name_1`` (Adam's betas); booleans and None are structure, not schedule."""
-    out: dict[str, float] = {}
-    for k, v in group.items():
-        if k == "params" or isinstance(v, bool) or v is None:
-            continue
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = float(v)
-        if isinstance(v, (int, float)):
-            out[k] = float(v)
-        elif isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-            out.update({f"{k}_{i}": float(x) for i, x in enumerate(v)})
-    return out
+def _array(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().copy()
+    return np.asarray(value)

@@ -25,7 +25,17 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
-from ps.core.config import CODEC_NAMES, MODES, OPTIMIZERS, JobConfig, OptimizerConfig
+from ps.core.config import (
+    CODEC_NAMES,
+    MAX_GROUPS,
+    MAX_OPTIONS,
+    MAX_PATTERNS,
+    MODES,
+    OPTIMIZERS,
+    JobConfig,
+    OptimizerConfig,
+    ParamGroup,
+)
 from ps.core.errors import BadInput, short
 from ps.core.types import (
     Chunk,
@@ -228,14 +238,47 @@ def decode_pull_reply(frames: Iterable[bytes]) -> tuple[PullMeta, list[tuple[Ver
 
 # ---- jobs ---------------------------------------------------------------------------------
 
+def _options_to_pb(options: Iterable[tuple[str, Any]]) -> list[pb.OptimizerOption]:
+    out = []
+    for name, value in options:
+        if isinstance(value, bool):
+            out.append(pb.OptimizerOption(name=name, flag=value))
+        elif isinstance(value, int):
+            out.append(pb.OptimizerOption(name=name, integer=value))
+        elif isinstance(value, tuple):
+            out.append(pb.OptimizerOption(name=name, reals=pb.Reals(values=value)))
+        else:
+            out.append(pb.OptimizerOption(name=name, real=value))
+    return out
+
+
+def _options_from_pb(options: Iterable[pb.OptimizerOption]) -> tuple[tuple[str, Any], ...]:
+    out: list[tuple[str, Any]] = []
+    for o in options:
+        which = o.WhichOneof("value")
+        if which is None:
+            raise BadInput(f"optimizer option {short(o.name)} has no value")
+        if which == "reals":
+            if len(o.reals.values) > 8:
+                raise BadInput(f"optimizer option {short(o.name)} has {len(o.reals.values)} numbers, at most 8")
+            out.append((o.name, tuple(o.reals.values)))
+        else:
+            out.append((o.name, getattr(o, which)))
+    return tuple(out)
+
+
 def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
     o = cfg.optimizer
     return pb.JobConfig(
         name=cfg.name, mode=_MODE[cfg.mode], staleness=cfg.staleness,
-        optimizer=pb.OptimizerConfig(kind=_OPT[o.kind], lr=o.lr, momentum=o.momentum,
+        optimizer=pb.OptimizerConfig(kind=_OPT.get(o.kind, pb.OPTIMIZER_UNSPECIFIED), lr=o.lr, momentum=o.momentum,
                                      nesterov=o.nesterov, weight_decay=o.weight_decay,
                                      beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                                     warmup_steps=o.warmup_steps),
+                                     warmup_steps=o.warmup_steps, class_name=o.kind,
+                                     options=_options_to_pb(o.options),
+                                     groups=[pb.ParamGroup(match=g.match, options=_options_to_pb(g.options))
+                                             for g in o.groups],
+                                     clip_grad_norm=o.clip_grad_norm),
         push_codec=_CODEC[cfg.push_codec], delta_codec=_CODEC[cfg.delta_codec],
         delta_log_length=cfg.delta_log_length, damping=cfg.damping,
         relay_codec=_CODEC[cfg.relay_codec] if cfg.relay_codec else pb.CODEC_UNSPECIFIED,
@@ -251,11 +294,20 @@ def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
             raise BadInput("a job configuration needs at least the job's name")
         return None
     o = m.optimizer
+    # Bounded before anything is built (OptimizerConfig checks the same bounds on what it gets).
+    if len(o.options) > MAX_OPTIONS or len(o.groups) > MAX_GROUPS or any(
+            len(g.options) > MAX_OPTIONS or len(g.match) > MAX_PATTERNS for g in o.groups):
+        raise BadInput(f"optimizer configuration too large: at most {MAX_OPTIONS} options, {MAX_GROUPS} groups "
+                       f"of {MAX_PATTERNS} patterns")
     return JobConfig(
         name=m.name, mode=_name(_MODE, m.mode, "mode"), staleness=m.staleness,
-        optimizer=OptimizerConfig(kind=_name(_OPT, o.kind, "optimizer"), lr=o.lr, momentum=o.momentum,
-                                  nesterov=o.nesterov, weight_decay=o.weight_decay, beta1=o.beta1,
-                                  beta2=o.beta2, eps=o.eps, warmup_steps=o.warmup_steps),
+        optimizer=OptimizerConfig(kind=o.class_name or _name(_OPT, o.kind, "optimizer"), lr=o.lr,
+                                  momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay,
+                                  beta1=o.beta1, beta2=o.beta2, eps=o.eps, warmup_steps=o.warmup_steps,
+                                  options=_options_from_pb(o.options),
+                                  groups=tuple(ParamGroup(tuple(g.match), _options_from_pb(g.options))
+                                               for g in o.groups),
+                                  clip_grad_norm=o.clip_grad_norm),
         push_codec=_name(_CODEC, m.push_codec, "codec"), delta_codec=_name(_CODEC, m.delta_codec, "codec"),
         delta_log_length=m.delta_log_length, damping=m.damping,
         relay_codec=_name(_CODEC, m.relay_codec, "codec") if m.relay_codec else "",

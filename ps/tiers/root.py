@@ -192,7 +192,7 @@ class Root(Tier):
                  view_values: np.ndarray | None = None, register: bool = True) -> RootJob:
         params = np.array(values, dtype=np.float32, copy=True)
         js = RootJob(cfg, layout, created_at=self.clock(), params=params,
-                     optimizer=self._optimizer(cfg, params),
+                     optimizer=self._optimizer(cfg, params, layout),
                      wal=WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None)
         view = params.copy() if view_values is None else np.array(view_values, np.float32)
         js.view.load_snapshot(self.epoch, version, view, checksum(view))
@@ -202,11 +202,11 @@ class Root(Tier):
         return js
 
     @staticmethod
-    def _optimizer(cfg: JobConfig, params: np.ndarray) -> ServerOptimizer:
+    def _optimizer(cfg: JobConfig, params: np.ndarray, layout: Layout) -> ServerOptimizer:
         opt = cfg.optimizer
         if cfg.momentum_correction:  # the workers hold the momentum (DGC); it must not apply twice
             opt = dataclasses.replace(opt, momentum=0.0)
-        return ServerOptimizer(opt, params)
+        return ServerOptimizer(opt, params, layout)
 
     def _job_dir(self, job: str) -> str:
         return f"{self.config.checkpoint_dir}/{job}"
@@ -249,7 +249,7 @@ class Root(Tier):
                 js.optimizer.save_point()
             try:
                 if rec.grad is not None:
-                    js.optimizer.step(rec.grad, rec.scale, step)
+                    js.optimizer.step(rec.grad, rec.scale, step, rec.contributors)
                     if not all_finite(js.params):
                         raise BadInput(f"the optimizer's step for version {rec.version} of job "
                                        f"{js.config.name} made parameters non-finite; nothing was "
@@ -307,7 +307,7 @@ class Root(Tier):
         """Replay one logged version (restore): the same arithmetic as when it was made."""
         keys, step = decode_applied(rec.keys)
         if rec.grad is not None:
-            js.optimizer.step(rec.grad, rec.scale, step)
+            js.optimizer.step(rec.grad, rec.scale, step, rec.contributors)
         self._publish(js, rec.clock_min, rec.contributors, step.skip)
         js.applied.add(rec.version, keys)
 
@@ -476,6 +476,8 @@ class Root(Tier):
 
 
 def _config(c: dict) -> JobConfig:
+    """A JobConfig from its ``dataclasses.asdict`` JSON (OptimizerConfig rebuilds its groups
+    and options from the dicts and lists JSON gives back)."""
     return JobConfig(**{**c, "optimizer": OptimizerConfig(**c["optimizer"])})
 
 

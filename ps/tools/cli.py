@@ -1,4 +1,4 @@
-"""The ``hps`` command: serve | launch | status | job | certs | demo.
+"""The ``hps`` command: serve | launch | status | job | checkpoint | certs | demo.
 
     hps certs init certs/                      # a CA and a certificate per tier (and worker)
     hps serve --role zone --listen 0.0.0.0:7001 --parent region-eu:7000 --name eu-a \
@@ -7,6 +7,9 @@
     hps status 127.0.0.1:7000
     hps status --launch-dir hps-demo/logs      # what hps launch supervises, then the tree
     hps job create lm --mode ssp --staleness 2 --optimizer adam --lr 3e-3 --address 127.0.0.1:7000
+    hps job create lm --optimizer adamw --lr 3e-4 --opt betas=0.9,0.95 --group '*.bias,*norm*:weight_decay=0' \
+              --clip-grad-norm 1.0
+    hps checkpoint export hps-demo/logs/checkpoints/lm --out model.pt --optimizer-out opt.pt
     hps demo
 
 Every flag falls back to an ``HPS_*`` environment variable (``--member-timeout-s`` reads
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -243,8 +247,57 @@ def _status(args) -> int:
     return print_tree(address, sys.stdout, token) or rc
 
 
+_OPTION = re.compile(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*\s*=)")  # a comma that starts the next KEY=
+
+
+def _option_value(key: str, text: str) -> bool | int | float | tuple[float, ...]:
+    """An option's value as typed: true/false, an int, a float, or numbers separated by commas."""
+    t = text.strip()
+    try:
+        if t.lower() in ("true", "false"):
+            return t.lower() == "true"
+        if "," in t:
+            return tuple(float(x) for x in t.strip("()").split(","))
+        try:
+            return int(t)
+        except ValueError:
+            return float(t)
+    except ValueError:
+        raise ValueError(f"option {key}={text!r}: a value is a number, true/false, or numbers separated "
+                         "by commas (betas=0.9,0.95)") from None
+
+
+def _options(text: str, what: str) -> tuple[tuple[str, bool | int | float | tuple[float, ...]], ...]:
+    """KEY=VALUE[,KEY=VALUE...] (a value may itself hold commas: betas=0.9,0.95)."""
+    out = []
+    for item in _OPTION.split(text):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{what} {text!r}: expected KEY=VALUE, got {item!r}")
+        out.append((key.strip(), _option_value(key.strip(), value)))
+    return tuple(out)
+
+
+def _optimizer_config(args):
+    """The job's OptimizerConfig from `hps job create`'s flags."""
+    from ps.core.config import OptimizerConfig, ParamGroup
+
+    options: list = []
+    for o in args.opt or ():
+        options += _options(o, "--opt")
+    groups = []
+    for g in args.group or ():
+        patterns, colon, opts = g.partition(":")
+        if not colon or not patterns.strip():
+            raise ValueError(f"--group {g!r}: expected PATTERN[,PATTERN]:KEY=VALUE[,KEY=VALUE]")
+        groups.append(ParamGroup(tuple(p.strip() for p in patterns.split(",")), _options(opts, "--group")))
+    return OptimizerConfig(kind=args.optimizer, lr=float(args.lr), momentum=float(args.momentum),
+                           warmup_steps=int(args.warmup_steps), options=tuple(options), groups=tuple(groups),
+                           clip_grad_norm=float(args.clip_grad_norm))
+
+
 def _job(args) -> int:
-    from ps.core.config import JobConfig, OptimizerConfig
+    from ps.core.config import JobConfig
     from ps.core.errors import HpsError
     from ps.tools import jobctl
 
@@ -257,9 +310,7 @@ def _job(args) -> int:
                             relay_codec=args.relay_codec, topk=float(args.topk),
                             topk_warmup_steps=int(args.topk_warmup_steps),
                             momentum_correction=args.momentum_correction,
-                            optimizer=OptimizerConfig(kind=args.optimizer, lr=float(args.lr),
-                                                      momentum=float(args.momentum),
-                                                      warmup_steps=int(args.warmup_steps)))
+                            optimizer=_optimizer_config(args))
             created, job_token = jobctl.create(args.address, cfg, admin)
             print(f"job {args.name} {'declared' if created else 'already exists with this configuration'}; "
                   "its first worker brings the parameters")
@@ -278,6 +329,22 @@ def _job(args) -> int:
     except (HpsError, ValueError, OSError) as exc:
         print(f"hps job {args.action}: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _checkpoint(args) -> int:
+    from ps.core.errors import HpsError
+    from ps.tools.export import export
+
+    try:
+        made = export(args.path, args.out, optimizer_out=args.optimizer_out or None, job=args.job or "",
+                      replay=not args.no_wal)
+    except (HpsError, ValueError, OSError) as exc:
+        print(f"hps checkpoint export: {exc}", file=sys.stderr)
+        return 2
+    print(f"job {made.job} at version {made.version}"
+          f"{' (checkpoint and write-ahead log)' if made.replayed else ' (checkpoint only)'}: {made.keys} keys to "
+          f"{args.out}" + (f"; {made.optimizer} state to {args.optimizer_out}" if args.optimizer_out else ""))
     return 0
 
 
@@ -387,10 +454,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"])
     s.add_argument("--staleness", default="0", help="s for --mode ssp")
     s.add_argument("--damping", action="store_true", help="ssp/async: lr / (1 + staleness)")
-    s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
-    s.add_argument("--lr", default="0.01")
-    s.add_argument("--momentum", default="0.0")
-    s.add_argument("--warmup-steps", default="0")
+    s.add_argument("--optimizer", default="sgd",
+                   help="the root's optimizer: any torch.optim class by name, any case (sgd, adam, adamw, "
+                   "rmsprop, adagrad, adadelta, adamax, nadam, radam, asgd, rprop, ...; not lbfgs nor "
+                   "sparseadam). Unset options keep torch's defaults")
+    s.add_argument("--lr", default="0.01", help="learning rate (every class gets it)")
+    s.add_argument("--momentum", default="0.0", help="momentum, for classes that take it (sgd, rmsprop)")
+    s.add_argument("--warmup-steps", default="0",
+                   help="linear lr warm-up over these steps (for groups whose workers send no lr of their own)")
+    s.add_argument("--opt", action="append", metavar="KEY=VALUE",
+                   help="a keyword argument of the optimizer's class (repeatable): --opt amsgrad=true "
+                   "--opt betas=0.9,0.95 --opt weight_decay=0.05; checked against torch when the job is created")
+    s.add_argument("--group", action="append", metavar="PATTERN[,PATTERN]:KEY=VALUE[,KEY=VALUE]",
+                   help="a param group (repeatable, in order): the parameters whose names match a pattern "
+                   "(fnmatch, first group wins) take these options, e.g. '*.bias,*norm*:weight_decay=0'; "
+                   "the rest form group 0")
+    s.add_argument("--clip-grad-norm", default="0",
+                   help="> 0: the root clips the averaged gradient's global L2 norm to this, as "
+                   "torch.nn.utils.clip_grad_norm_ would on one process (workers must not clip too); 0: off")
     s.add_argument("--push-codec", default="fp32", help="workers' codec: fp32, fp32+zstd, fp16, bf16, "
                    "int8, topk, sign, rows (lossy ones run with error feedback)")
     s.add_argument("--relay-codec", default="", help="relays' codec for aggregates (default: the push codec)")
@@ -403,6 +484,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", default="",
                    help="create: write the job's token here (mode 0600) instead of printing it")
     s.set_defaults(fn=_job)
+
+    s = sub.add_parser("checkpoint", help="export a job's checkpoint as torch files",
+                       description="Write a job's newest root checkpoint as a model state_dict (torch.save; "
+                       "every key, from the published view workers load) and, with --optimizer-out, the "
+                       "optimizer's state dict in torch's shape (load it into the job's torch.optim class built "
+                       "over the model's trained parameters, in the job's param groups). The root's write-ahead "
+                       "log is replayed onto the checkpoint in a temporary copy (the root's files are only "
+                       "read), so versions acknowledged after the checkpoint are included; --no-wal exports "
+                       "the checkpoint alone (versions after it are missing).")
+    s.add_argument("action", choices=["export"])
+    s.add_argument("path", help="a job's checkpoint directory (CHECKPOINT_DIR/JOB), or the root's "
+                   "--checkpoint-dir with --job (or holding one job)")
+    s.add_argument("--job", default="", help="the job, when PATH is the root's checkpoint directory")
+    s.add_argument("--out", required=True, help="the model state_dict file to write")
+    s.add_argument("--optimizer-out", default="", help="the optimizer state_dict file to write")
+    s.add_argument("--no-wal", action="store_true", help="the checkpoint alone, without replaying the log")
+    s.set_defaults(fn=_checkpoint)
 
     s = sub.add_parser("demo", help="train a small transformer LM on a local cluster")
     s.add_argument("--steps", type=int, default=int(os.environ.get("HPS_DEMO_STEPS", "150")))

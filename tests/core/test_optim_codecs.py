@@ -186,7 +186,24 @@ def test_state_dict_is_a_snapshot():
     assert state["steps"] == 1
     for k, v in saved.items():
         np.testing.assert_array_equal(state[k], v)
-    assert set(state) >= {"steps", "state.exp_avg", "state.exp_avg_sq"}
+    assert set(state) >= {"steps", "state.0.exp_avg", "state.0.exp_avg_sq"}  # per key (one key here)
+
+
+def test_a_checkpoint_from_before_per_key_state_loads():
+    # Checkpoints written before issue 13 held one flat array per state name.
+    straight = _init()
+    a = ServerOptimizer(OPTIMIZERS["adam"], straight)
+    grads = _grads()
+    a.step(grads[0])
+    old = {k.replace("state.0.", "state."): v for k, v in a.state_dict().items()}
+    assert set(old) == {"steps", "state.step", "state.exp_avg", "state.exp_avg_sq"}
+    resumed = straight.copy()
+    b = ServerOptimizer(OPTIMIZERS["adam"], resumed)
+    b.load_state_dict(old)
+    for g in grads[1:]:
+        a.step(g)
+        b.step(g)
+    assert straight.tobytes() == resumed.tobytes()
 
 
 # ============================================================================ codecs
@@ -345,7 +362,7 @@ def test_valid_configs_construct_and_are_frozen():
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(kind="rmsprop"), "'rmsprop'"),
+    (dict(kind="rmsprob"), "'rmsprob' is not a torch.optim class"),  # any class, by name
     (dict(lr=-1), "-1"),
     (dict(lr=0), "0"),
     (dict(lr=float("nan")), "nan"),

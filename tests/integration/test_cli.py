@@ -125,3 +125,27 @@ def test_demo_runs_mutual_tls_and_tokens_by_default_and_leaks_no_secret(tmp_path
     for where, text in texts.items():
         for secret in (admin, job, *keys):
             assert secret not in text, where
+
+
+def test_job_create_takes_any_torch_optimizer_with_options_and_groups(tree):
+    from ps.core.config import OptimizerConfig, ParamGroup
+
+    root = tree.add("root", "global")
+
+    def hps_job(*args):
+        return subprocess.run(HPS + ["job", "create", *args, "--address", root], capture_output=True, text=True,
+                              timeout=60)
+
+    r = hps_job("t", "--optimizer", "AdamW", "--lr", "3e-4", "--opt", "betas=0.9,0.95", "--opt", "amsgrad=true",
+                "--group", "*.bias,*norm*:weight_decay=0,lr=1e-4", "--clip-grad-norm", "1.5", "--warmup-steps", "10")
+    assert r.returncode == 0 and "declared" in r.stdout, r.stderr
+    want = OptimizerConfig(kind="adamw", lr=3e-4, warmup_steps=10, clip_grad_norm=1.5,
+                           options=(("amsgrad", True), ("betas", (0.9, 0.95))),
+                           groups=(ParamGroup(("*.bias", "*norm*"), (("lr", 1e-4), ("weight_decay", 0))),))
+    assert tree.lt.call(lambda: tree.tier("root").declared["t"].optimizer) == want
+    r = hps_job("u", "--optimizer", "rmsprop", "--opt", "momentom=0.9")
+    assert r.returncode == 2 and "RMSprop takes no option 'momentom'" in r.stderr, r.stderr
+    r = hps_job("u", "--optimizer", "lbfgs")
+    assert r.returncode == 2 and "closure" in r.stderr, r.stderr
+    r = hps_job("u", "--group", "*.bias")
+    assert r.returncode == 2 and "PATTERN[,PATTERN]:KEY=VALUE" in r.stderr, r.stderr

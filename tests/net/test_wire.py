@@ -354,6 +354,40 @@ def test_job_config_round_trips_through_protobuf():
     assert job_from_pb(job_to_pb(rows)) == rows and job_to_pb(rows).relay_codec == pb.CODEC_UNSPECIFIED
 
 
+def test_torch_optimizer_configs_round_trip_exactly():
+    from ps.core.config import ParamGroup
+
+    configs = [
+        OptimizerConfig(kind="AdamW", lr=3e-4, beta2=0.95, warmup_steps=7, clip_grad_norm=1.25,
+                        options=(("amsgrad", True), ("eps", 1e-7)),
+                        groups=(ParamGroup(("*.bias", "*norm*"), (("weight_decay", 0.0),)),
+                                ParamGroup(("emb.*",), (("lr", 1e-4), ("betas", (0.8, 0.9)))))),
+        OptimizerConfig(kind="rmsprop", lr=0.01, momentum=0.5, options=(("alpha", 0.9), ("centered", True))),
+        OptimizerConfig(kind="rprop", options=(("etas", (0.4, 1.3)), ("step_sizes", (1e-6, 50)))),
+        OptimizerConfig(kind="adagrad", options=(("lr_decay", 0.001), ("initial_accumulator_value", 1))),
+    ]
+    for o in configs:
+        cfg = JobConfig(name="t", optimizer=o)
+        back = job_from_pb(pb.JobConfig.FromString(job_to_pb(cfg).SerializeToString()))
+        assert back == cfg and hash(back) == hash(cfg)
+        assert [type(v) for _, v in back.optimizer.options] == [type(v) for _, v in o.options]
+    assert job_to_pb(JobConfig(name="t", optimizer=configs[0])).optimizer.kind == pb.OPTIMIZER_UNSPECIFIED
+    assert job_to_pb(JobConfig(name="t")).optimizer.kind == pb.OPTIMIZER_SGD  # what older peers read
+    m = job_to_pb(JobConfig(name="t", optimizer=configs[1]))
+    m.optimizer.options.add(name="alpha")  # no value: refused with a sentence
+    with pytest.raises(BadInput, match="no value"):
+        job_from_pb(m)
+    m = job_to_pb(JobConfig(name="t", optimizer=configs[1]))
+    m.optimizer.options.add(name="momentom", real=0.9)
+    with pytest.raises(BadInput, match="momentom"):
+        job_from_pb(m)
+    m = job_to_pb(JobConfig(name="t", optimizer=configs[1]))
+    for i in range(100):
+        m.optimizer.groups.add(match=[f"k{i}"])
+    with pytest.raises(BadInput, match="too large"):
+        job_from_pb(m)
+
+
 def test_job_from_pb_refuses_unspecified_values():
     # No mode: the message only names the job, to adopt its declared configuration.
     assert job_from_pb(pb.JobConfig(name="lm")) is None
