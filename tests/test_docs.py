@@ -36,9 +36,11 @@ DOCTESTED = (
     "ps.core.errors",
     "ps.core.exactly_once",
     "ps.core.intake",
+    "ps.core.leases",
     "ps.core.losswatch",
     "ps.core.logs",
     "ps.core.optim",
+    "ps.core.ranks",
     "ps.core.replica",
     "ps.core.tensors",
     "ps.core.types",
@@ -72,13 +74,14 @@ DOCTESTED = (
     "worker.client",
     "worker.metrics",
     "worker.optimizer",
+    "worker.sampler",
     "worker.sender",
 )
 
 # Modules whose examples talk to a tier: they get ``address`` (a live root) in their globals.
 LIVE = frozenset({"ps.net.rpc", "ps.net.upstream", "ps.tiers.metrics", "ps.tiers.relay", "ps.server.health",
                   "ps.tools.jobctl", "ps.tools.status", "ps.tools.wanem", "worker", "worker.client", "worker.optimizer",
-                  "worker.sender"})
+                  "worker.sampler", "worker.sender"})
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

@@ -50,14 +50,28 @@ from ps.core.codecs import get_codec
 from ps.core.config import JobConfig
 from ps.core.encoder import Encoder
 from ps.core.errors import BadInput, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable
+from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
+from ps.core.ranks import RankInfo
 from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes, split
 from ps.core.types import NO_STEP, Chunk, PullMeta, PushMeta, StepInfo, VersionMeta
 from ps.core.view import Layout, View
 from ps.net.rpc import Caller
 from ps.net.tls import TlsFiles
-from ps.net.wire import ROLE, decode_pull_reply, encode_create_job, encode_push, job_from_pb, layout_from_pb, pb
+from ps.net.wire import (
+    ROLE,
+    dataset_to_pb,
+    decode_pull_reply,
+    encode_create_job,
+    encode_push,
+    grant_from_pb,
+    job_from_pb,
+    layout_from_pb,
+    pb,
+    rank_from_pb,
+    shards_to_pb,
+)
 
 __all__ = ["ParameterClient", "StepResult", "RETRY_FLOOR_S"]
 
@@ -238,6 +252,12 @@ class ParameterClient:
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
+        if self._roster_used:  # a clean departure: the rank and the data-shard leases go back
+            try:
+                self._call("Rank", pb.RankRequest(job=self.job, member=self.worker_id, incarnation=self.incarnation,
+                                                  release=True), timeout=2)
+            except HpsError:
+                pass
         if self._config is not None:
             try:
                 self._call("Leave", pb.LeaveRequest(job=self.job, member=self.worker_id), timeout=2)
@@ -297,6 +317,60 @@ class ParameterClient:
                     self.register()
                 except HpsError as exc:
                     log.warning("%s: re-register failed: %s", self.worker_id, exc)
+
+    # -- ranks, workers, data shards ---------------------------------------------------------
+    # Class-level defaults: set by the first rank or lease call.
+    _rank_info: RankInfo | None = None
+    _roster_used = False
+
+    def rank(self, requested: int | None = None) -> RankInfo:
+        """This worker's stable rank in the job (0..N-1, assigned by the root) and the job's
+        world: ``world_size`` is the larger of the job's ``min_workers`` and the ranks held now;
+        ``joined`` the ranks held (a killed worker's counts until its replacement, same worker
+        id, takes it back). ``requested``: the rank to ask for (default: the one this client
+        holds, else the ``RANK`` environment variable, else the lowest free); Conflict if another
+        worker holds it. ``close`` gives the rank back.
+
+        >>> c = ParameterClient(address, job="linear", worker_id="r0")
+        >>> c.rank()
+        RankInfo(rank=0, world_size=1, joined=1, holders=((0, 'r0'),))
+        >>> c.close()
+        """
+        if requested is None:
+            held = self._rank_info.rank if self._rank_info is not None else -1
+            requested = held if held >= 0 else _env_rank()
+        self._roster_used = True
+        req = pb.RankRequest(job=self.job, member=self.worker_id, incarnation=self.incarnation,
+                             requested_rank=requested)
+        info = rank_from_pb(self._retrying("rank", lambda: self._call("Rank", req)))
+        self._rank_info = info
+        return info
+
+    def wait_workers(self, n: int | None = None, timeout_s: float = 600.0, poll_s: float = 0.2) -> RankInfo:
+        """Take a rank (``rank``) and wait until at least ``n`` workers hold ranks (default: the
+        job's ``min_workers``, known once registered); returns the rank information then.
+        TimedOut after ``timeout_s``, naming who joined."""
+        want = self.config.min_workers if n is None else n
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.rank()
+            if info.joined >= want:
+                return info
+            if time.monotonic() + poll_s > deadline:
+                who = ", ".join(f"{r}: {m!r}" for r, m in info.holders) or "none"
+                raise TimedOut(f"{info.joined} of {want} workers joined job {self.job!r} within {timeout_s:g}s "
+                               f"(ranks held: {who}); start the others, or lower min_workers")
+            time.sleep(poll_s)
+
+    def lease(self, dataset: Dataset, epoch: int, want: bool = True,
+              held: tuple[tuple[int, int], ...] = ()) -> Grant:
+        """A data shard of ``epoch`` from the root (``ps.core.leases``; ``worker.sampler`` is
+        the usual caller), renewing this worker's other leases; ``want=False`` only renews.
+        ``held``: the shards this worker holds (taken back after a root restart)."""
+        self._roster_used = True
+        req = pb.LeaseRequest(job=self.job, member=self.worker_id, incarnation=self.incarnation,
+                              dataset=dataset_to_pb(dataset), epoch=epoch, want=want, held=shards_to_pb(held))
+        return grant_from_pb(self._retrying("lease", lambda: self._call("Lease", req)))
 
     # -- data plane ------------------------------------------------------------------------
     def pull(self, min_version: int = 0, wait_s: float | None = None, min_clock: int = 0) -> int:
@@ -397,6 +471,17 @@ class ParameterClient:
             self.bytes_up += nbytes
             self.last_skipped = reply.skipped
         return reply.applied_version, nbytes
+
+
+def _env_rank() -> int | None:
+    """The RANK environment variable (as torchrun and Kubernetes indexed jobs set it), if any."""
+    value = os.environ.get("RANK", "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BadInput(f"the RANK environment variable must be an integer rank, got {value!r}") from None
 
 
 def _leave_at_exit(ref: weakref.ref) -> None:

@@ -212,6 +212,9 @@ class JobConfig:
     # workers keep the velocity and sparsify it (masking what they sent); the root then steps
     # plain SGD on what arrives. Momentum at the root would apply to stale, sparse sums instead.
     momentum_correction: bool = False
+    # Workers a job waits for before training (``ParameterClient.wait_workers``); the world size
+    # the ranks report is at least this (0: as many as hold ranks).
+    min_workers: int = 0
     # Module buffers (BatchNorm's running statistics) are averaged across workers every this
     # many steps (1: every step, like DDP's broadcast_buffers; 0: never, each worker keeps its
     # own). Frozen parameters and buffers start from the creating worker's values either way.
@@ -245,6 +248,7 @@ class JobConfig:
                  "momentum_correction needs optimizer sgd with momentum > 0 (not nesterov) and push "
                  f"codec topk; got {o.kind} momentum {o.momentum} nesterov {o.nesterov}, push codec "
                  f"{self.push_codec!r}")
+        _require(0 <= self.min_workers <= 1 << 20, f"min_workers must be in [0, 1048576], got {self.min_workers}")
         _require(1 <= self.delta_log_length <= 100_000,
                  f"delta_log_length must be in [1, 100000], got {self.delta_log_length}")
 

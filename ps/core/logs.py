@@ -41,6 +41,7 @@ EVENTS = frozenset({
     "launch.tier_died", "launch.tier_restarted", "launch.tier_failed",
     "worker.retrying", "worker.recovered", "worker.gave_up",
     "training.loss_rising",
+    "rank.assigned", "rank.released", "data.declared", "lease.expired",
 })
 
 # What every LogRecord has; anything else on a record came with ``extra=``.

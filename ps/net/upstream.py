@@ -33,6 +33,8 @@ import numpy as np
 from ps.core.codecs import get_codec
 from ps.core.config import JobConfig
 from ps.core.errors import HpsError, TimedOut, Unavailable
+from ps.core.leases import Dataset, Grant
+from ps.core.ranks import RankInfo
 from ps.core.tensors import split
 from ps.core.types import Ack, PullMeta, PushKey, Registration, VersionMeta
 from ps.core.view import Layout
@@ -41,13 +43,17 @@ from ps.net.tls import TlsFiles
 from ps.net.wire import (
     OUTCOME_NAME,
     ROLE,
+    dataset_to_pb,
     decode_pull_reply,
     encode_create_job,
+    grant_from_pb,
     job_from_pb,
     jobs_from_pb,
     keys_to_pb,
     layout_from_pb,
     pb,
+    rank_from_pb,
+    shards_to_pb,
 )
 
 __all__ = ["Upstream"]
@@ -142,6 +148,21 @@ class Upstream:
                                                           wait_ms=int(wait_s * 1000)),
                              timeout=wait_s + self.timeout_s, job=job)
         return OUTCOME_NAME.get(r.outcome, "unknown"), r.version, r.view_epoch
+
+    async def rank(self, job: str, member: str, incarnation: int, requested: int | None,
+                   release: bool) -> RankInfo:
+        """A worker's rank call, passed on towards the root (see ``Tier.rank``)."""
+        r = await self._call("Rank", pb.RankRequest(job=job, member=member, incarnation=incarnation,
+                                                    requested_rank=requested, release=release), job=job)
+        return rank_from_pb(r)
+
+    async def lease(self, job: str, member: str, incarnation: int, dataset: Dataset, epoch: int, want: bool,
+                    held: tuple[tuple[int, int], ...]) -> Grant:
+        """A worker's lease call, passed on towards the root (see ``Tier.lease``)."""
+        r = await self._call("Lease", pb.LeaseRequest(job=job, member=member, incarnation=incarnation,
+                                                      dataset=dataset_to_pb(dataset), epoch=epoch, want=want,
+                                                      held=shards_to_pb(held)), job=job)
+        return grant_from_pb(r)
 
     async def pull(self, job: str, view_epoch: int, since: int, min_version: int, wait_s: float
                    ) -> tuple[PullMeta, list[tuple[VersionMeta, list]]]:

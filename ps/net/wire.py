@@ -37,6 +37,8 @@ from ps.core.config import (
     ParamGroup,
 )
 from ps.core.errors import BadInput, short
+from ps.core.leases import DONE, GRANTED, RENEWED, WAIT, Dataset, Grant
+from ps.core.ranks import RankInfo
 from ps.core.types import (
     Chunk,
     JobStats,
@@ -60,6 +62,8 @@ __all__ = [
     "job_from_pb", "jobs_to_pb", "jobs_from_pb", "status_to_pb", "status_from_pb", "layout_to_pb",
     "layout_from_pb", "ROLE", "ROLE_NAME", "MODE", "OUTCOME",
     "OUTCOME_NAME", "METHODS", "SERVICE", "stubs",
+    "rank_to_pb", "rank_from_pb", "dataset_to_pb", "dataset_from_pb", "grant_to_pb", "grant_from_pb",
+    "shards_to_pb", "shards_from_pb",
 ]
 
 # Enum tables; complete at import (every non-UNSPECIFIED value has a domain name).
@@ -77,10 +81,14 @@ MODE = _MODE
 # What became of a push (ps.tiers.tier.resolve's answers).
 OUTCOME = {"applied": pb.OUTCOME_APPLIED, "not_applied": pb.OUTCOME_NOT_APPLIED, "unknown": pb.OUTCOME_UNKNOWN}
 OUTCOME_NAME = {v: k for k, v in OUTCOME.items()}
+# What a lease call answered (ps.core.leases).
+_LEASE = {GRANTED: pb.LEASE_STATUS_GRANTED, WAIT: pb.LEASE_STATUS_WAIT, DONE: pb.LEASE_STATUS_DONE,
+          RENEWED: pb.LEASE_STATUS_RENEWED}
 for _table, _enum, _names in ((_MODE, pb.Mode, MODES), (_CODEC, pb.Codec, CODEC_NAMES),
                               (_OPT, pb.OptimizerKind, OPTIMIZERS),
                               (_DTYPE, pb.DType, ("float32", "float16", "bfloat16", "float64")),
-                              (ROLE, pb.Role, tuple(ROLE)), (OUTCOME, pb.Outcome, tuple(OUTCOME))):
+                              (ROLE, pb.Role, tuple(ROLE)), (OUTCOME, pb.Outcome, tuple(OUTCOME)),
+                              (_LEASE, pb.LeaseStatus, (GRANTED, WAIT, DONE, RENEWED))):
     assert set(_table.values()) == set(_enum.values()) - {0}, f"{_enum} has unmapped values"
     assert set(_table) == set(_names), f"{_names} and the proto disagree"
 del _table, _enum, _names
@@ -283,8 +291,8 @@ def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
         delta_log_length=cfg.delta_log_length, damping=cfg.damping,
         relay_codec=_CODEC[cfg.relay_codec] if cfg.relay_codec else pb.CODEC_UNSPECIFIED,
         topk=cfg.topk, topk_warmup_steps=cfg.topk_warmup_steps,
-        momentum_correction=cfg.momentum_correction, buffer_sync_every=cfg.buffer_sync_every,
-        buffers_never=cfg.buffer_sync_every == 0, run_id=cfg.run_id)
+        momentum_correction=cfg.momentum_correction, min_workers=cfg.min_workers,
+        buffer_sync_every=cfg.buffer_sync_every, buffers_never=cfg.buffer_sync_every == 0, run_id=cfg.run_id)
 
 
 def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
@@ -313,6 +321,7 @@ def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
         relay_codec=_name(_CODEC, m.relay_codec, "codec") if m.relay_codec else "",
         topk=m.topk or 0.01,  # 0: a peer from before the field; its default
         topk_warmup_steps=m.topk_warmup_steps, momentum_correction=m.momentum_correction,
+        min_workers=m.min_workers,
         buffer_sync_every=0 if m.buffers_never else (m.buffer_sync_every or 1), run_id=m.run_id)
 
 
@@ -325,6 +334,51 @@ def jobs_to_pb(rows: list[dict]) -> pb.ListJobsReply:
 def jobs_from_pb(reply: pb.ListJobsReply) -> list[dict]:
     return [dict(config=job_from_pb(j.config), state=j.state, version=j.version, members=j.members,
                  parameters=j.parameters) for j in reply.jobs]
+
+
+# ---- ranks and leased data shards ------------------------------------------------------
+
+def rank_to_pb(info: RankInfo) -> pb.RankReply:
+    return pb.RankReply(rank=info.rank, world_size=info.world_size, joined=info.joined,
+                        holders=[pb.RankHolder(rank=r, member=m) for r, m in info.holders])
+
+
+def rank_from_pb(m: pb.RankReply) -> RankInfo:
+    return RankInfo(m.rank, m.world_size, m.joined, tuple((h.rank, h.member) for h in m.holders))
+
+
+def dataset_to_pb(ds: Dataset) -> pb.DatasetSpec:
+    return pb.DatasetSpec(length=ds.length, shard_size=ds.shard_size, seed=ds.seed,
+                          lease_timeout_ms=round(ds.lease_timeout_s * 1000))
+
+
+def dataset_from_pb(m: pb.DatasetSpec) -> Dataset:
+    """A lease call's dataset, or BadInput (``Dataset`` checks it)."""
+    return Dataset(m.length, m.shard_size, m.seed, m.lease_timeout_ms / 1000.0)
+
+
+def shards_to_pb(shards: Iterable[tuple[int, int]]) -> list[pb.ShardRef]:
+    return [pb.ShardRef(epoch=e, shard=s) for e, s in shards]
+
+
+MAX_HELD = 4096  # shards one lease call may name
+
+
+def shards_from_pb(refs: Any) -> tuple[tuple[int, int], ...]:
+    if len(refs) > MAX_HELD:
+        raise BadInput(f"a lease call names {len(refs)} held shards; at most {MAX_HELD}")
+    return tuple((r.epoch, r.shard) for r in refs)
+
+
+def grant_to_pb(g: Grant) -> pb.LeaseReply:
+    return pb.LeaseReply(status=_LEASE[g.status], epoch=g.epoch, shard=max(g.shard, 0), start=g.start, end=g.end,
+                         current_epoch=g.current_epoch, lost=shards_to_pb(g.lost))
+
+
+def grant_from_pb(m: pb.LeaseReply) -> Grant:
+    status = _name(_LEASE, m.status, "lease status")
+    return Grant(status, m.epoch, m.shard if status == GRANTED else -1, m.start, m.end, m.current_epoch,
+                 shards_from_pb(m.lost))
 
 
 # ---- status ---------------------------------------------------------------------------------
@@ -436,6 +490,8 @@ METHODS: dict[str, tuple[str, Any, Any]] = {
     "ListJobs": ("unary_unary", pb.ListJobsRequest, pb.ListJobsReply),
     "EndJob": ("unary_unary", pb.EndJobRequest, pb.EndJobReply),
     "Resolve": ("unary_unary", pb.ResolveRequest, pb.ResolveReply),
+    "Rank": ("unary_unary", pb.RankRequest, pb.RankReply),
+    "Lease": ("unary_unary", pb.LeaseRequest, pb.LeaseReply),
 }
 
 

@@ -62,13 +62,17 @@ from ps.net.wire import (
     SERVICE,
     chunks_of,
     create_job_of,
+    dataset_from_pb,
     encode_pull_reply,
+    grant_to_pb,
     job_to_pb,
     jobs_to_pb,
     keys_from_pb,
     layout_to_pb,
     pb,
     push_meta_of,
+    rank_to_pb,
+    shards_from_pb,
     status_to_pb,
 )
 from ps.server.auth import Guard, relay_identity
@@ -377,6 +381,20 @@ class _Servicer:
         outcome, version, epoch = await self.tier.resolve(check_name(req.job), keys_from_pb(req.keys),
                                                           min(req.wait_ms, 60_000) / 1000.0)
         return pb.ResolveReply(outcome=OUTCOME[outcome], version=version, view_epoch=epoch)
+
+    @_unary("Rank")
+    async def Rank(self, req: pb.RankRequest, context) -> pb.RankReply:
+        self._check_job(context, req.job, relay_role=True)
+        info = await self.tier.rank(check_name(req.job), req.member, req.incarnation,
+                                    req.requested_rank if req.HasField("requested_rank") else None, req.release)
+        return rank_to_pb(info)
+
+    @_unary("Lease")
+    async def Lease(self, req: pb.LeaseRequest, context) -> pb.LeaseReply:
+        self._check_job(context, req.job, relay_role=True)
+        grant = await self.tier.lease(check_name(req.job), req.member, req.incarnation, dataset_from_pb(req.dataset),
+                                      req.epoch, req.want, shards_from_pb(req.held))
+        return grant_to_pb(grant)
 
     @_unary("Status")
     async def Status(self, req: pb.StatusRequest, context) -> pb.StatusReply:

@@ -32,8 +32,10 @@ from ps.core.deltas import DeltaLog
 from ps.core.encoder import Encoder
 from ps.core.errors import HpsError, Stale, UnknownJob
 from ps.core.exactly_once import AppliedBook, SeqBook
+from ps.core.leases import LeaseBook
 from ps.core.losswatch import LossWatch
 from ps.core.optim import ServerOptimizer
+from ps.core.ranks import RankBook
 from ps.core.tensors import Chunk, split
 from ps.core.types import JobStats, PushKey
 from ps.core.view import Layout, View
@@ -217,6 +219,10 @@ class RootJob(JobState):
     last_checkpoint: tuple[float, float, int] | None = None  # (unix time, seconds, version)
     scratch: np.ndarray | None = None    # reused buffer for params - view
     loss_watch: LossWatch = field(default_factory=LossWatch)  # the loss-anomaly check, in-process
+    ranks: RankBook = field(default_factory=RankBook)      # workers' stable ranks
+    leases: LeaseBook = field(default_factory=LeaseBook)   # the dataset's shards: trained, leased
+    roster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one roster.json write at a time
+    roster_saved: dict | None = None     # what roster.json holds (ranks, dataset, leases)
 
 
 @dataclass

@@ -45,7 +45,9 @@ from ps.core.errors import (
     short,
 )
 from ps.core.exactly_once import MAX_IN_FLIGHT
+from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
+from ps.core.ranks import RankInfo
 from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes
 from ps.core.types import PullMeta, PushKey, PushMeta
@@ -292,6 +294,14 @@ class Relay(Tier):
                             ) -> tuple[str, int, int]:
         """Nothing in flight here holds these pushes: the parent (and above it the root) knows."""
         return await self.up.resolve(js.config.name, keys, wait_s)
+
+    async def _rank_here(self, js: RelayJob, member: str, incarnation: int, requested: int | None,
+                         release: bool) -> RankInfo:
+        return await self.up.rank(js.config.name, member, incarnation, requested, release)
+
+    async def _lease_here(self, js: RelayJob, member: str, incarnation: int, dataset: Dataset, epoch: int,
+                          want: bool, held: tuple[tuple[int, int], ...]) -> Grant:
+        return await self.up.lease(js.config.name, member, incarnation, dataset, epoch, want, held)
 
     def parent_reachable(self) -> bool:
         return self.up.reachable

@@ -48,8 +48,10 @@ from ps.core.consistency import Aggregate, all_finite
 from ps.core.deltas import DeltaEntry
 from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
 from ps.core.exactly_once import decode_applied, encode_applied
+from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
 from ps.core.optim import ServerOptimizer
+from ps.core.ranks import RankInfo
 from ps.core.tensors import assemble, split
 from ps.core.types import Ack, PushKey, PushMeta, StepInfo
 from ps.core.view import KeySpec, Layout, checksum
@@ -275,6 +277,9 @@ class Root(Tier):
                 self._refuse(js, agg, fut, exc)
                 return
             self._publish(js, rec.clock_min, rec.contributors, step.skip)
+            # With the version that applied their gradients: a sample counts as trained iff
+            # its gradient was applied (replayed from the log by ``_apply``).
+            js.leases.progress(step.progress, self.clock())
             doubles = js.applied.add(js.view.version, keys)
             if doubles:  # invariant 4 broken: loud, counted, never silent
                 js.stats.double_applied += doubles
@@ -309,6 +314,7 @@ class Root(Tier):
         if rec.grad is not None:
             js.optimizer.step(rec.grad, rec.scale, step, rec.contributors)
         self._publish(js, rec.clock_min, rec.contributors, step.skip)
+        js.leases.progress(step.progress, self.clock())
         js.applied.add(rec.version, keys)
 
     def _publish(self, js: RootJob, clock_min: int, contributors: int, skip: bool = False) -> None:
@@ -364,6 +370,63 @@ class Root(Tier):
             return UNKNOWN, 0, 0
         return APPLIED, found.pop(), js.view.epoch
 
+    # -- ranks and leased data shards -------------------------------------------------------------
+    async def _rank_here(self, js: RootJob, member: str, incarnation: int, requested: int | None,
+                         release: bool) -> RankInfo:
+        if release:
+            freed = js.ranks.release(member, incarnation)
+            leases = js.leases.release(member, incarnation)
+            if freed or leases:
+                log.info("job %s: worker %r left cleanly: rank freed %s, %d shard lease(s) back",
+                         js.config.name, member, freed, leases,
+                         extra=event("rank.released", job=js.config.name, member=member))
+        else:
+            had = js.ranks.info(member).rank
+            rank = js.ranks.take(member, incarnation, requested)
+            if rank != had:
+                log.info("job %s: worker %r holds rank %d", js.config.name, member, rank,
+                         extra=event("rank.assigned", job=js.config.name, member=member, rank=rank))
+        await self._save_roster(js)  # durable before answered: a restart gives the same ranks
+        return js.ranks.info(member, js.config.min_workers)
+
+    async def _lease_here(self, js: RootJob, member: str, incarnation: int, dataset: Dataset, epoch: int,
+                          want: bool, held: tuple[tuple[int, int], ...]) -> Grant:
+        if js.leases.declare(dataset):
+            log.info("job %s: dataset declared by %r: %d samples in %d shards of %d", js.config.name, member,
+                     dataset.length, dataset.shards, dataset.shard_size,
+                     extra=event("data.declared", job=js.config.name, member=member))
+        now = self.clock()
+        for e, s, holder in js.leases.expire(now):
+            log.warning("job %s: the lease of shard %d of epoch %d expired (%r silent for %.0fs); it goes to "
+                        "the next worker from its trained offset", js.config.name, s, e, holder,
+                        dataset.lease_timeout_s,
+                        extra=event("lease.expired", job=js.config.name, member=holder, epoch=e, shard=s))
+        grant = js.leases.lease(member, incarnation, epoch, now, want, held)
+        await self._save_roster(js)
+        return grant
+
+    def _roster(self, js: RootJob) -> dict:
+        state = js.leases.state()
+        return dict(ranks=js.ranks.state(), dataset=state["dataset"], leases=state["leases"])
+
+    async def _save_roster(self, js: RootJob) -> None:
+        """Ranks, the dataset and the leases held, written (atomically) when they change: rare
+        (joins, one lease per shard), so a rank or a lease is durable before it is answered.
+        The trained offsets go in checkpoints and the write-ahead log, with the versions."""
+        if not self.config.checkpoint_dir:
+            return
+        async with js.roster_lock:
+            roster = self._roster(js)
+            if roster == js.roster_saved:
+                return
+            path = Path(self._job_dir(js.config.name)) / "roster.json"
+            try:
+                await asyncio.to_thread(_write_atomic, path, json.dumps(roster))
+            except OSError as exc:
+                raise Unavailable(f"the root could not save the ranks and data leases of job {js.config.name} "
+                                  f"({exc}); retry") from None
+            js.roster_saved = roster
+
     # -- checkpoints -----------------------------------------------------------------------
     async def _quiesce(self, js: RootJob, apply: bool = True) -> None:
         """Wait for the job's version being applied (``apply``) and checkpoints being written."""
@@ -384,6 +447,7 @@ class Root(Tier):
                 arrays[f"opt.{k}"] = v
         meta = dict(version=js.view.version, checksum=js.view.checksum, steps=js.optimizer.steps,
                     clock_min=js.view.clock_min,
+                    data={k: v for k, v in js.leases.state().items() if k in ("done", "finished", "current_epoch")},
                     config=dataclasses.asdict(js.config),
                     keys=[[s.key, list(s.shape), s.dtype, s.kind] for s in js.layout])
         version, wal, name = js.view.version, js.wal, js.config.name
@@ -446,6 +510,12 @@ class Root(Tier):
         js.view.clock_min = js.reported_floor = meta.get("clock_min", 0)
         if "applied" in arrays:
             js.applied.load(arrays["applied"].tobytes())
+        roster_path = d / "roster.json"
+        roster = json.loads(roster_path.read_text()) if roster_path.exists() else {}
+        js.ranks.load(roster.get("ranks", []))
+        js.leases.load({"dataset": roster.get("dataset"), **meta.get("data", {}), "leases": roster.get("leases", [])},
+                       self.clock())
+        js.roster_saved = roster or None
         replayed = 0
         for rec in js.wal.records(after=js.view.version):
             self._apply(js, rec)

@@ -64,7 +64,9 @@ from ps.core.errors import (
 )
 from ps.core.exactly_once import MAX_IN_FLIGHT
 from ps.core.intake import ByteBudget, PushIntake
+from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
+from ps.core.ranks import RankInfo
 from ps.core.tensors import Chunk, payload_bytes
 from ps.core.types import Ack, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, Registration, TierStatus, VersionMeta
 from ps.tiers.jobstate import JobState
@@ -507,6 +509,28 @@ class Tier:
     async def _resolve_here(self, js: JobState, keys: tuple[PushKey, ...], wait_s: float
                             ) -> tuple[str, int, int]:
         """Nothing here holds the keys: the root answers from its record, a relay asks up."""
+        raise NotImplementedError
+
+    # -- ranks and leased data shards (the root decides; relays pass the calls on) -------------
+    async def rank(self, job: str, member: str, incarnation: int, requested: int | None = None,
+                   release: bool = False) -> RankInfo:
+        """``member``'s stable rank in ``job`` (``ps.core.ranks``), or (``release``) its clean
+        departure: its rank and its data-shard leases go back."""
+        check_member(member)
+        return await self._rank_here(self.job(job), member, incarnation, requested, release)
+
+    async def lease(self, job: str, member: str, incarnation: int, dataset: Dataset, epoch: int,
+                    want: bool = True, held: tuple[tuple[int, int], ...] = ()) -> Grant:
+        """A data shard of ``epoch`` for ``member`` (``ps.core.leases``), renewing its leases."""
+        check_member(member)
+        return await self._lease_here(self.job(job), member, incarnation, dataset, epoch, want, held)
+
+    async def _rank_here(self, js: JobState, member: str, incarnation: int, requested: int | None,
+                         release: bool) -> RankInfo:
+        raise NotImplementedError
+
+    async def _lease_here(self, js: JobState, member: str, incarnation: int, dataset: Dataset, epoch: int,
+                          want: bool, held: tuple[tuple[int, int], ...]) -> Grant:
         raise NotImplementedError
 
     # -- pull ------------------------------------------------------------------------------

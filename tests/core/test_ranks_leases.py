@@ -1,0 +1,132 @@
+"""The pure books behind issue 13's membership and data: ranks (ps.core.ranks) and leased
+data shards (ps.core.leases): expiry, the resume offset, declarations, epochs, restarts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ps.core.errors import BadInput, Conflict, Exhausted, NotReady
+from ps.core.leases import DONE, GRANTED, MAX_OPEN_EPOCHS, RENEWED, WAIT, Dataset, LeaseBook
+from ps.core.ranks import RankBook
+
+DS = Dataset(length=40, shard_size=16, seed=3, lease_timeout_s=10)  # shards of 16, 16, 8
+
+
+# -- ranks ---------------------------------------------------------------------------------------
+
+def test_ranks_are_stable_per_worker_id_and_lowest_free_otherwise():
+    book = RankBook()
+    assert [book.take(w, 1) for w in ("a", "b", "c")] == [0, 1, 2]
+    assert book.take("b", 9) == 1                      # a restarted process: same id, same rank
+    assert book.take("b", 9, requested=1) == 1         # its own rank, asked for: fine
+    assert not book.release("b", 1)                    # an old incarnation cannot free it
+    assert book.release("b", 9)
+    assert book.take("d", 1) == 1                      # the lowest free rank
+    assert book.info("a", min_workers=5).world_size == 5
+    assert book.info("a").world_size == book.info("a").joined == 3
+
+
+def test_a_requested_rank_is_honoured_if_free_and_refused_with_the_holder_named():
+    book = RankBook()
+    assert book.take("x", 1, requested=4) == 4
+    assert book.take("y", 1) == 0
+    with pytest.raises(Conflict, match="rank 4 of this job is held by worker 'x'"):
+        book.take("z", 1, requested=4)
+    with pytest.raises(Conflict, match="holds rank 0"):
+        book.take("y", 1, requested=2)
+    with pytest.raises(BadInput):
+        book.take("z", 1, requested=-1)
+    again = RankBook()
+    again.load(json.loads(json.dumps(book.state())))
+    assert again.info("x") == book.info("x")
+
+
+# -- leases --------------------------------------------------------------------------------------
+
+def test_shards_are_leased_in_turn_then_wait_then_done():
+    book = LeaseBook()
+    with pytest.raises(NotReady):
+        book.lease("a", 1, 0, now=0)
+    assert book.declare(DS) and not book.declare(DS)
+    g = [book.lease(w, 1, 0, now=0) for w in ("a", "b", "a")]
+    assert [(x.status, x.shard, x.start, x.end) for x in g] == [(GRANTED, 0, 0, 16), (GRANTED, 1, 0, 16),
+                                                                (GRANTED, 2, 0, 8)]
+    assert book.lease("c", 1, 0, now=1).status == WAIT      # held by others
+    assert book.lease("a", 1, 0, now=1).status == WAIT      # b's shard might still come back
+    book.progress([(0, 1, 16)], now=2)
+    assert book.lease("a", 1, 0, now=2).status == DONE      # the rest is its own to finish
+    book.progress([(0, 0, 16), (0, 2, 8)], now=3)
+    assert 0 in book.finished and 0 not in book.done
+    assert book.lease("c", 1, 0, now=4).status == DONE
+    assert book.lease("c", 1, 1, now=4).shard == 0          # the next epoch starts afresh
+    assert book.current_epoch == 1
+
+
+def test_an_expired_lease_resumes_from_the_trained_offset_and_progress_renews():
+    book = LeaseBook()
+    book.declare(DS)
+    assert book.lease("a", 1, 0, now=0).shard == 0
+    book.progress([(0, 0, 4), (0, 0, 8), (0, 0, 6)], now=8)  # max: a late, smaller offset is no step back
+    assert book.done[0][0] == 8
+    book.lease("b", 1, 0, now=9)                             # shard 1
+    book.lease("b", 1, 0, now=9)                             # shard 2
+    assert book.lease("b", 1, 0, now=17).status == WAIT      # a's lease runs to 18 (progress at 8)
+    g = book.lease("b", 1, 0, now=18.5)                      # expired: b resumes it at 8
+    assert (g.status, g.shard, g.start, g.end) == (GRANTED, 0, 8, 16)
+    r = book.lease("a", 1, 0, now=19, want=False, held=((0, 0),))   # a comes back: lost it
+    assert r.status == RENEWED and r.lost == ((0, 0),)
+
+
+def test_a_new_incarnation_gives_its_predecessors_leases_back_at_once():
+    book = LeaseBook()
+    book.declare(DS)
+    book.lease("a", 1, 0, now=0)
+    book.progress([(0, 0, 12)], now=1)
+    g = book.lease("a", 2, 0, now=2)                         # a restarted (kill -9, same id)
+    assert (g.shard, g.start) == (0, 12)
+    assert book.release("a", 1) == 0 and book.release("a", 2) == 1   # clean exit of the new one
+    assert book.lease("b", 1, 0, now=3).shard == 0
+
+
+def test_the_dataset_is_declared_once_and_checked():
+    book = LeaseBook()
+    book.declare(DS)
+    with pytest.raises(Conflict, match="40 samples in shards of 16"):
+        book.declare(Dataset(length=41, shard_size=16, seed=3, lease_timeout_s=10))
+    with pytest.raises(BadInput, match="shard_size"):
+        Dataset(length=10, shard_size=0)
+    with pytest.raises(BadInput, match="lease_timeout_s"):
+        Dataset(length=10, shard_size=2, lease_timeout_s=0)
+
+
+def test_progress_naming_no_open_shard_is_ignored_and_open_epochs_are_bounded():
+    book = LeaseBook()
+    assert book.progress([(0, 0, 4)], now=0) == 0            # nothing declared
+    book.declare(DS)
+    assert book.progress([(0, 7, 4), (-1, 0, 4)], now=0) == 0
+    assert book.progress([(0, 2, 99)], now=0) == 1 and book.done[0][2] == 8   # clipped at the shard's end
+    for e in range(1, MAX_OPEN_EPOCHS):
+        book.lease("a", 1, e, now=0)
+    with pytest.raises(Exhausted):
+        book.lease("a", 1, MAX_OPEN_EPOCHS + 5, now=0)
+
+
+def test_state_round_trips_and_held_shards_are_taken_back_after_a_restart():
+    book = LeaseBook()
+    book.declare(DS)
+    book.lease("a", 1, 0, now=0)
+    book.lease("b", 1, 0, now=0)
+    book.progress([(0, 0, 5), (0, 1, 16)], now=1)
+    state = json.loads(json.dumps(book.state()))
+    full = LeaseBook()
+    full.load(state, now=100)
+    assert full.done == book.done and full.holders() == {(0, 0): "a"}   # b's shard is finished
+    # A root that saved no leases (only the dataset and the offsets): a comes back holding shard
+    # 0 and keeps it, nobody else gets it.
+    bare = LeaseBook()
+    bare.load({k: v for k, v in state.items() if k != "leases"}, now=100)
+    assert bare.lease("a", 1, 0, now=100, want=False, held=((0, 0),)).lost == ()
+    assert bare.lease("c", 1, 0, now=100).shard == 2
+    assert bare.lease("c", 1, 0, now=100).status == WAIT
