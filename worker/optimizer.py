@@ -50,6 +50,7 @@ from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
 from ps.net.tls import TlsFiles
 from worker.client import ParameterClient, StepResult
+from worker.sampler import LeasedSampler
 from worker.sender import Sender
 
 __all__ = ["HpsOptimizer"]
@@ -145,7 +146,7 @@ class HpsOptimizer(torch.optim.Optimizer):
             world = _env_int("WORLD_SIZE")
             if run_id and not job.run_id:
                 job = replace(job, run_id=run_id)
-            if world and hasattr(job, "min_workers") and not job.min_workers:
+            if world and not job.min_workers:
                 job = replace(job, min_workers=world)
         worker_id = (worker_id or os.environ.get("HPS_WORKER_ID")
                      or (f"rank{requested_rank}" if requested_rank is not None else None))
@@ -159,7 +160,7 @@ class HpsOptimizer(torch.optim.Optimizer):
         self.last_step_s = 0.0
         self.last_result: StepResult | None = None
         self._iteration_start = time.perf_counter()  # step time = from one step() to the next
-        self._sampler: Any = None  # a LeasedSampler whose progress rides with each push
+        self._sampler: LeasedSampler | None = None  # its progress rides with each push
         self._carried: tuple[tuple[int, int, int], ...] = ()  # ssp/async: progress of unpushed steps
         # Join a running job without sending the initial values: across a WAN every joining
         # worker would otherwise ship the whole model to the root only to have it ignored.
@@ -177,7 +178,7 @@ class HpsOptimizer(torch.optim.Optimizer):
             self.client.close()  # leave again: a member that never pushes would hold up bsp rounds
             raise
         cfg = self.client.config
-        self.rank, self.world_size = self._take_rank(requested_rank, getattr(cfg, "min_workers", 0), start_timeout_s)
+        self.rank, self.world_size = self._take_rank(requested_rank, cfg.min_workers, start_timeout_s)
         log.info("%s: job %s %s as rank %d of %d", self.client.worker_id, name,
                  "created" if created else "joined", self.rank, self.world_size)
         self.client.pull(min_version=self.client.start_version)
@@ -230,13 +231,12 @@ class HpsOptimizer(torch.optim.Optimizer):
             "HPS_RUN_ID (torchrun's run id counts) and then join and restart freely.")
 
     def _take_rank(self, requested: int | None, min_workers: int, timeout_s: float) -> tuple[int, int]:
-        rank_fn = getattr(self.client, "rank", None)
-        if rank_fn is None:  # a client without rank assignment (older tiers)
-            return 0, 1
-        rank, world = rank_fn(requested)
+        """A stable rank from the root (``RANK`` if set), then, with ``min_workers``, the wait
+        until that many workers hold ranks: bsp rounds then start with everyone."""
+        info = self.client.rank(requested)
         if min_workers > 1:
-            world = self.client.wait_workers(min_workers, timeout_s)
-        return rank, max(world, min_workers, 1)
+            info = self.client.wait_workers(min_workers, timeout_s)
+        return info.rank, max(info.world_size, 1)
 
     @property
     def is_main(self) -> bool:
@@ -248,11 +248,14 @@ class HpsOptimizer(torch.optim.Optimizer):
         """The version of the parameters the model holds now."""
         return self.client.view.version
 
-    def sampler(self, dataset_len: int, batch_size: int, **kw: Any) -> Any:
-        """A batch sampler leasing this job's data shards from the root (``worker.sampler``):
-        every sample of an epoch is trained once across the workers, whoever joins or dies.
-        Its progress rides with each push. ``kw``: ``LeasedSampler``'s options."""
-        from worker.sampler import LeasedSampler
+    def sampler(self, dataset_len: int, batch_size: int, **kw: Any) -> LeasedSampler:
+        """A batch sampler (``DataLoader(ds, batch_sampler=opt.sampler(len(ds), 64))``) that
+        leases this job's data shards from the root: every sample of an epoch is trained once
+        across the workers, whoever joins, leaves or dies mid-epoch (a dead worker's shard goes
+        back to the pool from where its applied steps left it). Its progress rides with each
+        push; a worker with no shard left takes part in rounds empty-handed (``idle``) until the
+        epoch ends. ``kw``: ``LeasedSampler``'s options (shard_size, seed, lease_timeout_s);
+        ``set_epoch(e)`` as with DistributedSampler."""
         self._sampler = LeasedSampler(self.client, dataset_len, batch_size, idle=self.idle, **kw)
         return self._sampler
 
