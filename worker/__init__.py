@@ -15,9 +15,11 @@ StepResult(version=2, applied=True, bytes_up=20, bytes_down=20)
 or set ``HPS_TLS_CERT``, ``HPS_TLS_KEY``, ``HPS_TLS_CA``.
 """
 
-from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.config import JobConfig, OptimizerConfig, ParamGroup
 from ps.net.tls import TlsFiles
 from worker.client import ParameterClient, StepResult
 from worker.optimizer import HpsOptimizer
+from worker.sampler import LeasedSampler
 
-__all__ = ["HpsOptimizer", "ParameterClient", "StepResult", "JobConfig", "OptimizerConfig", "TlsFiles"]
+__all__ = ["HpsOptimizer", "ParameterClient", "StepResult", "JobConfig", "OptimizerConfig", "ParamGroup",
+           "LeasedSampler", "TlsFiles"]

@@ -310,6 +310,7 @@ def _job(args) -> int:
                             relay_codec=args.relay_codec, topk=float(args.topk),
                             topk_warmup_steps=int(args.topk_warmup_steps),
                             momentum_correction=args.momentum_correction,
+                            min_workers=int(args.min_workers), buffer_sync_every=int(args.buffer_sync_every),
                             optimizer=_optimizer_config(args))
             created, job_token = jobctl.create(args.address, cfg, admin)
             print(f"job {args.name} {'declared' if created else 'already exists with this configuration'}; "
@@ -472,6 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--clip-grad-norm", default="0",
                    help="> 0: the root clips the averaged gradient's global L2 norm to this, as "
                    "torch.nn.utils.clip_grad_norm_ would on one process (workers must not clip too); 0: off")
+    s.add_argument("--min-workers", default="0",
+                   help="workers the job waits for before its first step (each worker's HpsOptimizer waits "
+                   "until that many hold ranks); the world size workers see is at least this")
+    s.add_argument("--buffer-sync-every", default="1",
+                   help="average module buffers (BatchNorm statistics) across workers every N steps; 0: never "
+                   "(each worker keeps its own, as DDP with broadcast_buffers=False)")
     s.add_argument("--push-codec", default="fp32", help="workers' codec: fp32, fp32+zstd, fp16, bf16, "
                    "int8, topk, sign, rows (lossy ones run with error feedback)")
     s.add_argument("--relay-codec", default="", help="relays' codec for aggregates (default: the push codec)")

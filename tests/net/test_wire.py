@@ -408,3 +408,36 @@ def test_layout_and_create_job_round_trip():
     assert init.tobytes() == _grad(2).tobytes()
     with pytest.raises(BadInput):
         decode_create_job(encode_push(META, []))
+
+
+def test_a_pushs_step_information_round_trips_and_bad_ones_are_refused():
+    from ps.core.types import StepInfo
+    from ps.net.wire import pb, step_from_pb, step_to_pb
+    step = StepInfo(hparams=((0, "lr", 0.05), (1, "betas_0", 0.9)), absent=(1, 4), skip=True, buffers=2,
+                    progress=((3, 7, 128),))
+    meta = PushMeta(job="lm", sender="w0", seq=1, base_version=0, step=step)
+    chunks = split(Layout([KeySpec("w", (3,))]), np.ones(3, np.float32), get_codec("fp32"))
+    got, _, _ = decode_push(encode_push(meta, chunks))
+    assert got.step == step
+    assert decode_push(encode_push(PushMeta(job="lm", sender="w0", seq=1, base_version=0), chunks))[0].step.empty
+    assert step_to_pb(StepInfo()) is None  # an empty step costs no bytes
+    for bad, match in [
+        (pb.StepInfo(hparams=[pb.HParam(group=0, name="lr", value=float("nan"))]), "finite"),
+        (pb.StepInfo(hparams=[pb.HParam(group=0, name="l r", value=0.1)]), "identifiers"),
+        (pb.StepInfo(hparams=[pb.HParam(group=0, name="lr", value=0.1)] * 2), "twice"),
+        (pb.StepInfo(absent=[3, 1]), "increasing"),
+        (pb.StepInfo(progress=[pb.ShardProgress()] * 5000), "at most"),
+    ]:
+        with pytest.raises(BadInput, match=match):
+            step_from_pb(bad)
+
+
+def test_step_information_merges_as_contributions_are_summed():
+    from ps.core.types import StepInfo
+    a = StepInfo(hparams=((0, "lr", 0.1),), absent=(0, 2), buffers=1, progress=((0, 1, 8),))
+    b = StepInfo(hparams=((0, "lr", 0.1),), absent=(2,), skip=True, progress=((0, 2, 16),))
+    m = a.merge(b)
+    assert m.absent == (2,) and m.skip and m.buffers == 1 and m.progress == ((0, 1, 8), (0, 2, 16))
+    assert a.agrees(b) == "" and "0.05" in a.agrees(StepInfo(hparams=((0, "lr", 0.05),)))
+    older = StepInfo(hparams=((0, "lr", 0.2),))
+    assert a.merge(older, other_newer=False).hparams == a.hparams   # windows keep the newest clock's
