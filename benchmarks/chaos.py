@@ -169,7 +169,7 @@ class Workers:
                 + (["--wait-go"] if wait_go else []),
                 stdout=subprocess.PIPE, stderr=err, stdin=subprocess.PIPE if wait_go else subprocess.DEVNULL,
                 text=True, cwd=ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HPS_RUN_ID": "chaos"},
                 # Below the tiers, as in modes.py: on 2 shared cores the workers otherwise starve
                 # the seven servers, which in a deployment have hosts of their own.
                 preexec_fn=lambda: os.nice(10))

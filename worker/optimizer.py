@@ -429,15 +429,14 @@ class HpsOptimizer(torch.optim.Optimizer):
         finally:
             del frame
 
-    def idle(self) -> StepResult | None:
+    def idle(self) -> None:
         """Take part in a bsp round with nothing to contribute (a worker whose data for the
         epoch is done while others still train), so the others' rounds are not held up; then
-        load the round's parameters. ssp/async: nothing to do."""
-        if self.mode != "bsp":
-            return None
-        t0 = time.perf_counter()
-        empty = torch.zeros(0)
-        return self._step_bsp(empty, t0, (0.0, 0, 0.0), StepInfo(), False, contributors=0)
+        load the round's parameters (``last_result`` says which version). ssp/async: nothing
+        to do."""
+        if self.mode == "bsp":
+            self.last_result = self._step_bsp(torch.zeros(0), time.perf_counter(), (0.0, 0, 0.0), StepInfo(), False,
+                                              contributors=0)
 
     def _step_nonblocking(self, grad: torch.Tensor, t0: float, report: tuple[float, int, float],
                           info: StepInfo, skip: bool, sync_buffers: bool) -> StepResult:
@@ -521,8 +520,9 @@ class HpsOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Drain the background sender (ssp/async), stop heart-beating and leave the job."""
-        if getattr(self, "sender", None) is not None:
-            self.sender.close(self.client.timeout_s)
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            sender.close(self.client.timeout_s)
         self.client.close()
 
     def __enter__(self) -> HpsOptimizer:

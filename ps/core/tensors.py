@@ -65,7 +65,8 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
             if n <= 0:
                 break
             part = flat[base + off: base + off + n]
-            payload = key_codec.encode(part) if plain else encode(f"{spec.key}@{off}", key_codec, part)
+            payload = (key_codec.encode(part) if plain or encode is None
+                       else encode(f"{spec.key}@{off}", key_codec, part))
             out.append(Chunk(spec.key, spec.shape, spec.dtype, off, n, key_codec.name, payload))
     return out
 
