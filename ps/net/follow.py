@@ -41,9 +41,11 @@ class LogLink:
     async def promote(self, timeout: float) -> int:
         return (await self._rpc.call("Promote", pb.PromoteRequest(), timeout, [self.token])).term
 
-    async def follow(self, term: int, lease_s: float, handle: Callable[[LogMessage], Awaitable[None]]) -> None:
+    async def follow(self, term: int, lease_s: float, handle: Callable[[LogMessage], Awaitable[None]],
+                     address: str = "") -> None:
+        """``address``: where this standby serves (the primary looks there for a newer primary)."""
         out: asyncio.Queue[LogMessage | None] = asyncio.Queue()
-        out.put_nowait(LogMessage("follow", term=term))
+        out.put_nowait(LogMessage("follow", term=term, data=address.encode()))
 
         async def requests() -> AsyncIterator[bytes]:
             while (m := await out.get()) is not None:

@@ -413,7 +413,7 @@ class _Servicer:
                 first = reader.feed(await it.__anext__())
             if first.kind != "follow":
                 raise BadInput(f"a follow stream starts with FOLLOW, got {first.kind.upper()}")
-            follower = self.tier.follow(first.term)  # type: ignore[attr-defined]
+            follower = self.tier.follow(first.term, first.data.decode(errors="replace")[:256])  # type: ignore[attr-defined]
         except StopAsyncIteration:
             return
         except Exception as exc:

@@ -94,6 +94,7 @@ class Root(Tier):
         self.standby: Standby | None = None
         self._standby_task: asyncio.Task | None = None
         self._token = ""
+        self.address = ""
         if config.admin_token_file:
             self._token = Path(config.admin_token_file).read_text().strip().splitlines()[0].strip()
         if config.checkpoint_dir:
@@ -102,6 +103,7 @@ class Root(Tier):
     # -- primary and standby -----------------------------------------------------------------
     async def start(self) -> None:
         await super().start()
+        self._tasks.append(asyncio.create_task(self._watch_peer(), name="watch-peer"))
         if not self.peer:
             return
         peer = await self._peer_status(wait_s=self.config.lease_s)
@@ -116,7 +118,6 @@ class Root(Tier):
                      extra=event("root.primary", term=self.term))
         else:
             self._follow(self.peer, "configured as a standby")
-        self._tasks.append(asyncio.create_task(self._watch_peer(), name="watch-peer"))
 
     async def _peer_status(self, wait_s: float) -> TierStatus | None:
         link = LogLink(self.peer, self.tls, self._token)
@@ -137,7 +138,7 @@ class Root(Tier):
         term deposed this one, which then rejoins as its standby."""
         while True:
             await asyncio.sleep(self.config.lease_s / 2)
-            if self.state not in ("primary", "fenced") or self.replication.in_sync():
+            if not self.peer or self.state not in ("primary", "fenced") or self.replication.in_sync():
                 continue
             peer = await self._peer_status(wait_s=0)
             if peer is not None and peer.root_state == "primary" and peer.term > self.term:
@@ -221,13 +222,18 @@ class Root(Tier):
         Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
         _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=info.get("why", ""))))
 
-    def follow(self, term: int) -> Follower:
+    def set_address(self, address: str) -> None:
+        self.address = address
+
+    def follow(self, term: int, address: str = "") -> Follower:
         """A standby asks to follow this root (the Follow RPC): its follower, being sent the
         state to start from (``_bootstrap``), then every record."""
         if term > self.term:
             raise Conflict(f"the standby holds term {term}, newer than this root's {self.term}: this root "
                            "was deposed; it rejoins as a standby")
         self.writable()
+        if address and not self.peer:  # where to look for a newer primary once this follower is gone
+            self.peer = address
         f = self.replication.attach(term)
         task = asyncio.create_task(self._bootstrap(f), name="bootstrap-standby")
         self._ckpt_tasks.add(task)

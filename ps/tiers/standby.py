@@ -100,7 +100,7 @@ class Standby:
         pause = min(0.1, self.lease_s / 10)
         while True:
             try:
-                await self.link.follow(self.root.term, self.lease_s, self._handle)
+                await self.link.follow(self.root.term, self.lease_s, self._handle, self.root.address)
                 why = "the primary ended the stream"
             except (HpsError, OSError, ValueError) as exc:
                 why = str(exc)
