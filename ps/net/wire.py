@@ -439,11 +439,10 @@ assert set(_LOG.values()) == set(pb.LogEntry.Kind.values()) - {0}
 def encode_log(msg: LogMessage) -> list[bytes]:
     """``msg`` as frames: its payload split at ``MAX_FRAME_PAYLOAD`` (no copy of the data)."""
     data = memoryview(msg.data)
-    head = dict(kind=_LOG[msg.kind], job=msg.job, version=msg.version, term=msg.term, epoch=msg.epoch,
-                seq=msg.seq)
     pieces = [data[i:i + MAX_FRAME_PAYLOAD] for i in range(0, len(data), MAX_FRAME_PAYLOAD)] or [data]
-    return [encode_frame(pb.FrameHeader(log=pb.LogEntry(**head, more=i + 1 < len(pieces))), p)
-            for i, p in enumerate(pieces)]
+    return [encode_frame(pb.FrameHeader(log=pb.LogEntry(
+        kind=_LOG[msg.kind], job=msg.job, version=msg.version, term=msg.term, epoch=msg.epoch, seq=msg.seq,
+        more=i + 1 < len(pieces))), p) for i, p in enumerate(pieces)]
 
 
 class LogReader:
