@@ -345,7 +345,7 @@ class ServerConfig:
         _require(not all(peers), f"a root is a standby (--standby-of {self.standby_of}) or has one "
                  f"(--standby {self.standby}), not both")
         _require(all(":" in p for p in peers if p), f"a standby's peer must be HOST:PORT, got {peers}")
-        _require(not any(peers) or self.checkpoint_dir, "a root with a standby, or a standby, needs "
+        _require(not any(peers) or bool(self.checkpoint_dir), "a root with a standby, or a standby, needs "
                  "--checkpoint-dir (the term and the log are durable)")
         _require(0.1 <= self.lease_s <= 600, f"lease must be in [0.1, 600] seconds, got {self.lease_s}")
 

@@ -431,7 +431,7 @@ def status_from_pb(m: pb.StatusReply) -> TierStatus:
 
 # ---- Follow streams (a standby root following its primary's log) -------------------------
 
-_LOG = {k: i + 1 for i, k in enumerate(LOG_KINDS)}  # LogEntry.Kind values, in wire order
+_LOG: dict[str, Any] = {k: i + 1 for i, k in enumerate(LOG_KINDS)}  # LogEntry.Kind values, in wire order
 _LOG_NAME = {v: k for k, v in _LOG.items()}
 assert set(_LOG.values()) == set(pb.LogEntry.Kind.values()) - {0}
 
