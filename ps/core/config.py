@@ -298,6 +298,15 @@ class ServerConfig:
     # A file holding the admin token (ps/server/auth.py); "": none, and the tier accepts every
     # call without a token (it says so in its log and in `hps status`).
     admin_token_file: str = ""
+    # A hot-standby pair of roots (ps/tiers/standby.py): ``standby_of`` starts this root as the
+    # standby of the primary there; ``standby`` names this primary's standby, so a version is
+    # acknowledged only once the standby holds its record (and this root, restarted after a
+    # takeover, finds the new primary there and rejoins as its standby). ``lease_s``: how long
+    # a primary waits for its standby's acknowledgement, and a standby for its primary, before
+    # the one refuses pushes and the other takes over.
+    standby_of: str = ""
+    standby: str = ""
+    lease_s: float = 2.0
 
     def __post_init__(self) -> None:
         _finite(self)
@@ -330,6 +339,15 @@ class ServerConfig:
                  f"cert={self.tls_cert!r} key={self.tls_key!r} ca={self.tls_ca!r}")
         _require(not (self.insecure and any(tls)), "--insecure and the --tls-* files exclude each other")
         _require(self.round_timeout_s > 0, f"round timeout must be positive, got {self.round_timeout_s}")
+        peers = (self.standby_of, self.standby)
+        _require(self.role == "global" or not any(peers),
+                 "only the global root has a standby (--standby, --standby-of)")
+        _require(not all(peers), f"a root is a standby (--standby-of {self.standby_of}) or has one "
+                 f"(--standby {self.standby}), not both")
+        _require(all(":" in p for p in peers if p), f"a standby's peer must be HOST:PORT, got {peers}")
+        _require(not any(peers) or bool(self.checkpoint_dir), "a root with a standby, or a standby, needs "
+                 "--checkpoint-dir (the term and the log are durable)")
+        _require(0.1 <= self.lease_s <= 600, f"lease must be in [0.1, 600] seconds, got {self.lease_s}")
 
     @property
     def secure(self) -> bool:

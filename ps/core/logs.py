@@ -42,6 +42,7 @@ EVENTS = frozenset({
     "worker.retrying", "worker.recovered", "worker.gave_up",
     "training.loss_rising",
     "rank.assigned", "rank.released", "data.declared", "lease.expired",
+    "root.primary", "root.promoted", "root.deposed", "standby.following", "standby.synced", "standby.in_sync",
 })
 
 # What every LogRecord has; anything else on a record came with ``extra=``.

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # annotations only
     from ps.core.view import Layout
 
 __all__ = ["Chunk", "PushKey", "StepInfo", "NO_STEP", "PushMeta", "PullMeta", "VersionMeta", "Ack", "Registration",
-           "JobStats", "MemberInfo", "JobStatus", "TierStatus"]
+           "JobStats", "MemberInfo", "JobStatus", "TierStatus", "LogMessage", "LOG_KINDS"]
 
 
 @dataclass(frozen=True)
@@ -260,3 +260,23 @@ class TierStatus:
     children: tuple[MemberInfo, ...] = ()
     insecure: bool = False  # plaintext, no client certificates (`hps status` says so loudly)
     tokens_required: bool = False  # False: the tier accepts calls without tokens (as the wire says)
+    term: int = 0          # a root's fencing term (rises on every promotion of a standby)
+    root_state: str = ""   # a root: "primary", "standby" or "fenced"
+
+
+# What a Follow stream carries (hps.proto, LogEntry.Kind), in wire order.
+LOG_KINDS = ("follow", "hello", "state", "declared", "ended", "record", "roster", "synced", "ack", "beat")
+
+
+@dataclass(frozen=True)
+class LogMessage:
+    """One message of a standby's Follow stream (see ``LogEntry`` in hps.proto): ``data`` is the
+    whole payload (a checkpoint file, a log record's bytes, JSON), however many frames it took."""
+
+    kind: str
+    job: str = ""
+    version: int = 0
+    term: int = 0
+    epoch: int = 0
+    seq: int = 0
+    data: bytes = b""

@@ -40,9 +40,11 @@ from ps.core.errors import BadInput, short
 from ps.core.leases import DONE, GRANTED, RENEWED, WAIT, Dataset, Grant
 from ps.core.ranks import RankInfo
 from ps.core.types import (
+    LOG_KINDS,
     Chunk,
     JobStats,
     JobStatus,
+    LogMessage,
     MemberInfo,
     PullMeta,
     PushKey,
@@ -63,7 +65,7 @@ __all__ = [
     "layout_from_pb", "ROLE", "ROLE_NAME", "MODE", "OUTCOME",
     "OUTCOME_NAME", "METHODS", "SERVICE", "stubs",
     "rank_to_pb", "rank_from_pb", "dataset_to_pb", "dataset_from_pb", "grant_to_pb", "grant_from_pb",
-    "shards_to_pb", "shards_from_pb",
+    "shards_to_pb", "shards_from_pb", "encode_log", "LogReader",
 ]
 
 # Enum tables; complete at import (every non-UNSPECIFIED value has a domain name).
@@ -402,6 +404,7 @@ def status_to_pb(s: TierStatus) -> pb.StatusReply:
         role=ROLE[s.role], name=s.name, server_epoch=s.server_epoch, parent=s.parent,
         parent_reachable=s.parent_reachable, ready=s.ready, uptime_s=s.uptime_s, insecure=s.insecure,
         children=_members_to_pb(s.children), tokens_required=s.tokens_required,
+        root_term=s.term, root_state=s.root_state,
         jobs=[pb.JobStatus(name=j.name, mode=_MODE[j.mode], version=j.version, view_epoch=j.view_epoch,
                            checksum=j.checksum, parent_version=j.parent_version, lag_s=j.lag_s,
                            round=j.round, round_pushed=j.round_pushed, clock_min=j.clock_min,
@@ -416,6 +419,7 @@ def status_from_pb(m: pb.StatusReply) -> TierStatus:
         role=ROLE_NAME.get(m.role, "?"), name=m.name, server_epoch=m.server_epoch, parent=m.parent,
         parent_reachable=m.parent_reachable, ready=m.ready, uptime_s=m.uptime_s, insecure=m.insecure,
         children=_members_from_pb(m.children), tokens_required=m.tokens_required,
+        term=m.root_term, root_state=m.root_state,
         jobs=tuple(JobStatus(name=j.name, mode=_name(_MODE, j.mode, "mode"), version=j.version,
                              view_epoch=j.view_epoch, checksum=j.checksum, parent_version=j.parent_version,
                              lag_s=j.lag_s, round=j.round, round_pushed=j.round_pushed,
@@ -423,6 +427,51 @@ def status_from_pb(m: pb.StatusReply) -> TierStatus:
                              members=_members_from_pb(j.members), lost=_members_from_pb(j.lost),
                              stats=JobStats(**{k: getattr(j.stats, k) for k in _STATS}))
                    for j in m.jobs))
+
+
+# ---- Follow streams (a standby root following its primary's log) -------------------------
+
+_LOG: dict[str, Any] = {k: i + 1 for i, k in enumerate(LOG_KINDS)}  # LogEntry.Kind values, in wire order
+_LOG_NAME = {v: k for k, v in _LOG.items()}
+assert set(_LOG.values()) == set(pb.LogEntry.Kind.values()) - {0}
+
+
+def encode_log(msg: LogMessage) -> list[bytes]:
+    """``msg`` as frames: its payload split at ``MAX_FRAME_PAYLOAD`` (no copy of the data)."""
+    data = memoryview(msg.data)
+    pieces = [data[i:i + MAX_FRAME_PAYLOAD] for i in range(0, len(data), MAX_FRAME_PAYLOAD)] or [data]
+    return [encode_frame(pb.FrameHeader(log=pb.LogEntry(
+        kind=_LOG[msg.kind], job=msg.job, version=msg.version, term=msg.term, epoch=msg.epoch, seq=msg.seq,
+        more=i + 1 < len(pieces))), p) for i, p in enumerate(pieces)]
+
+
+class LogReader:
+    """Frames of a Follow stream back into ``LogMessage``s (``feed`` returns one when whole).
+
+    >>> reader = LogReader()
+    >>> [reader.feed(f) for f in encode_log(LogMessage("ack", job="lm", version=7, seq=3))]
+    [LogMessage(kind='ack', job='lm', version=7, term=0, epoch=0, seq=3, data=b'')]
+    """
+
+    _LIMIT = 1 << 36  # a payload larger than this is refused (a checkpoint of 16 G parameters)
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def feed(self, data: bytes) -> LogMessage | None:
+        h, payload = decode_frame(data)
+        if h.WhichOneof("kind") != "log" or h.log.kind not in _LOG_NAME:
+            raise BadInput(f"a follow stream carries log entries, got a {h.WhichOneof('kind')} frame")
+        e = h.log
+        self._parts.append(bytes(payload))
+        self._size += len(payload)
+        if self._size > self._LIMIT:
+            raise BadInput(f"a follow stream's message exceeds {self._LIMIT} bytes")
+        if e.more:
+            return None
+        whole, self._parts, self._size = b"".join(self._parts), [], 0
+        return LogMessage(_LOG_NAME[e.kind], e.job, e.version, e.term, e.epoch, e.seq, whole)
 
 
 _KIND = {"param": pb.KEY_KIND_PARAM, "frozen": pb.KEY_KIND_FROZEN, "buffer": pb.KEY_KIND_BUFFER}
@@ -492,6 +541,8 @@ METHODS: dict[str, tuple[str, Any, Any]] = {
     "Resolve": ("unary_unary", pb.ResolveRequest, pb.ResolveReply),
     "Rank": ("unary_unary", pb.RankRequest, pb.RankReply),
     "Lease": ("unary_unary", pb.LeaseRequest, pb.LeaseReply),
+    "Follow": ("stream_stream", _ident, _ident),
+    "Promote": ("unary_unary", pb.PromoteRequest, pb.PromoteReply),
 }
 
 

@@ -60,9 +60,11 @@ from ps.net.wire import (
     OUTCOME,
     ROLE_NAME,
     SERVICE,
+    LogReader,
     chunks_of,
     create_job_of,
     dataset_from_pb,
+    encode_log,
     encode_pull_reply,
     grant_to_pb,
     job_to_pb,
@@ -395,6 +397,57 @@ class _Servicer:
         grant = await self.tier.lease(check_name(req.job), req.member, req.incarnation, dataset_from_pb(req.dataset),
                                       req.epoch, req.want, shards_from_pb(req.held))
         return grant_to_pb(grant)
+
+    async def Follow(self, request_iterator, context):
+        """A standby root follows this root's log (``ps.tiers.replication``): LogEntry frames out,
+        its acknowledgements in."""
+        forwarded = FORWARDED.set(_tokens(context))
+        reader, follower = LogReader(), None
+        it = request_iterator.__aiter__()
+        try:
+            self.guard.check_admin(_tokens(context), "follow this root's log")
+            if self.relay:
+                raise BadInput("only a root has a log to follow; point --standby-of at the primary root")
+            first = None
+            while first is None:
+                first = reader.feed(await it.__anext__())
+            if first.kind != "follow":
+                raise BadInput(f"a follow stream starts with FOLLOW, got {first.kind.upper()}")
+            follower = self.tier.follow(first.term, first.data.decode(errors="replace")[:256])  # type: ignore[attr-defined]
+        except StopAsyncIteration:
+            return
+        except Exception as exc:
+            await refuse(context, "Follow", exc, self.rpc)
+        finally:
+            FORWARDED.reset(forwarded)
+
+        async def acks() -> None:
+            try:
+                async for data in it:
+                    m = reader.feed(data)
+                    if m is not None and m.kind == "ack":
+                        follower.acked(m.seq)
+            except Exception:  # a cut stream: the follower is dropped below
+                pass
+            finally:
+                follower.close("the standby's stream ended")
+
+        task = asyncio.create_task(acks())
+        try:
+            while (m := await follower.next()) is not None:
+                for frame in encode_log(m):
+                    yield frame
+        finally:
+            task.cancel()
+            self.tier.replication.detach(follower, "the follow stream closed")  # type: ignore[attr-defined]
+
+    @_unary("Promote")
+    async def Promote(self, req: pb.PromoteRequest, context) -> pb.PromoteReply:
+        self.guard.check_admin(_tokens(context), "promote a standby root")
+        if self.relay:
+            raise BadInput("only a standby root can be promoted")
+        term = await self.tier.promote("asked to (hps promote)")  # type: ignore[attr-defined]
+        return pb.PromoteReply(term=term)
 
     @_unary("Status")
     async def Status(self, req: pb.StatusRequest, context) -> pb.StatusReply:

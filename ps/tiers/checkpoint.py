@@ -26,23 +26,33 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["save", "load_latest", "list_checkpoints"]
+__all__ = ["save", "save_bytes", "to_bytes", "load_latest", "list_checkpoints"]
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(Path(directory).glob("ckpt-*.npz"))
 
 
+def to_bytes(arrays: dict[str, np.ndarray], meta: dict) -> bytes:
+    """A checkpoint file's bytes (what a primary sends its standby to start from)."""
+    buf = io.BytesIO()
+    np.savez(buf, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    return buf.getvalue()
+
+
 def save(directory: str | Path, version: int, arrays: dict[str, np.ndarray], meta: dict,
          keep: int = 3) -> Path:
+    return save_bytes(directory, version, to_bytes(arrays, meta), keep)
+
+
+def save_bytes(directory: str | Path, version: int, data: bytes, keep: int = 3) -> Path:
+    """``save`` of a checkpoint file's bytes (``to_bytes``), atomically."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"ckpt-{version:012d}.npz"
     tmp = d / f".ckpt-{version:012d}.npz.tmp"
-    buf = io.BytesIO()
-    np.savez(buf, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
     with open(tmp, "wb") as f:
-        f.write(buf.getbuffer())
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)

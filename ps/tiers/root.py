@@ -53,12 +53,17 @@ from ps.core.logs import event
 from ps.core.optim import ServerOptimizer
 from ps.core.ranks import RankInfo
 from ps.core.tensors import assemble, split
-from ps.core.types import Ack, PushKey, PushMeta, StepInfo
+from ps.core.types import Ack, LogMessage, PushKey, PushMeta, StepInfo, TierStatus
 from ps.core.view import KeySpec, Layout, checksum
+from ps.net.follow import LogLink
+from ps.net.tls import TlsFiles
 from ps.tiers import checkpoint
 from ps.tiers.jobstate import RootJob
+from ps.tiers.replication import Follower, Replication
+from ps.tiers.standby import Standby, read_role, write_role
 from ps.tiers.tier import APPLIED, NOT_APPLIED, UNKNOWN, Tier
 from ps.tiers.wal import WalCorrupt, WalRecord, WalWriteError, WriteAheadLog
+from ps.tiers.walrecord import to_bytes as record_bytes
 
 __all__ = ["Root"]
 
@@ -77,8 +82,212 @@ class Root(Tier):
         self.declared_at: dict[str, float] = {}
         self.ended_configs: dict[str, tuple[JobConfig, int]] = {}
         self.damaged: dict[str, str] = {}  # jobs whose log could not be replayed: why
+        # A hot-standby pair (ps.tiers.standby, ps.tiers.replication): this root's state
+        # ("primary", "standby", "fenced"), its durable term and role, its peer root.
+        self.peer = config.standby_of or config.standby
+        self.tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca) if config.secure else None
+        self.role_state = (read_role(config.checkpoint_dir, "standby" if config.standby_of else "primary")
+                           if config.checkpoint_dir else dict(term=0, state="primary", synced=False, sync=False))
+        self.term = self.role_state["term"]
+        self.state = "primary" if not self.peer else "starting"
+        self.replication = Replication(config.lease_s, required=bool(self.peer) and self.role_state["sync"])
+        self.standby: Standby | None = None
+        self._standby_task: asyncio.Task | None = None
+        self._token = ""
+        self.address = ""
+        if config.admin_token_file:
+            self._token = Path(config.admin_token_file).read_text().strip().splitlines()[0].strip()
         if config.checkpoint_dir:
             self._restore_all()
+
+    # -- primary and standby -----------------------------------------------------------------
+    async def start(self) -> None:
+        await super().start()
+        self._tasks.append(asyncio.create_task(self._watch_peer(), name="watch-peer"))
+        if not self.peer:
+            return
+        peer = await self._peer_status(wait_s=self.config.lease_s)
+        if peer is not None and peer.root_state == "primary" and (
+                peer.term > self.term or self.role_state["state"] != "primary"):
+            self._follow(self.peer, f"{self.peer} is the primary (term {peer.term})")
+        elif self.role_state["state"] == "primary":
+            self.state = "primary"
+            self.set_role(state="primary")
+            log.info("serving as the primary root (term %d; standby %s %s)", self.term, self.peer,
+                     "required" if self.replication.required else "optional until in sync",
+                     extra=event("root.primary", term=self.term))
+        else:
+            self._follow(self.peer, "configured as a standby")
+
+    async def _peer_status(self, wait_s: float) -> TierStatus | None:
+        link = LogLink(self.peer, self.tls, self._token)
+        deadline = self.clock() + wait_s
+        try:
+            while True:
+                try:
+                    return await link.status(timeout=max(0.2, min(1.0, deadline - self.clock())))
+                except (HpsError, OSError):
+                    if self.clock() >= deadline:
+                        return None
+                    await asyncio.sleep(0.1)
+        finally:
+            await link.close()
+
+    async def _watch_peer(self) -> None:
+        """A primary that has lost its standby asks its peer what it is: a primary of a higher
+        term deposed this one, which then rejoins as its standby."""
+        while True:
+            await asyncio.sleep(self.config.lease_s / 2)
+            if not self.peer or self.state not in ("primary", "fenced") or self.replication.in_sync():
+                continue
+            peer = await self._peer_status(wait_s=0)
+            if peer is not None and peer.root_state == "primary" and peer.term > self.term:
+                self._follow(self.peer, f"{self.peer} took over with term {peer.term}")
+
+    def _follow(self, primary: str, why: str) -> None:
+        """Become (or stay) the standby of ``primary``: what this root holds is replaced by the
+        primary's checkpoints as they arrive."""
+        if self.state == "primary":
+            log.warning("this root is no longer the primary (%s); it rejoins as a standby", why,
+                        extra=event("root.deposed", term=self.term))
+        self.state = "standby"
+        self.set_role(state="standby", synced=self.role_state["synced"] and self.state == "standby")
+        if self.replication.follower is not None:
+            self.replication.detach(self.replication.follower, "this root is now a standby")
+        self.standby = Standby(self, primary, self._token)
+        self._standby_task = asyncio.create_task(self.standby.run(), name="standby")
+        self._tasks.append(self._standby_task)
+
+    def set_role(self, **change) -> None:
+        self.role_state = {**self.role_state, **change, "term": self.term}
+        if self.config.checkpoint_dir:
+            write_role(self.config.checkpoint_dir, **self.role_state)
+
+    def writable(self) -> None:
+        """Refuse what only a primary does (pushes, joins, jobs, ranks, leases)."""
+        if self.state == "primary":
+            return
+        if self.state == "standby":
+            raise Unavailable(f"this root is the standby of {self.peer} (it takes over when that one is "
+                              "gone); send this to the primary")
+        raise Unavailable(f"this root is not the primary (it is {self.state}); send this to the primary")
+
+    async def promote(self, why: str) -> int:
+        """Take over: a new term, durable before any push is accepted."""
+        if self.state == "primary":
+            return self.term
+        if self._standby_task is not None and self._standby_task is not asyncio.current_task():
+            self._standby_task.cancel()
+            await asyncio.gather(self._standby_task, return_exceptions=True)
+        self._standby_task = self.standby = None
+        self.term += 1
+        self.set_role(state="primary", synced=False, sync=False)  # alone until a standby is in sync
+        self.replication = Replication(self.config.lease_s, required=False)
+        self.state = "primary"
+        for js in self.jobs.values():
+            js.reset_round(js.view.version, "promoted")
+        log.warning("promoted to primary with term %d: %s; %d job(s) at versions %s", self.term, why,
+                    len(self.jobs), {n: js.view.version for n, js in self.jobs.items()},
+                    extra=event("root.promoted", term=self.term))
+        return self.term
+
+    def reset_for_follow(self, term: int, epoch: int) -> None:
+        """A new Follow stream: the primary's term and view epoch; every job comes again."""
+        for js in self.jobs.values():
+            js.abort("this root is following a new primary state")
+            if js.wal is not None:
+                js.wal.close()
+        self.jobs.clear()
+        self.declared.clear()
+        self.declared_at.clear()
+        self.ended.clear()
+        self.ended_configs.clear()
+        self.damaged.clear()
+        self.term, self.epoch = term, epoch
+        self.set_role(state="standby", synced=False)
+
+    def follow_declared(self, c: dict) -> None:
+        cfg = _config(c)
+        self.declared[cfg.name] = cfg
+        self.declared_at[cfg.name] = self.clock()
+        self._persist_declared(cfg)
+
+    def follow_ended(self, name: str, info: dict) -> None:
+        version = info["version"]
+        self.ended[name] = version
+        if info.get("config"):
+            cfg = _config(info["config"])
+            self.ended_configs[name] = (cfg, version)
+            self._persist_declared(cfg)
+        Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
+        _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=info.get("why", ""))))
+
+    def set_address(self, address: str) -> None:
+        self.address = address
+
+    def follow(self, term: int, address: str = "") -> Follower:
+        """A standby asks to follow this root (the Follow RPC): its follower, being sent the
+        state to start from (``_bootstrap``), then every record."""
+        if term > self.term:
+            raise Conflict(f"the standby holds term {term}, newer than this root's {self.term}: this root "
+                           "was deposed; it rejoins as a standby")
+        self.writable()
+        if address and not self.peer:  # where to look for a newer primary once this follower is gone
+            self.peer = address
+        f = self.replication.attach(term)
+        task = asyncio.create_task(self._bootstrap(f), name="bootstrap-standby")
+        self._ckpt_tasks.add(task)
+        task.add_done_callback(self._ckpt_tasks.discard)
+        return f
+
+    async def _bootstrap(self, f: Follower) -> None:
+        try:
+            f.send(LogMessage("hello", term=self.term, epoch=self.epoch))
+            for cfg in list(self.declared.values()):
+                f.send(LogMessage("declared", job=cfg.name, data=json.dumps(dataclasses.asdict(cfg)).encode()))
+            for name, version in list(self.ended.items()):
+                cfg = self.ended_configs.get(name, (None, 0))[0]
+                f.send(LogMessage("ended", job=name, version=version, data=json.dumps(dict(
+                    version=version, config=dataclasses.asdict(cfg) if cfg else None)).encode()))
+            for name, js in list(self.jobs.items()):
+                async with js.apply_lock:  # no version in the middle: records after it follow it
+                    if self.jobs.get(name) is not js or not f.alive:
+                        continue
+                    arrays, meta = self._ckpt_state(js)
+                    data = await asyncio.to_thread(checkpoint.to_bytes, arrays, meta)
+                    f.send(LogMessage("state", job=name, version=js.view.version, data=data))
+                    f.jobs.add(name)
+                    if js.roster_saved:
+                        f.send(LogMessage("roster", job=name, data=json.dumps(js.roster_saved).encode()))
+            await f.wait(f.send(LogMessage("synced")), timeout=max(60.0, 10 * self.config.lease_s))
+            self.replication.set_synced(f)
+            self.set_role(sync=True)
+            log.info("the standby is in sync (%d job(s)); versions are acknowledged once it holds them",
+                     len(f.jobs), extra=event("standby.in_sync", term=self.term))
+            while f.alive:  # beats: the standby hears from an idle primary, and acks them
+                seq = f.send(LogMessage("beat", term=self.term))
+                await f.wait(seq, timeout=self.config.lease_s)
+                await asyncio.sleep(self.config.lease_s / 4)
+        except HpsError as exc:
+            self.replication.detach(f, str(exc))
+
+    def open_push(self, meta: PushMeta):
+        self.writable()
+        return super().open_push(meta)
+
+    async def _job_for_register(self, job: str) -> RootJob:
+        self.writable()
+        return self.job(job)
+
+    def _may_read(self, js, member: str) -> bool:
+        return self.state != "primary" or super()._may_read(js, member)  # a standby serves reads
+
+    def status(self) -> TierStatus:
+        st = super().status()
+        return dataclasses.replace(st, term=self.term, root_state=self.state,
+                                   parent=self.peer if self.state == "standby" else "",
+                                   parent_reachable=self.state != "standby"
+                                   or bool(self.standby and self.standby.connected))
 
     def job(self, name: str) -> RootJob:
         if name in self.damaged:
@@ -94,6 +303,7 @@ class Root(Tier):
         an error (every worker of a job may call this; the first one's values win). ``values``:
         the initial parameters, every element checked (``check_create`` ran before they came).
         """
+        self.writable()
         head = self.check_create(cfg, layout)
         if head is None:
             js = self.jobs[cfg if isinstance(cfg, str) else cfg.name]
@@ -103,6 +313,8 @@ class Root(Tier):
             self.declared[cfg.name] = cfg
             self.declared_at[cfg.name] = self.clock()
             self._persist_declared(cfg)
+            self.replication.announce(LogMessage("declared", job=cfg.name,
+                                                 data=json.dumps(dataclasses.asdict(cfg)).encode()))
             log.info("declared job %s: mode %s", cfg.name, cfg.mode, extra=event("job.declared", job=cfg.name))
             return created, 0, self.epoch
         if values is None or values.shape != (layout.numel,):
@@ -113,6 +325,10 @@ class Root(Tier):
         log.info("created job %s: %d keys, %d parameters, mode %s", cfg.name, len(layout.specs),
                  layout.numel, cfg.mode, extra=event("job.created", job=cfg.name, version=0))
         self._checkpoint(js)
+        if self.replication.follower is not None:
+            arrays, meta = self._ckpt_state(js)
+            self.replication.announce(LogMessage("state", job=cfg.name, version=0,
+                                                 data=checkpoint.to_bytes(arrays, meta)))
         return True, 0, self.epoch
 
     def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> tuple[JobConfig, bool] | None:
@@ -155,6 +371,7 @@ class Root(Tier):
         return out
 
     async def end_job(self, name: str, why: str = "") -> int:
+        self.writable()
         if name in self.declared:
             cfg, version = self.declared.pop(name), 0
             self.declared_at.pop(name, None)
@@ -169,6 +386,8 @@ class Root(Tier):
                 js.wal.close()
         self.ended[name] = version
         self.ended_configs[name] = (cfg, version)
+        self.replication.announce(LogMessage("ended", job=name, version=version, data=json.dumps(dict(
+            version=version, why=why, config=dataclasses.asdict(cfg))).encode()))
         if self.config.checkpoint_dir:
             Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
             _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=why)))
@@ -178,7 +397,7 @@ class Root(Tier):
 
     async def _housekeeping(self, now: float) -> None:
         ttl = self.config.unjoined_job_ttl_s
-        if not ttl:
+        if not ttl or self.state != "primary":
             return
         stale = [n for n, js in self.jobs.items() if not js.joined and now - js.created_at > ttl]
         stale += [n for n, t in self.declared_at.items() if now - t > ttl]
@@ -246,9 +465,16 @@ class Root(Tier):
 
     async def _apply_durably(self, js: RootJob, agg: Aggregate, rec: WalRecord,
                              keys: tuple[PushKey, ...], step: StepInfo, fut: asyncio.Future) -> None:
+        try:
+            self.writable()
+            await self.replication.ready(js.config.name)  # a standby that holds the job, if required
+        except HpsError as exc:
+            self._refuse(js, agg, fut, exc)
+            return
         async with js.apply_lock:
             if js.wal is None:  # no log to roll back from: keep an in-memory copy of this step's start
                 js.optimizer.save_point()
+            replicated = False
             try:
                 if rec.grad is not None:
                     js.optimizer.step(rec.grad, rec.scale, step, rec.contributors)
@@ -256,9 +482,14 @@ class Root(Tier):
                         raise BadInput(f"the optimizer's step for version {rec.version} of job "
                                        f"{js.config.name} made parameters non-finite; nothing was "
                                        "applied. Lower the learning rate")
+                # The standby holds it before this root's own log does: a deposed primary's log
+                # never holds a version the new primary lacks (ps.tiers.replication).
+                replicated = await self.replication.replicate(js.config.name, rec.version, record_bytes(rec))
                 if js.wal is not None:  # durable before published and acknowledged
                     await asyncio.to_thread(js.wal.append, rec)
             except Exception as exc:
+                if replicated and self.replication.follower is not None:  # it holds what we rolled back
+                    self.replication.detach(self.replication.follower, f"version {rec.version} was rolled back")
                 try:
                     await self._roll_back(js)
                 except Exception:
@@ -373,6 +604,7 @@ class Root(Tier):
     # -- ranks and leased data shards -------------------------------------------------------------
     async def _rank_here(self, js: RootJob, member: str, incarnation: int, requested: int | None,
                          release: bool) -> RankInfo:
+        self.writable()
         if release:
             freed = js.ranks.release(member, incarnation)
             leases = js.leases.release(member, incarnation)
@@ -391,6 +623,7 @@ class Root(Tier):
 
     async def _lease_here(self, js: RootJob, member: str, incarnation: int, dataset: Dataset, epoch: int,
                           want: bool, held: tuple[tuple[int, int], ...]) -> Grant:
+        self.writable()
         if js.leases.declare(dataset):
             log.info("job %s: dataset declared by %r: %d samples in %d shards of %d", js.config.name, member,
                      dataset.length, dataset.shards, dataset.shard_size,
@@ -426,6 +659,7 @@ class Root(Tier):
                 raise Unavailable(f"the root could not save the ranks and data leases of job {js.config.name} "
                                   f"({exc}); retry") from None
             js.roster_saved = roster
+            self.replication.announce(LogMessage("roster", job=js.config.name, data=json.dumps(roster).encode()))
 
     # -- checkpoints -----------------------------------------------------------------------
     async def _quiesce(self, js: RootJob, apply: bool = True) -> None:
@@ -437,9 +671,8 @@ class Root(Tier):
         if mine:
             await asyncio.gather(*mine, return_exceptions=True)
 
-    def _checkpoint(self, js: RootJob) -> None:
-        if not self.config.checkpoint_dir:
-            return
+    def _ckpt_state(self, js: RootJob) -> tuple[dict, dict]:
+        """A checkpoint's arrays (copies) and meta, of the job as it is now."""
         arrays = {"params": js.params.copy(), "view": js.view.values.copy(),
                   "applied": np.frombuffer(js.applied.dump(_CKPT_APPLIED_VERSIONS), np.uint8)}
         for k, v in js.optimizer.state_dict().items():
@@ -450,6 +683,12 @@ class Root(Tier):
                     data={k: v for k, v in js.leases.state().items() if k in ("done", "finished", "current_epoch")},
                     config=dataclasses.asdict(js.config),
                     keys=[[s.key, list(s.shape), s.dtype, s.kind] for s in js.layout])
+        return arrays, meta
+
+    def _checkpoint(self, js: RootJob) -> None:
+        if not self.config.checkpoint_dir:
+            return
+        arrays, meta = self._ckpt_state(js)
         version, wal, name = js.view.version, js.wal, js.config.name
         # Records after this checkpoint go to a new segment; the old ones are deleted once
         # the checkpoint is durable (if it fails, replay still has everything).
@@ -533,6 +772,10 @@ class Root(Tier):
         return js
 
     async def stop(self) -> None:
+        if self.replication.follower is not None:
+            self.replication.detach(self.replication.follower, "the primary is stopping")
+        if self._standby_task is not None:
+            self._standby_task.cancel()
         while self._ckpt_tasks:  # in-flight applies and checkpoints finish first
             await asyncio.gather(*list(self._ckpt_tasks), return_exceptions=True)
         for js in self.jobs.values():

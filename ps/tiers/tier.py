@@ -537,7 +537,7 @@ class Tier:
     async def pull(self, job: str, member: str, view_epoch: int, since: int, min_version: int,
                    wait_s: float, min_clock: int = 0) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
         js = self.job(job)
-        if member not in js.members and member not in self.children:
+        if not self._may_read(js, member):
             # A guard against mistakes (a worker of one job reading another's keys), not
             # authentication: the member id is the caller's own word.
             raise NotMember(f"{short(member) if member else 'an anonymous caller'} is not a member of job "
@@ -577,6 +577,9 @@ class Tier:
         js.stats.bytes_pulled_out += payload_bytes(chunks)
         return (PullMeta(js.view.epoch, since, v, True, self.epoch),
                 [(VersionMeta(v, js.view.checksum, js.view.clock_min), chunks)])
+
+    def _may_read(self, js: JobState, member: str) -> bool:
+        return member in js.members or member in self.children
 
     @staticmethod
     def _is_worker(js: JobState, member: str) -> bool:

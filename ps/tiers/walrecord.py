@@ -26,6 +26,7 @@ The policy (what recovery keeps, cuts or refuses, and appends) is ``ps.tiers.wal
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-__all__ = ["WalRecord", "Entry", "Scan", "encode", "scan", "scan_file", "load", "cut",
+__all__ = ["WalRecord", "Entry", "Scan", "encode", "to_bytes", "from_bytes", "scan", "scan_file", "load", "cut",
            "MAGIC", "OLD_MAGIC", "HEAD"]
 
 MAGIC = b"HPS2"
@@ -90,6 +91,22 @@ def encode(rec: WalRecord) -> tuple[bytes, memoryview, int]:
     h.update(payload)
     checksum = h.intdigest()
     return fields + _SUM.pack(checksum) + keys, payload, checksum
+
+
+def to_bytes(rec: WalRecord) -> bytes:
+    """The record's bytes as the log holds them (what a primary sends its standby)."""
+    head, payload, _ = encode(rec)
+    return head + payload.tobytes()
+
+
+def from_bytes(data: bytes) -> WalRecord:
+    """The one whole record ``data`` holds (``to_bytes``); ValueError when it is not one."""
+    f = io.BytesIO(data)
+    found = scan_file(f, len(data))
+    rec = load(f, found.entries[0]) if len(found.entries) == 1 and found.end == len(data) else None
+    if rec is None:
+        raise ValueError(f"not one whole write-ahead log record ({found.why or 'several records'})")
+    return rec
 
 
 def _check_head(head: bytes, pos: int, size: int) -> tuple[str, tuple | None]:

@@ -107,7 +107,8 @@ def _serve(args) -> int:
             max_jobs=int(args.max_jobs), unjoined_job_ttl_s=float(args.unjoined_job_ttl_s),
             tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
             insecure=_flag(args.insecure),
-            admin_token_file=args.admin_token_file or "")
+            admin_token_file=args.admin_token_file or "",
+            standby_of=args.standby_of or "", standby=args.standby or "", lease_s=float(args.lease_s))
         if cfg.admin_token_file:
             from ps.server.auth import read_token_file
 
@@ -373,6 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--member-timeout-s", action=_EnvDefault, default="3.0", help="drop silent members after")
     s.add_argument("--checkpoint-dir", action=_EnvDefault, help="root: checkpoint directory")
     s.add_argument("--checkpoint-every", action=_EnvDefault, default="50", help="root: versions between checkpoints")
+    s.add_argument("--standby-of", action=_EnvDefault, default="",
+                   help="root: start as the hot standby of the primary root at HOST:PORT (it follows its "
+                        "write-ahead log and takes over when the primary is gone for --lease-s)")
+    s.add_argument("--standby", action=_EnvDefault, default="",
+                   help="root: the HOST:PORT of this primary's standby; versions are acknowledged only once "
+                        "it holds them")
+    s.add_argument("--lease-s", action=_EnvDefault, default="2.0",
+                   help="root: seconds without its peer before a standby takes over or a primary refuses pushes")
     s.add_argument("--round-timeout-s", action=_EnvDefault, default="600", help="longest BSP barrier wait")
     s.add_argument("--flush-ms", action=_EnvDefault, default="5",
                    help="ssp/async: flush the aggregation window after this many ms")

@@ -1,0 +1,182 @@
+"""A primary root's side of a hot standby: the follower it replicates its log to, synchronously.
+
+>>> async def one_follower():
+...     repl = Replication(lease_s=1.0, required=False)
+...     f = repl.attach(term=0)                         # a standby called Follow
+...     seq = f.send(LogMessage("record", job="lm", version=1, data=b"..."))
+...     f.acked(seq)                                    # its ACK came back
+...     await f.wait(seq, timeout=1.0)                  # what the primary waits for
+...     return (await f.next()).kind, f.alive
+>>> asyncio.run(one_follower())
+('record', True)
+
+Why synchronous (DESIGN.md, invariant 8): the primary acknowledges a version only once its
+standby holds the record, so a standby that takes over has every acknowledged version. The
+primary sends a record *before* appending it to its own log: its own log therefore never holds a
+version its standby lacks, and a deposed primary that restarts replays only versions the new
+primary has too (never a fork). A standby that does not acknowledge within the lease is
+dropped (its stream closed); it reconnects and starts again from a checkpoint.
+
+``required``: with a configured standby (``--standby``) a version needs a follower's
+acknowledgement; a root without one acknowledges alone (the behaviour before standbys). A
+promoted standby runs alone until its first follower is in sync, then requires one again: once a
+follower has been in sync, losing it may mean it is taking over, so the primary refuses pushes
+rather than acknowledge alone (never two primaries accepting pushes).
+
+The Follow stream itself (frames, acks) is ``ps.server.service``'s; the bootstrap (what a new
+follower is sent first) is ``ps.tiers.root``'s. This module is the bookkeeping in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ps.core.errors import Unavailable
+from ps.core.types import LogMessage
+
+__all__ = ["Follower", "Replication"]
+
+log = logging.getLogger("hps.replication")
+
+
+class Follower:
+    """One attached standby: the queue of what it is sent, and the acknowledgements it gave."""
+
+    def __init__(self, term: int) -> None:
+        self.term = term
+        self.jobs: set[str] = set()   # jobs whose state it was sent: their records go to it
+        self.synced = False           # it acknowledged SYNCED: it holds the whole root
+        self.alive = True
+        self.why = ""
+        self._queue: asyncio.Queue[LogMessage | None] = asyncio.Queue()
+        self._seq = 0
+        self._acked = 0
+        self._waiters: dict[int, asyncio.Future] = {}
+
+    def send(self, msg: LogMessage) -> int:
+        """Queue ``msg`` (numbered here); its sequence number, which its ACK names."""
+        if not self.alive:
+            raise Unavailable(f"the standby is gone ({self.why})")
+        self._seq += 1
+        self._queue.put_nowait(LogMessage(msg.kind, msg.job, msg.version, msg.term, msg.epoch, self._seq, msg.data))
+        return self._seq
+
+    async def next(self) -> LogMessage | None:
+        """The next message to send; None once closed."""
+        return await self._queue.get() if self.alive else None
+
+    def acked(self, seq: int) -> None:
+        """The standby holds every message up to ``seq`` (it acknowledges in order)."""
+        self._acked = max(self._acked, seq)
+        for s in [s for s in self._waiters if s <= seq]:
+            fut = self._waiters.pop(s)
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait(self, seq: int, timeout: float) -> None:
+        """Until message ``seq`` is acknowledged; Unavailable after ``timeout`` or if closed."""
+        if self._acked >= seq:
+            return
+        if not self.alive:
+            raise Unavailable(f"the standby is gone ({self.why})")
+        fut = self._waiters.setdefault(seq, asyncio.get_running_loop().create_future())
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"the standby did not acknowledge within the lease ({timeout:.1f}s)") from None
+
+    def close(self, why: str) -> None:
+        if not self.alive:
+            return
+        self.alive, self.why = False, why
+        self._queue.put_nowait(None)
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(Unavailable(f"the standby is gone ({why})"))
+                fut.exception()
+        self._waiters.clear()
+
+
+class Replication:
+    """The primary's follower (at most one at a time) and whether a version needs it."""
+
+    def __init__(self, lease_s: float, required: bool) -> None:
+        self.lease_s = lease_s
+        self.required = required
+        self.follower: Follower | None = None
+        self._changed = asyncio.Event()
+
+    def attach(self, term: int) -> Follower:
+        """A new follower; one already attached is dropped (a standby reconnecting)."""
+        if self.follower is not None:
+            self.detach(self.follower, "replaced by a new follow stream")
+        self.follower = Follower(term)
+        self._notify()
+        return self.follower
+
+    def detach(self, f: Follower, why: str) -> None:
+        f.close(why)
+        if self.follower is f:
+            self.follower = None
+            if f.synced:
+                log.warning("the standby is gone (%s); %s", why,
+                            "versions wait for it to return" if self.required else "acknowledging alone")
+        self._notify()
+
+    def in_sync(self) -> bool:
+        return self.follower is not None and self.follower.synced
+
+    def set_synced(self, f: Follower) -> None:
+        f.synced = True
+        self.required = True  # from now on, losing it may mean it takes over: never acknowledge alone
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def ready(self, job: str) -> None:
+        """Before a version of ``job`` is made: a follower that holds the job must be there when
+        one is required; waits up to the lease for one, then Unavailable."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.lease_s
+        while self.required and not (self.follower is not None and job in self.follower.jobs):
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Unavailable(f"this root's standby does not hold job {job!r} (it is gone or still "
+                                  "catching up); no version is acknowledged without it. Retry shortly")
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def replicate(self, job: str, version: int, data: bytes) -> bool:
+        """Send the record of ``version`` and wait for the standby to hold it. False: no follower
+        holds the job and none is required (acknowledged alone); Unavailable: it did not
+        acknowledge within the lease (it is dropped)."""
+        f = self.follower
+        if f is None or job not in f.jobs:
+            if self.required:
+                raise Unavailable(f"this root's standby does not hold job {job!r}; version {version} was "
+                                  "not made. Retry shortly")
+            return False
+        seq = f.send(LogMessage("record", job=job, version=version, data=data))
+        try:
+            await f.wait(seq, self.lease_s)
+        except Unavailable as exc:
+            self.detach(f, f"version {version} of {job} not acknowledged: {exc}")
+            raise Unavailable(f"this root's standby did not acknowledge version {version} of job {job!r} "
+                              f"({exc}); nothing was applied. Retry shortly") from None
+        return True
+
+    def announce(self, msg: LogMessage) -> None:
+        """Send a job-level change (declared, created, ended, roster) to the follower, if any;
+        not waited for (a state's records that follow are)."""
+        f = self.follower
+        if f is not None and f.alive and (msg.kind != "roster" or msg.job in f.jobs):
+            f.send(msg)
+            if msg.kind == "state":
+                f.jobs.add(msg.job)
+            elif msg.kind == "ended":
+                f.jobs.discard(msg.job)
