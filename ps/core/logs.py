@@ -37,9 +37,9 @@ EVENTS = frozenset({
     "member.joined", "member.left", "member.expired", "member.replaced",
     "round.restarted", "round.refused",
     "checkpoint.written", "checkpoint.failed", "wal.write_failed",
-    "parent.lost", "parent.regained", "parent.restarted",
+    "parent.lost", "parent.regained", "parent.restarted", "parent.switched",
     "launch.tier_died", "launch.tier_restarted", "launch.tier_failed",
-    "worker.retrying", "worker.recovered", "worker.gave_up",
+    "worker.retrying", "worker.recovered", "worker.gave_up", "worker.switched",
     "training.loss_rising",
     "rank.assigned", "rank.released", "data.declared", "lease.expired",
 })

@@ -260,3 +260,6 @@ class TierStatus:
     children: tuple[MemberInfo, ...] = ()
     insecure: bool = False  # plaintext, no client certificates (`hps status` says so loudly)
     tokens_required: bool = False  # False: the tier accepts calls without tokens (as the wire says)
+    parents: tuple[str, ...] = ()  # a relay's parents as configured, tried in order (issue 15)
+    parent_switches: int = 0       # times the relay moved to another of its parents
+    parent_cut_off_s: float = 0.0  # seconds no parent has answered (0: one does)
