@@ -75,7 +75,9 @@ def one_run(member_timeout_s: float, alternate: bool, steps: int, kill_after: in
             cluster.stop_tier("eu-1", signal.SIGKILL)
             killed = time.monotonic()
             if not alternate:
-                got = _lines(procs[1], 2, stall_s)  # eu-b's worker: its bsp round needs eu-a's
+                # eu-a's worker: its zone has nowhere to go (eu-b's region trains on alone once
+                # the root drops eu-1 after the member timeout)
+                got = _lines(procs[0], 1, stall_s)
                 moved = [e for _, e in got if e["version"] > last + 1]
                 return dict(alternate=False, stalled=not moved, watched_s=stall_s,
                             recovery_s=(got[-1][0] - killed) if moved else None)
@@ -113,9 +115,11 @@ def main() -> int:
                 runs.append(one_run(mt, True, args.steps, args.kill_after, args.stall_s, d))
                 print(f"member timeout {mt:g}s, alternate: {runs[-1]}", flush=True)
             rec = [x["recovery_s"] for x in runs]
-            rows.append(dict(member_timeout_s=mt, alternate=True, runs=runs, recovery_median_s=statistics.median(rec),
-                             recovery_max_s=max(rec), double_applied=sum(x["double_applied"] for x in runs),
-                             not_applied=sum(x["not_applied"] for x in runs)))
+            if runs:
+                rows.append(dict(member_timeout_s=mt, alternate=True, runs=runs,
+                                 recovery_median_s=statistics.median(rec), recovery_max_s=max(rec),
+                                 double_applied=sum(x["double_applied"] for x in runs),
+                                 not_applied=sum(x["not_applied"] for x in runs)))
             d = Path(tmp) / f"none-{mt}"
             d.mkdir()
             base = one_run(mt, False, args.steps, args.kill_after, args.stall_s, d)
