@@ -75,8 +75,8 @@ def kill_region_and_train(tmp_path: Path, reap, steps: int = STEPS, kill_after: 
         zone = fetch_status(cluster.address("eu-a"))
         out = io.StringIO()
         rc = print_tree(cluster.address("root"), out)
-        return dict(versions=versions, recovery_s=resumed - killed_at, dropped=dropped[0], root=root, zone=zone, tree=out.getvalue(),
-                    rc=rc, region2=cluster.address("eu-2"))
+        return dict(versions=versions, recovery_s=resumed - killed_at, dropped=dropped[0], root=root, zone=zone,
+                    tree=out.getvalue(), rc=rc, region2=cluster.address("eu-2"))
 
 
 def test_killing_a_regional_master_moves_its_zone_to_the_alternate(tmp_path, reap):
