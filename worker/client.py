@@ -26,6 +26,14 @@ by default for as long as the tier would hold a silent worker (its member timeou
 at registration) but at least ``RETRY_FLOOR_S`` (60 s), or for an explicit ``retry_s``. Each
 retry window logs one line when it opens (what failed, until when it retries), and one when it
 ends (through, or given up on).
+
+Alternate tiers (issue 15): ``address`` may list several, comma-separated (``"zone-a:7000,
+zone-b:7000"``, also through ``HPS_ADDRESS``), tried in order. When the tier in use stops
+answering -- at once if nothing listens there any more (a killed process), else after the
+tier's member timeout -- the client moves to the next, registers there and goes on. A push
+that was in flight through the tier it left is first resolved at the root through the new one
+(``Resolve``): applied, its acknowledgement is returned; not applied, the very same push is sent
+again. The training loop sees a pause, not an error.
 """
 
 from __future__ import annotations
@@ -55,11 +63,13 @@ from ps.core.logs import event
 from ps.core.ranks import RankInfo
 from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes, split
-from ps.core.types import NO_STEP, Chunk, PullMeta, PushMeta, StepInfo, VersionMeta
+from ps.core.types import NO_STEP, Chunk, PullMeta, PushKey, PushMeta, StepInfo, VersionMeta
 from ps.core.view import Layout, View
-from ps.net.rpc import Caller
+from ps.net.frames import decode_frame
+from ps.net.rpc import Caller, cannot_connect
 from ps.net.tls import TlsFiles
 from ps.net.wire import (
+    OUTCOME_NAME,
     ROLE,
     dataset_to_pb,
     decode_pull_reply,
@@ -67,6 +77,7 @@ from ps.net.wire import (
     encode_push,
     grant_from_pb,
     job_from_pb,
+    keys_to_pb,
     layout_from_pb,
     pb,
     rank_from_pb,
@@ -80,6 +91,9 @@ T = TypeVar("T")
 # The shortest default retry window: a tier restarts in seconds (a process) to minutes (a pod
 # rescheduled), longer than a short member timeout; the worker registers again when it is back.
 RETRY_FLOOR_S = 60.0
+# How long a tier that still connects but does not answer is tried before an alternate, while
+# the tier's own member timeout is not known yet (before the first registration).
+_SWITCH_AFTER_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -202,22 +216,27 @@ class ParameterClient:
         window = self.retry_window_s
         start = time.monotonic()
         deadline, delay, attempts = start + window, 0.05, 0
+        failing_since = start  # when the tier in use started failing
         while True:
             try:
                 result = fn()
             except (Unavailable, Exhausted, NotReady) as exc:
                 now = time.monotonic()
                 attempts += 1
+                if isinstance(exc, Unavailable) and len(self._rpc.addresses) > 1 and (
+                        cannot_connect(exc) or now - failing_since >= (self.member_timeout_s or _SWITCH_AFTER_S)):
+                    self._switch(exc)
+                    failing_since, delay = now, 0.05
                 if now + delay > deadline:
                     log.error("%s: %s at %s failed for %.1fs (%d attempts; retry window %.0fs); giving up: %s",
-                              self.worker_id, what, self.address, now - start, attempts, window, exc,
+                              self.worker_id, what, self._rpc.address, now - start, attempts, window, exc,
                               extra=event("worker.gave_up", job=self.job, member=self.worker_id,
                                           seconds=round(now - start, 3), window_s=window))
                     raise
                 if attempts == 1:  # one line per retry window, not one per attempt
                     until = time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - now))
                     log.warning("%s: %s at %s failed (%s); retrying until %s (%.0fs window: %s)",
-                                self.worker_id, what, self.address, exc, until, window,
+                                self.worker_id, what, self._rpc.address, exc, until, window,
                                 "retry_s" if self.retry_s is not None else
                                 f"the longer of the tier's member timeout {self.member_timeout_s:g}s "
                                 f"and {RETRY_FLOOR_S:g}s",
@@ -234,10 +253,35 @@ class ParameterClient:
                 if attempts:
                     took = time.monotonic() - start
                     log.warning("%s: %s at %s went through after %.1fs of retries (%d attempts)",
-                                self.worker_id, what, self.address, took, attempts,
+                                self.worker_id, what, self._rpc.address, took, attempts,
                                 extra=event("worker.recovered", job=self.job, member=self.worker_id,
                                             seconds=round(took, 3)))
                 return result
+
+    def _switch(self, why: HpsError) -> None:
+        """Move to the next tier of ``address`` (the one in use is gone); the next call there
+        is answered NotMember, and ``_retrying`` registers again."""
+        old = self._rpc.address
+        new = self._rpc.switch()
+        log.warning("%s: tier %s is gone (%s); switching to %s", self.worker_id, old, str(why)[:160], new,
+                    extra=event("worker.switched", job=self.job, member=self.worker_id, tier=new))
+
+    def _resolve_moved(self, seq: int, digest: bytes) -> Any | None:
+        """What became of push ``seq`` sent through a tier this client has left: its reply (a
+        PushAck) if the root applied it, None if not (send it again); Unavailable while it is
+        still in flight above (a batch there holds it until the tier it went through times out)."""
+        wait_s = min(30.0, 2 * (self.member_timeout_s or _SWITCH_AFTER_S) + 5.0)
+        key = PushKey(self.worker_id, self.incarnation, seq, digest)
+        r = self._call("Resolve", pb.ResolveRequest(job=self.job, member=self.worker_id, wait_ms=int(wait_s * 1000),
+                                                    keys=keys_to_pb((key,))), timeout=wait_s + self.timeout_s)
+        outcome = OUTCOME_NAME.get(r.outcome, "unknown")
+        if outcome == "applied":
+            log.info("%s: push %d sent through the previous tier was applied as version %d", self.worker_id,
+                     seq, r.version)
+            return pb.PushAck(applied_version=r.version, view_epoch=r.view_epoch, duplicate=True)
+        if outcome == "not_applied":
+            return None
+        raise Unavailable(f"push {seq} sent through the previous tier is still in flight above; asking again")
 
     def close(self) -> None:
         """Stop heart-beating, leave the job (best effort) and close the channel. Also runs at
@@ -463,9 +507,19 @@ class ParameterClient:
                 self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
                 clock_max + 1, *report, incarnation=self.incarnation, step=step), chunks)
         nbytes = payload_bytes(chunks)
+        digest = bytes(decode_frame(frames[-1])[0].end.digest)
+        sent_via: list[int] = []  # the tier (switch count) of the last unanswered send
+
+        def attempt() -> Any:
+            if sent_via and sent_via[-1] != self._rpc.switches and contributors:
+                # Sent through a tier this client has left: the root decides before it goes again.
+                resolved = self._resolve_moved(seq, digest)
+                if resolved is not None:
+                    return resolved
+            sent_via.append(self._rpc.switches)
+            return self._call("Push", iter(frames), timeout=self.round_timeout_s)
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
-        reply = self._retrying("push", lambda: self._call("Push", iter(frames),
-                                                          timeout=self.round_timeout_s))
+        reply = self._retrying("push", attempt)
         with self._push_lock:
             self.acked_seq = max(self.acked_seq, seq)
             self.bytes_up += nbytes

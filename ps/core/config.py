@@ -26,7 +26,7 @@ from typing import Any
 from ps.core.errors import BadInput, short
 
 __all__ = ["OptimizerConfig", "ParamGroup", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS",
-           "CODEC_NAMES", "check_name", "check_member"]
+           "CODEC_NAMES", "check_name", "check_member", "address_list"]
 
 MODES = ("bsp", "ssp", "async")
 # The codecs a job may name (ps.core.codecs implements each and asserts so at import; this
@@ -315,7 +315,9 @@ class ServerConfig:
         if self.role == "global":
             _require(not self.parent, f"the global root has no parent, got parent={self.parent!r}")
         else:
-            _require(":" in self.parent, f"a {self.role} tier needs --parent HOST:PORT, got {self.parent!r}")
+            _require(bool(self.parents) and all(":" in a for a in self.parents),
+                     f"a {self.role} tier needs --parent HOST:PORT (or several, comma-separated: "
+                     f"alternates tried in order), got {self.parent!r}")
             _require(not self.checkpoint_dir, "only the global root writes checkpoints")
         _require(0 < self.heartbeat_s < self.member_timeout_s,
                  f"heartbeat ({self.heartbeat_s}s) must be positive and shorter than the member "
@@ -355,5 +357,38 @@ class ServerConfig:
         return bool(self.tls_cert)
 
     @property
+    def parents(self) -> tuple[str, ...]:
+        """The parent's addresses, in the order they are tried (``address_list``)."""
+        return address_list(self.parent)
+
+    @property
     def display_name(self) -> str:
         return self.name or self.role
+
+
+_SCHEME = re.compile(r"^(ipv4|ipv6):")
+
+
+def address_list(spec: str) -> tuple[str, ...]:
+    """The addresses of a comma-separated list, in order: a relay's parents (``--parent``,
+    ``HPS_PARENT``) or a worker's tiers (``HPS_ADDRESS``), alternates tried in turn. A gRPC
+    ``ipv4:``/``ipv6:`` multi-address target is read the same way (the scheme applies to each
+    address); a DNS name stays one entry (gRPC tries its addresses itself).
+
+    >>> address_list("eu-1:7000, eu-2:7000")
+    ('eu-1:7000', 'eu-2:7000')
+    >>> address_list("ipv4:10.0.0.1:7000,10.0.0.2:7000")
+    ('ipv4:10.0.0.1:7000', 'ipv4:10.0.0.2:7000')
+    """
+    out: list[str] = []
+    scheme = ""
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        m = _SCHEME.match(part)
+        if m:
+            scheme = m.group(0)
+        elif scheme and not part.startswith(("dns:", "unix:")):
+            part = scheme + part
+        out.append(part)
+    return tuple(dict.fromkeys(out))

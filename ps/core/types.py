@@ -262,6 +262,9 @@ class TierStatus:
     tokens_required: bool = False  # False: the tier accepts calls without tokens (as the wire says)
     term: int = 0          # a root's fencing term (rises on every promotion of a standby)
     root_state: str = ""   # a root: "primary", "standby" or "fenced"
+    parents: tuple[str, ...] = ()  # a relay's parents as configured, tried in order (issue 15)
+    parent_switches: int = 0       # times the relay moved to another of its parents
+    parent_cut_off_s: float = 0.0  # seconds no parent has answered (0: one does)
 
 
 # What a Follow stream carries (hps.proto, LogEntry.Kind), in wire order.

@@ -25,18 +25,21 @@ tokens of the call a server is handling, so a relay forwarding it upward can pre
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from typing import Any, NoReturn
 
 import grpc
 
-from ps.core.errors import ERRORS, HpsError, NotReady, Stale
+from ps.core.config import address_list
+from ps.core.errors import ERRORS, HpsError, NotReady, Stale, Unavailable
 from ps.net.tls import ClientTls, TlsFiles, client_options
 from ps.net.wire import stubs
 
 __all__ = ["MAX_MESSAGE", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "status_of", "trailers",
-           "error_from", "abort", "bearer", "bearer_tokens", "FORWARDED", "Caller", "AsyncCaller"]
+           "error_from", "abort", "bearer", "bearer_tokens", "FORWARDED", "Caller", "AsyncCaller",
+           "cannot_connect"]
 
 MAX_MESSAGE = 16 * 1024 * 1024
 _SIZE = [("grpc.max_send_message_length", MAX_MESSAGE + 4096),
@@ -150,16 +153,55 @@ class _Channels:
         return self.stubs, []
 
 
+def cannot_connect(exc: HpsError) -> bool:
+    """Whether a failed call never reached a server: gRPC's sentence for a connection refused
+    or otherwise not made (a killed process), not a tier's refusal."""
+    d = str(exc).lower()
+    return isinstance(exc, Unavailable) and ("failed to connect" in d or "connection refused" in d
+                                             or "connect failed" in d)
+
+
 class Caller:
     """Blocking calls to one tier: every method of the service, errors as hps exceptions.
     ``tls``: present this certificate and verify the tier's (None: plaintext); ``token``:
-    presented on every call (``authorization: Bearer``; None: none)."""
+    presented on every call (``authorization: Bearer``; None: none).
+
+    ``address`` may list alternates, comma-separated (``ps.core.config.address_list``): calls go
+    to one (``address``) until ``switch`` moves them to the next in turn; the caller decides
+    when (``worker.client``)."""
 
     def __init__(self, address: str, tls: TlsFiles | None = None, token: str | None = None) -> None:
-        self.address = address
+        self.addresses = address_list(address) or (address,)
+        self.index = 0       # which of ``addresses`` the calls go to
+        self.switches = 0
         self.token = token
-        self._ch = _Channels(address, tls, lambda a, cred, opts: (
+        self._tls = tls
+        self._lock = threading.Lock()
+        self._retired: list[_Channels] = []  # channels of earlier addresses: their calls finish
+        self._ch = self._channels(self.addresses[0])
+
+    def _channels(self, address: str) -> _Channels:
+        return _Channels(address, self._tls, lambda a, cred, opts: (
             grpc.secure_channel(a, cred, options=opts) if cred else grpc.insecure_channel(a, options=opts)))
+
+    @property
+    def address(self) -> str:
+        """The tier the calls go to now."""
+        return self.addresses[self.index]
+
+    def switch(self) -> str:
+        """Send the calls from now on to the next address in turn; returns it. The previous
+        channel is closed at a later switch or at ``close`` (calls in flight there finish)."""
+        with self._lock:
+            while len(self._retired) > 2:
+                old = self._retired.pop(0)
+                for ch in old.retired + [old.channel]:
+                    ch.close()
+            self._retired.append(self._ch)
+            self.index = (self.index + 1) % len(self.addresses)
+            self._ch = self._channels(self.address)
+            self.switches += 1
+            return self.address
 
     @property
     def channel(self) -> grpc.Channel:
@@ -186,8 +228,11 @@ class Caller:
             raise error_from(err) from None
 
     def close(self) -> None:
-        for ch in self._ch.retired + [self._ch.channel]:
-            ch.close()
+        with self._lock:
+            for chs in [*self._retired, self._ch]:
+                for ch in chs.retired + [chs.channel]:
+                    ch.close()
+            self._retired.clear()
 
     def __enter__(self) -> Caller:
         return self

@@ -21,24 +21,30 @@ children; a job's token minted by a forwarded CreateJob waits in ``minted`` for 
 
 Transport only: every gRPC error becomes an hps exception (``ps.net.rpc``) and every call has a
 deadline. What to do about an error is the relay's business (ps/tiers/relay.py).
+
+Alternate parents (issue 15): ``address`` may list several, comma-separated (``--parent A,B``);
+calls go to one at a time (``current``), and ``switch`` moves them to the next in turn. Who
+decides to switch, and what to re-register, is the relay's business too. ``hard_failure`` says
+whether the last failed call could not even connect (nothing listens: a killed process).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 
 import numpy as np
 
 from ps.core.codecs import get_codec
-from ps.core.config import JobConfig
+from ps.core.config import JobConfig, address_list
 from ps.core.errors import HpsError, TimedOut, Unavailable
 from ps.core.leases import Dataset, Grant
 from ps.core.ranks import RankInfo
 from ps.core.tensors import split
 from ps.core.types import Ack, PullMeta, PushKey, Registration, VersionMeta
 from ps.core.view import Layout
-from ps.net.rpc import FORWARDED, AsyncCaller
+from ps.net.rpc import FORWARDED, AsyncCaller, cannot_connect
 from ps.net.tls import TlsFiles
 from ps.net.wire import (
     OUTCOME_NAME,
@@ -63,6 +69,10 @@ class Upstream:
     def __init__(self, address: str, member: str, role: str, incarnation: int, own_address: str = "",
                  timeout_s: float = 10.0, tls: TlsFiles | None = None) -> None:
         self.address = address
+        self.parents = address_list(address) or (address,)
+        self.index = 0                 # which of ``parents`` the calls go to
+        self.switches = 0              # times the calls moved to another parent
+        self.hard_failure = False      # the last failed call could not connect at all
         self.member = member
         self.role = role
         self.incarnation = incarnation
@@ -74,10 +84,43 @@ class Upstream:
         self.job_tokens: dict[str, str] = {}      # job -> the token its parent accepted (memory only)
         self.token_hashes: dict[str, bytes] = {}  # job -> SHA-256 of its token (b"": parent has none)
         self.minted: dict[str, str] = {}          # job -> token minted by a forwarded CreateJob
-        self._rpc = AsyncCaller(address, tls)  # tls: this relay's certificate, shown to its parent
+        self._tls = tls  # this relay's certificate, shown to its parent
+        self._rpc = AsyncCaller(self.parents[0], tls)
+        self._retired: list[AsyncCaller] = []  # earlier parents' links: calls in flight finish there
+        self._closing: set[asyncio.Future] = set()  # background closes and goodbyes, referenced
+
+    @property
+    def current(self) -> str:
+        """The parent the calls go to now."""
+        return self.parents[self.index]
 
     async def close(self) -> None:
-        await self._rpc.close()
+        for rpc in [*self._retired, self._rpc]:
+            await rpc.close()
+        self._retired.clear()
+
+    def switch(self, jobs: list[str]) -> str:
+        """Send every call from now on to the next parent in turn; returns its address. The
+        previous one is told we leave ``jobs`` (best effort, in the background: a dead parent
+        forgets us by its member timeout instead). Its channel is closed only at a later switch:
+        a call still in flight there ends by itself (closing would cancel it, an error that is
+        not the parent's answer)."""
+        old = self._rpc
+        while len(self._retired) > 2:  # bounded: a flapping pair must not pile up channels
+            self._closing.add(task := asyncio.ensure_future(self._retired.pop(0).close()))
+            task.add_done_callback(self._closing.discard)
+        self._retired.append(old)
+        self.index = (self.index + 1) % len(self.parents)
+        self._rpc = AsyncCaller(self.current, self._tls)
+        self.switches += 1
+        self.reachable = False
+        self.hard_failure = False
+        for job in jobs:
+            req = pb.LeaveRequest(job=job, member=self.member)
+            task = asyncio.ensure_future(old.call("Leave", req, 1.0, self._tokens(job)))
+            self._closing.add(task)
+            task.add_done_callback(lambda t: self._closing.discard(t) or t.cancelled() or t.exception())
+        return self.current
 
     def _tokens(self, job: str | None) -> tuple[str, ...]:
         held = self.job_tokens.get(job) if job is not None else None
@@ -95,6 +138,7 @@ class Upstream:
             if isinstance(exc, (Unavailable, TimedOut)):
                 self.reachable = False
                 self.failures += 1
+                self.hard_failure = cannot_connect(exc)
             raise
         self.reachable = True
         return reply
@@ -170,3 +214,4 @@ class Upstream:
                              min_version=min_version, wait_ms=int(wait_s * 1000))
         frames = await self._call("Pull", req, timeout=wait_s + self.timeout_s, stream=True, job=job)
         return decode_pull_reply(frames)
+

@@ -42,7 +42,7 @@ def families(snap: dict, labels: dict[str, str]) -> list:
     def counter(name, doc, names=jl):
         return CounterMetricFamily(name, doc, labels=names)
 
-    info = InfoMetricFamily("hps_tier", "This tier: its name and its parent's address",
+    info = InfoMetricFamily("hps_tier", "This tier: its name and the address of the parent it uses",
                             labels=base_names)
     info.add_metric(base, {"name": s.name, "parent": s.parent or ""})
     jobs = gauge("hps_jobs", "Training jobs this tier holds", base_names)
@@ -205,7 +205,17 @@ def families(snap: dict, labels: dict[str, str]) -> list:
         again = counter("hps_upstream_reconnects_total", "Times the link to the parent answered again "
                                                          "after failing", base_names)
         again.add_metric(base, link["reconnects"])
-        out += [reach, errors, again]
+        # Alternate parents (issue 15): which one is in use, and every move between them.
+        switched = counter("hps_parent_switches_total", "Times this relay moved to another of its "
+                                                        "parents (--parent A,B) after losing one", base_names)
+        switched.add_metric(base, s.parent_switches)
+        which = gauge("hps_parent_index", "Which of its configured parents this relay uses: 0 the first "
+                                          "(preferred), 1 the next, ...", base_names)
+        which.add_metric(base, s.parents.index(s.parent) if s.parent in s.parents else 0)
+        cut = gauge("hps_parent_cut_off_seconds", "Seconds no parent of this relay has answered "
+                                                  "(0 while one does)", base_names)
+        cut.add_metric(base, s.parent_cut_off_s)
+        out += [reach, errors, again, switched, which, cut]
     if snap.get("durability") is not None:
         out += durability_families(snap["durability"], base_names, base)
     return out

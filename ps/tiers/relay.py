@@ -20,6 +20,16 @@ A relay holds no durable state: after a restart it rebuilds from its parent. Its
 at the parent is its name, stable across restarts, with its epoch as the incarnation: a
 restarted relay replaces its dead self there (whose push leaves the parent's open round), and
 its children's retries of pushes the dead one forwarded are resolved up the tree.
+
+Alternate parents (``--parent A,B``; issue 15). A relay whose parent stops answering -- at once
+when nothing listens there any more (a killed process), else after the member timeout --
+registers every job it holds with the next parent in turn and goes on from there: a sibling
+that follows the same root holds the same lineage (root epoch, version numbers, contents), so
+the follow loop resumes from deltas, else from a snapshot. A push it had sent up through the
+parent it left is first resolved at the root through the new one (``Resolve``): applied, it is
+acknowledged; not applied, it is sent again; so none is applied twice. Its children see a pause.
+Readiness goes once the relay has been cut off from every parent longer than the member timeout
+(its parent has dropped it by then: the view it serves no longer moves).
 """
 
 from __future__ import annotations
@@ -50,13 +60,13 @@ from ps.core.logs import event
 from ps.core.ranks import RankInfo
 from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes
-from ps.core.types import PullMeta, PushKey, PushMeta
+from ps.core.types import Ack, PullMeta, PushKey, PushMeta
 from ps.core.view import Layout
 from ps.net.tls import TlsFiles
 from ps.net.upstream import Upstream
 from ps.net.wire import encode_push
 from ps.tiers.jobstate import RelayJob
-from ps.tiers.tier import Tier
+from ps.tiers.tier import APPLIED, UNKNOWN, Tier
 
 __all__ = ["Relay"]
 
@@ -83,6 +93,7 @@ class Relay(Tier):
         self._force_snapshot: set[str] = set()
         self._fwd_locks: dict[str, asyncio.Lock] = {}
         self._up_issued: dict[str, int] = {}  # async: the highest sequence number sent up
+        self.cut_off_at: float | None = None  # since when no parent has answered (None: one does)
 
     def set_address(self, address: str) -> None:
         self.up.own_address = address
@@ -141,7 +152,7 @@ class Relay(Tier):
         if js.round.round != reg.start_version:
             js.reset_round(reg.start_version, "joined the parent's round")
         log.info("%s: attached to job %s at parent %s, round %d", self.role, job,
-                 self.config.parent, reg.start_version)
+                 self.up.current, reg.start_version)
         return js
 
     async def _members_changed(self, js: RelayJob) -> None:
@@ -156,42 +167,63 @@ class Relay(Tier):
                 log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
 
     async def _heartbeat_loop(self) -> None:
-        lost_at: float | None = None  # monotonic time the parent stopped answering
+        lost_at: float | None = None  # monotonic time the current parent stopped answering
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             known = self.up.server_epoch
+            parent = self.up.current
             try:
                 epoch, unknown = await self.up.heartbeat(sorted(self.attached))
             except HpsError as exc:
+                now = self.clock()
+                if self.cut_off_at is None:
+                    self.cut_off_at = now
                 if lost_at is None:  # once per outage: the transition is the event
-                    lost_at = self.clock()
-                    log.warning("%s: parent %s unreachable: %s", self.role, self.config.parent, exc,
-                                extra=event("parent.lost", parent=self.config.parent))
+                    lost_at = now
+                    log.warning("%s: parent %s unreachable: %s", self.role, parent, exc,
+                                extra=event("parent.lost", parent=parent))
                 else:
-                    log.debug("%s: parent %s still unreachable: %s", self.role, self.config.parent, exc)
+                    log.debug("%s: parent %s still unreachable: %s", self.role, parent, exc)
+                if len(self.up.parents) > 1 and (self.up.hard_failure
+                                                 or now - lost_at >= self.config.member_timeout_s):
+                    await self._switch_parent(parent, exc)
+                    lost_at = None  # the next parent gets its own member timeout
                 continue
-            if lost_at is not None:
-                log.warning("%s: parent %s reachable again after %.1fs", self.role, self.config.parent,
-                            self.clock() - lost_at,
-                            extra=event("parent.regained", parent=self.config.parent,
-                                        seconds=round(self.clock() - lost_at, 3)))
-                lost_at = None
+            if self.cut_off_at is not None:
+                log.warning("%s: parent %s reachable after %.1fs", self.role, parent,
+                            self.clock() - self.cut_off_at,
+                            extra=event("parent.regained", parent=parent,
+                                        seconds=round(self.clock() - self.cut_off_at, 3)))
+            lost_at = self.cut_off_at = None
             self.up.server_epoch = epoch
             if known and epoch != known:
                 log.warning("%s: parent %s restarted (epoch %#x -> %#x); registering again",
-                            self.role, self.config.parent, known, epoch,
-                            extra=event("parent.restarted", parent=self.config.parent))
+                            self.role, parent, known, epoch,
+                            extra=event("parent.restarted", parent=parent))
                 unknown = sorted(self.attached)
-            # Jobs the parent forgot, and jobs detached after a refusal (NotReady) that still
-            # have children here: both must register again or their rounds never close.
-            detached = [j for j, js in self.jobs.items() if j not in self.attached and len(js.members)]
-            for job in sorted(set(unknown) | set(detached)):
-                self.attached.discard(job)
-                if job in self.jobs and len(self.jobs[job].members):
-                    try:
-                        await self._job_for_register(job)
-                    except HpsError as exc:
-                        log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
+            await self._register_again(unknown)
+
+    async def _register_again(self, unknown: list[str]) -> None:
+        """Register the jobs the parent forgot, and jobs detached after a refusal (NotReady) or a
+        switch of parents that still have children here: their rounds never close otherwise."""
+        detached = [j for j, js in self.jobs.items() if j not in self.attached and len(js.members)]
+        for job in sorted(set(unknown) | set(detached)):
+            self.attached.discard(job)
+            if job in self.jobs and len(self.jobs[job].members):
+                try:
+                    await self._job_for_register(job)
+                except HpsError as exc:
+                    log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
+
+    async def _switch_parent(self, old: str, why: HpsError) -> None:
+        """Move to the next parent in turn and register every job held here with it."""
+        jobs = sorted(self.attached)
+        new = self.up.switch(jobs)
+        self.attached.clear()
+        log.warning("%s: parent %s is gone (%s); switching to %s (alternate %d of %d)", self.role, old,
+                    short(str(why), 160), new, self.up.index + 1, len(self.up.parents),
+                    extra=event("parent.switched", parent=new, previous=old, switches=self.up.switches))
+        await self._register_again([])
 
     # -- upward ----------------------------------------------------------------------------
     def _finish_round(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
@@ -242,8 +274,17 @@ class Relay(Tier):
         js.reported_floor = max(js.reported_floor, floor)
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]
+        sent_via: int | None = None  # the parent link (switch count) of the last unanswered send
         while True:
             try:
+                if sent_via is not None and sent_via != self.up.switches and keys:
+                    # Sent through a parent this relay has left since: that one may have passed
+                    # it on. The root decides (through the new parent) before it goes again.
+                    resolved = await self._resolve_moved(js, keys, deadline)
+                    if resolved is not None:
+                        ack = resolved
+                        break
+                sent_via = self.up.switches
                 ack = await self.up.push(frames, timeout=max(1.0, deadline - self.clock()), job=job)
                 break
             except NotMember as exc:
@@ -283,6 +324,23 @@ class Relay(Tier):
         if not fut.done():
             fut.set_result(ack)
 
+    async def _resolve_moved(self, js: RelayJob, keys: tuple[PushKey, ...], deadline: float) -> Ack | None:
+        """What became of a push sent through a parent this relay has left: its Ack if the root
+        applied it, None if it was not (send it again); Unavailable while it is still in flight
+        above (a batch at the root holds it until the left parent times out there)."""
+        job = js.config.name
+        await self._job_for_register(job)  # a member of the new parent first: it asks on our behalf
+        wait_s = max(1.0, min(deadline - self.clock(), 2 * self.config.member_timeout_s + 5.0))
+        outcome, version, epoch = await self.up.resolve(job, keys, wait_s)
+        if outcome == APPLIED:
+            log.info("%s: round of %s sent through the previous parent was applied as version %d",
+                     self.role, job, version)
+            return Ack(version, epoch or js.view.epoch, duplicate=True)
+        if outcome == UNKNOWN:
+            raise Unavailable(f"a push of job {job} sent through the previous parent is still in flight "
+                              "above; asking again")
+        return None
+
     def _refuse(self, js: RelayJob, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
         if js.encoder is not None and not js.encoder.lossless:
             # The refused aggregate's unsent part is in the residual, and its children will
@@ -309,13 +367,24 @@ class Relay(Tier):
     def parent_link(self) -> Upstream:
         return self.up
 
+    def parent_address(self) -> str:
+        return self.up.current
+
+    def parent_failover(self) -> tuple[tuple[str, ...], int, float]:
+        cut = 0.0 if self.cut_off_at is None else self.clock() - self.cut_off_at
+        return self.up.parents, self.up.switches, cut
+
     def synced(self) -> bool:
         """The parent has answered (a heartbeat or a register; ``server_epoch`` is never
-        cleared) and every job held here has a view from it. Readiness stays once lost
-        parents go: the relay still serves the view it holds, and flipping readiness would
-        empty the Kubernetes Services below it on every root restart."""
+        cleared), every job held here has a view from it, and this relay has not been cut off
+        from every parent for longer than the member timeout. A shorter outage (a parent
+        restarting, a switch to an alternate) keeps readiness: the relay still serves the view
+        it holds, and flipping readiness would empty the Kubernetes Services below it. A longer
+        one means the parent has dropped this relay: its view no longer moves, and workers are
+        better sent to a zone that still trains (issue 15)."""
         answered = bool(self.up.reachable or self.up.server_epoch)
-        return answered and all(js.view.ready for js in self.jobs.values())
+        cut_off = self.cut_off_at is not None and self.clock() - self.cut_off_at > self.config.member_timeout_s
+        return answered and not cut_off and all(js.view.ready for js in self.jobs.values())
 
     def _lag(self, js: RelayJob, now: float) -> tuple[int, float]:
         # Behind the parent, or cut off from it (then it cannot know how far behind): the time

@@ -276,6 +276,8 @@ class Tier:
         if not intake.decoded and meta.contributors:
             # It was a retry of a pending push when its header came; that batch failed since.
             raise Unavailable("the push this one retries was refused while it arrived; send it again")
+        if meta.sources:
+            await self._wait_sources_elsewhere(js, meta)
         grad = intake.gradient()
         keys = meta.sources or ((PushKey(meta.sender, meta.incarnation, meta.seq, digest),)
                                 if meta.contributors else ())
@@ -354,6 +356,24 @@ class Tier:
             if js.view.ready and meta.base_version > js.view.version:
                 raise NotReady(f"gradient computed on version {meta.base_version}, ahead of this tier's "
                                f"{js.view.version}; the tier is still catching up, retry shortly")
+
+    async def _wait_sources_elsewhere(self, js: JobState, meta: PushMeta) -> None:
+        """A relay's push names worker pushes that a batch here already holds, sent through
+        another relay (a child that switched parents, issue 15; a worker that switched zones):
+        summing both would apply them twice. Wait for that batch (the relay it came through
+        died: it leaves the open batch by the member timeout); then the sender retries. If that
+        batch was applied, the push can no longer be placed whole: refused, loudly (a sender that
+        switched resolves first, ``Relay._forward_one``, so this is a guard, not a path)."""
+        held = {f for f in (js.batch_of(k) for k in meta.sources) if f is not None}
+        if not held:
+            return
+        js.stats.resolved += 1
+        await asyncio.wait([asyncio.shield(f) for f in held], timeout=_RESOLVE_WAIT_S)
+        if any(f.done() and not f.cancelled() and f.exception() is None for f in held):
+            raise Conflict(f"push {meta.seq} of {meta.sender!r} sums worker pushes that another path "
+                           "had applied meanwhile; resolve them (Resolve) before sending them again")
+        raise Unavailable(f"push {meta.seq} of {meta.sender!r} sums worker pushes still in a batch here "
+                          "that came through another relay; retry shortly")
 
     async def _resolve_late(self, js: JobState, book, meta: PushMeta, digest: bytes,
                             keys: tuple[PushKey, ...], stale: HpsError) -> Ack:
@@ -597,6 +617,15 @@ class Tier:
         """The upstream link (``ps.net.upstream.Upstream``) of a relay; None at the root."""
         return None
 
+    def parent_address(self) -> str:
+        """The parent the calls go to now ("" at the root)."""
+        return self.config.parent
+
+    def parent_failover(self) -> tuple[tuple[str, ...], int, float]:
+        """(the parents configured, in order; switches between them; seconds cut off from every
+        parent, 0 while one answers): the root has none."""
+        return (), 0, 0.0
+
     def synced(self) -> bool:
         """Readiness: the tier serves views its parent published (the root always does)."""
         return True
@@ -622,7 +651,9 @@ class Tier:
                 stats=replace(js.stats),
                 lost=tuple(MemberInfo(k, r, a, now - t) for k, (r, a, t) in js.lost.items())))
         children = tuple(MemberInfo(k, r, a, now - t) for k, (r, a, t) in self.children.items())
+        parents, switches, cut_off_s = self.parent_failover()
         return TierStatus(role=self.role, name=self.config.display_name, server_epoch=self.epoch,
-                          parent=self.config.parent, parent_reachable=self.parent_reachable(),
+                          parent=self.parent_address(), parent_reachable=self.parent_reachable(),
                           ready=self.synced(), uptime_s=now - self.started, jobs=tuple(jobs),
-                          children=children, insecure=not self.config.secure)
+                          children=children, insecure=not self.config.secure, parents=parents,
+                          parent_switches=switches, parent_cut_off_s=cut_off_s)

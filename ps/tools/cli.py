@@ -363,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run one tier")
     s.add_argument("--role", action=_EnvDefault, required=True, choices=["global", "regional", "zone"])
     s.add_argument("--listen", action=_EnvDefault, default="127.0.0.1:0", help="HOST:PORT to bind")
-    s.add_argument("--parent", action=_EnvDefault, help="parent HOST:PORT (relays)")
+    s.add_argument("--parent", action=_EnvDefault,
+                   help="parent HOST:PORT (relays); several, comma-separated, are alternates tried in order")
     s.add_argument("--name", action=_EnvDefault, help="tier name, e.g. eu-a")
     s.add_argument("--metrics-port", action=_EnvDefault, default="-1", help="/metrics port (-1 off, 0 any)")
     s.add_argument("--health-port", action=_EnvDefault, default="-1",

@@ -19,6 +19,9 @@ parent, and a top-level ``links`` list may put a link in front of any tier for c
     links:
       - {name: eu-wan, to: root, latency_ms: 100, bandwidth_mbit: 100}   # workers -> root
 
+A zone may list ``alternates: [region, ...]``: regional masters it moves to, in order, when its
+own is gone (``--parent OWN,ALT,...``; issue 15).
+
 ``latency_ms`` is the round trip the link adds, ``bandwidth_mbit`` each direction's rate
 (also ``jitter_ms``, ``loss_pct``). Each declared link is one ``python -m ps.tools.wanem`` process
 (a delaying, rate-limiting TCP relay; this machine has no ``tc netem``); the child's
@@ -180,10 +183,20 @@ class Cluster:
             root = c._spawn(r.get("name", "root"), "global", host, r, "", common + list(extra_root_args))
             for z in r.get("zones") or []:  # zones straight below the root (no regional tier)
                 c._spawn(z["name"], "zone", host, z, c._edge(z, root), common)
+            later = []  # zones with alternate parents start once every region serves
             for reg in topo.get("regions") or []:
                 rt = c._spawn(reg["name"], "regional", host, reg, c._edge(reg, root), common)
                 for z in reg.get("zones") or []:
-                    c._spawn(z["name"], "zone", host, z, c._edge(z, rt), common)
+                    if z.get("alternates"):
+                        later.append((z, rt))
+                    else:
+                        c._spawn(z["name"], "zone", host, z, c._edge(z, rt), common)
+            for z, rt in later:
+                named = z["alternates"]
+                alts = [c.tiers[a] for a in named if a in c.tiers and c.tiers[a].role == "regional"]
+                if len(alts) != len(named):
+                    raise BadInput(f"zone {z['name']!r}: alternates {named} must name regions of the topology")
+                c._spawn(z["name"], "zone", host, z, ",".join([c._edge(z, rt), *(a.address for a in alts)]), common)
             for spec in topo.get("links") or []:
                 to = spec.get("to", "")
                 if to not in c.tiers:

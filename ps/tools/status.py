@@ -8,6 +8,10 @@ global root @ 127.0.0.1:... epoch 0x... up ...s, ready...
 ('global', 'ready')
 
 Relays register with the address they serve on, so starting at the root walks the whole tree.
+A relay its parent dropped after the member timeout (a region killed and not restarted) is
+still listed, from the job's lost members: shown DOWN when it does not answer. The exit code
+is 1 when a tier is down or unreachable, or a relay is cut off from its parent (its lag is
+then unknown, not 0).
 
 ``hps status --launch-dir LOGDIR`` first prints what the ``hps launch`` that wrote
 ``LOGDIR/launch.json`` knows (``ps.tools.supervise``): each tier's process, its state (up,
@@ -102,8 +106,9 @@ def fetch_ready(address: str, timeout_s: float = 5.0) -> str:
     return "ready" if r.status == health_pb2.HealthCheckResponse.SERVING else "NOT READY"
 
 
-def walk(address: str, depth: int = 0, seen: set | None = None, token: str | None = None):
-    """Yield (depth, address, StatusReply or error) for a tier and every relay below it."""
+def walk(address: str, depth: int = 0, seen: set | None = None, token: str | None = None, lost=None):
+    """Yield (depth, address, StatusReply or error, lost) for a tier and every relay below it;
+    ``lost`` is the MemberInfo of a relay its parent dropped (None for the others)."""
     seen = seen if seen is not None else set()
     if address in seen or depth > 8:
         return
@@ -111,24 +116,40 @@ def walk(address: str, depth: int = 0, seen: set | None = None, token: str | Non
     try:
         st = fetch_status(address, token=token)
     except HpsError as exc:
-        yield depth, address, exc
+        yield depth, address, exc, lost
         return
-    yield depth, address, st
-    children = sorted({m.address for m in st.children} |
-                      {m.address for j in st.jobs for m in j.members if m.address})
-    for child in children:
-        yield from walk(child, depth + 1, seen, token)
+    yield depth, address, st, lost
+    children = ({m.address for m in st.children} |
+                {m.address for j in st.jobs for m in j.members if m.address})
+    dropped = {m.address: m for j in st.jobs for m in j.lost
+               if m.address and m.role != "worker" and m.address not in children}
+    for child in sorted(children | set(dropped)):
+        yield from walk(child, depth + 1, seen, token, dropped.get(child))
 
 
 def print_tree(address: str, out, token: str | None = None) -> int:
     rc = 0
-    for depth, addr, st in walk(address, token=token):
+    for depth, addr, st, lost in walk(address, token=token):
         pad = "  " * depth
         if isinstance(st, Exception):
-            print(f"{pad}{addr}: unreachable ({st})", file=out)
+            if lost is not None:  # a relay its parent dropped: a region (or zone) that is down
+                print(f"{pad}{lost.role} {lost.member} @ {addr}: DOWN, silent for {lost.last_seen_s:.0f}s and "
+                      f"dropped from its parent's jobs; unreachable ({st})", file=out)
+            else:
+                print(f"{pad}{addr}: unreachable ({st})", file=out)
             rc = 1
             continue
         parent = "" if not st.parent else f" parent {st.parent} ({'up' if st.parent_reachable else 'UNREACHABLE'})"
+        if len(st.parents) > 1:
+            parent += (f", alternate {st.parents.index(st.parent) + 1} of {len(st.parents)}"
+                       if st.parent in st.parents else "") + f", {st.parent_switches} switch(es)"
+        cut_off = bool(st.parent) and (not st.parent_reachable or st.parent_cut_off_s > 0)
+        if cut_off:
+            parent += f", CUT OFF for {st.parent_cut_off_s:.1f}s"
+            rc = 1
+        if lost is not None:
+            parent += f"; its parent dropped it {lost.last_seen_s:.0f}s ago"
+            rc = 1
         print(f"{pad}{st.role} {st.name} @ {addr} epoch {st.server_epoch:#x} "
               f"up {st.uptime_s:.0f}s, {fetch_ready(addr)}{parent}"
               f"{', INSECURE (plaintext, no client certificates)' if st.insecure else ''}", file=out)
@@ -137,8 +158,10 @@ def print_tree(address: str, out, token: str | None = None) -> int:
         for j in st.jobs:
             workers = [m for m in j.members if m.role == "worker"]
             s = j.stats
-            print(f"{pad}  job {j.name}: version {j.version} (crc {j.checksum:#010x}) lag {j.lag_versions} "
-                  f"versions / {j.lag_s:.1f}s, round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
+            lag = (f"lag unknown (cut off from its parent; last in sync {j.lag_s:.1f}s ago)" if cut_off
+                   else f"lag {j.lag_versions} versions / {j.lag_s:.1f}s")
+            print(f"{pad}  job {j.name}: version {j.version} (crc {j.checksum:#010x}) {lag}, "
+                  f"round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
                   f"members {len(j.members)} ({len(workers)} workers)", file=out)
             if j.mode != "bsp" or s.staleness_count:
                 mean = s.staleness_sum / s.staleness_count if s.staleness_count else 0.0

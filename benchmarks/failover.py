@@ -1,0 +1,143 @@
+"""Failover to an alternate regional master (issue 15): kill -9 of a regional master that is
+never restarted, during BSP training, with and without an alternate parent for its zone.
+
+    python benchmarks/failover.py                 # 3 kills per member timeout (1.5 s, 3 s)
+    python benchmarks/failover.py --repeats 5 --member-timeouts 3
+
+The cluster: a root, regional masters eu-1 and eu-2, zone eu-a below eu-1 and eu-b below eu-2,
+one worker process per zone (benchmarks/_failover_worker.py, a linear model in BSP). With an
+alternate, eu-a runs with ``--parent eu-1,eu-2`` and eu-b with ``--parent eu-2,eu-1``. After a
+few steps eu-1 is killed with SIGKILL and left dead.
+
+Recovery: seconds from the kill to the first step the workers complete on a version made after
+it (the lost training). Also counted: steps not applied (a worker told its gradient missed its
+round), and worker pushes the root applied twice (hps_double_applied, must be 0). Without an
+alternate the zone has nowhere to go: the run is watched for --stall-s seconds and reported
+stalled if no version came (today's behaviour until the region is restarted by someone).
+Figures go to benchmarks/results/failover.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import ROOT, write
+
+from ps.tools.launch import Cluster
+from ps.tools.status import fetch_status
+
+WORKER = Path(__file__).with_name("_failover_worker.py")
+
+
+def _topology(member_timeout_s: float, alternate: bool) -> dict:
+    def zone(name: str, alt: str) -> dict:
+        return {"name": name, "alternates": [alt]} if alternate else {"name": name}
+    return {"host": "127.0.0.1", "settings": {"heartbeat_s": min(0.5, member_timeout_s / 6),
+                                              "member_timeout_s": member_timeout_s},
+            "root": {"name": "root", "port": 0},
+            "regions": [{"name": "eu-1", "zones": [zone("eu-a", "eu-2")]},
+                        {"name": "eu-2", "zones": [zone("eu-b", "eu-1")]}]}
+
+
+def _lines(proc: subprocess.Popen, n: int, timeout: float) -> list[tuple[float, dict]]:
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append((time.monotonic(), json.loads(line)))
+    return out
+
+
+def one_run(member_timeout_s: float, alternate: bool, steps: int, kill_after: int, stall_s: float,
+            logdir: Path) -> dict:
+    procs: list[subprocess.Popen] = []
+    with Cluster.start(_topology(member_timeout_s, alternate), logdir / "logs") as cluster:
+        try:
+            for i, z in enumerate(("eu-a", "eu-b")):
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(WORKER), cluster.address(z), f"w{i}", str(steps)],
+                    stdout=subprocess.PIPE, stderr=open(logdir / f"w{i}.log", "wb"), text=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}))
+            first = [_lines(p, kill_after, 120) for p in procs]
+            if not all(len(f) == kill_after for f in first):
+                raise SystemExit(f"no training before the kill; logs under {logdir}")
+            last = max(e["version"] for f in first for _, e in f)
+            cluster.stop_tier("eu-1", signal.SIGKILL)
+            killed = time.monotonic()
+            if not alternate:
+                # eu-a's worker: its zone has nowhere to go (eu-b's region trains on alone once
+                # the root drops eu-1 after the member timeout)
+                got = _lines(procs[0], 1, stall_s)
+                moved = [e for _, e in got if e["version"] > last + 1]
+                return dict(alternate=False, stalled=not moved, watched_s=stall_s,
+                            recovery_s=(got[-1][0] - killed) if moved else None)
+            rest = [_lines(p, steps - kill_after, 180) for p in procs]
+            if not all(len(r) == steps - kill_after for r in rest):
+                raise SystemExit(f"training stopped after the kill; logs under {logdir}")
+            resumed = min(t for r in rest for t, e in r if e["version"] > last + 1)
+            (job,) = fetch_status(cluster.address("root")).jobs
+            return dict(alternate=True, recovery_s=round(resumed - killed, 3),
+                        not_applied=sum(not e["applied"] for r in rest for _, e in r),
+                        double_applied=job.stats.double_applied, versions=job.version, steps=steps)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--member-timeouts", default="1.5,3", help="seconds, comma-separated")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--kill-after", type=int, default=8)
+    ap.add_argument("--stall-s", type=float, default=20.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hps-failover-") as tmp:
+        for mt in (float(x) for x in args.member_timeouts.split(",")):
+            runs = []
+            for r in range(args.repeats):
+                d = Path(tmp) / f"alt-{mt}-{r}"
+                d.mkdir()
+                runs.append(one_run(mt, True, args.steps, args.kill_after, args.stall_s, d))
+                print(f"member timeout {mt:g}s, alternate: {runs[-1]}", flush=True)
+            rec = [x["recovery_s"] for x in runs]
+            if runs:
+                rows.append(dict(member_timeout_s=mt, alternate=True, runs=runs,
+                                 recovery_median_s=statistics.median(rec), recovery_max_s=max(rec),
+                                 double_applied=sum(x["double_applied"] for x in runs),
+                                 not_applied=sum(x["not_applied"] for x in runs)))
+            d = Path(tmp) / f"none-{mt}"
+            d.mkdir()
+            base = one_run(mt, False, args.steps, args.kill_after, args.stall_s, d)
+            print(f"member timeout {mt:g}s, no alternate: {base}", flush=True)
+            rows.append(dict(member_timeout_s=mt, **base))
+    path = write("failover", dict(rows=rows, goal="under 5 s of lost training"), args.out)
+    for row in rows:
+        if row["alternate"]:
+            print(f"member timeout {row['member_timeout_s']:g}s: recovery median {row['recovery_median_s']:.2f}s, "
+                  f"max {row['recovery_max_s']:.2f}s; steps not applied {row['not_applied']}, applied twice "
+                  f"{row['double_applied']}")
+        else:
+            print(f"member timeout {row['member_timeout_s']:g}s without an alternate: "
+                  f"{'stalled for all ' + str(row['watched_s']) + 's watched' if row['stalled'] else row}")
+    print(f"wrote {path}")
+    bad = any(r.get("double_applied") for r in rows)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
