@@ -63,7 +63,7 @@ test: install tools
 
 # ruff (style, imports, bugbear) over everything; mypy over the pure core and the worker.
 lint: install
-	$(BIN)/ruff check ps worker tests benchmarks deploy
+	$(BIN)/ruff check ps worker tests benchmarks deploy examples
 	$(BIN)/mypy
 
 demo: install
