@@ -527,15 +527,20 @@ class ParameterClient:
         return reply.applied_version, nbytes
 
 
-def _env_rank() -> int | None:
-    """The RANK environment variable (as torchrun and Kubernetes indexed jobs set it), if any."""
-    value = os.environ.get("RANK", "").strip()
+def env_int(name: str) -> int | None:
+    """An integer environment variable (RANK, WORLD_SIZE, LOCAL_RANK, as torchrun and Kubernetes
+    indexed jobs set them), None when unset; BadInput when it is not an integer."""
+    value = os.environ.get(name, "").strip()
     if not value:
         return None
     try:
         return int(value)
     except ValueError:
-        raise BadInput(f"the RANK environment variable must be an integer rank, got {value!r}") from None
+        raise BadInput(f"the {name} environment variable must be an integer, got {value!r}") from None
+
+
+def _env_rank() -> int | None:
+    return env_int("RANK")
 
 
 def _leave_at_exit(ref: weakref.ref) -> None:

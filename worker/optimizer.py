@@ -49,7 +49,7 @@ from ps.core.optim import flat_hparams, group_defaults, group_index
 from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
 from ps.net.tls import TlsFiles
-from worker.client import ParameterClient, StepResult
+from worker.client import ParameterClient, StepResult, env_int
 from worker.sampler import LeasedSampler
 from worker.sender import Sender
 
@@ -69,16 +69,6 @@ def _keys(params: Params) -> list[tuple[str, torch.Tensor, str]]:
         named, buffers = list(params), []
     out = [(n, p, "param" if p.requires_grad else "frozen") for n, p in named]
     return out + [(n, b, "buffer") for n, b in buffers]
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name, "")
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def _env_run_id() -> str:
@@ -137,13 +127,13 @@ class HpsOptimizer(torch.optim.Optimizer):
             job = os.environ.get("HPS_JOB", "")
             if not job:
                 raise ValueError("no job: pass job=JobConfig(...) or a job name, or set HPS_JOB")
-        requested_rank = _env_int("RANK")
-        self.local_rank = _env_int("LOCAL_RANK") or 0
+        requested_rank = env_int("RANK")
+        self.local_rank = env_int("LOCAL_RANK") or 0
         run_id = _env_run_id()
         if resume is None:
             resume = os.environ.get("HPS_RESUME", "").lower() in ("1", "true", "yes")
         if isinstance(job, JobConfig):
-            world = _env_int("WORLD_SIZE")
+            world = env_int("WORLD_SIZE")
             if run_id and not job.run_id:
                 job = replace(job, run_id=run_id)
             if world and not job.min_workers:
