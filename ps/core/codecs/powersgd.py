@@ -122,9 +122,13 @@ class PowerSGD(TensorCodec):
 
     def decode_tensor(self, payload: Payload, numel: int, device: Device = "cpu") -> torch.Tensor:
         p, q = self.factors(payload, numel, device)
-        out = torch.zeros(p.shape[0], q.shape[0], dtype=torch.float32, device=device)
-        tmp = torch.empty_like(out)
-        for k in range(p.shape[1]):  # out += p_k q_k^T, in order: bit-identical on every device
+        rows, r = p.shape
+        out = torch.empty(rows, q.shape[0], dtype=torch.float32, device=device)
+        if r == 0:
+            return out.view(-1)  # an empty chunk
+        torch.mul(p[:, :1], q[:, 0], out=out)
+        tmp = torch.empty_like(out) if r > 1 else out
+        for k in range(1, r):  # out += p_k q_k^T, in order: bit-identical on every device
             torch.mul(p[:, k:k + 1], q[:, k], out=tmp)
             out.add_(tmp)
         return out.view(-1)
