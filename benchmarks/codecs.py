@@ -3,8 +3,9 @@
     python benchmarks/codecs.py --numel 16777216 --runs 5
 
 Reports (and writes benchmarks/results/codecs.json), for a normal random float32 gradient:
-- every codec: median encode and decode time over --runs, payload bytes, and how many times
-  smaller than dense fp32 the payload is;
+- every codec (powersgd at rank 4 on the gradient viewed as a near-square matrix; a random
+  matrix is its worst case for accuracy, not for time or size): median encode and decode time
+  over --runs, payload bytes, and how many times smaller than dense fp32 the payload is;
 - top-k at --k under error feedback (``ErrorFeedback.encode``: residual add, sampled selection,
   zstd, and the residual update from the payload itself), at steady state (residual warm);
 - the sampled top-k selection alone against ``torch.topk`` on the same tensor;
@@ -56,8 +57,11 @@ def main() -> int:
     grads = [torch.randn(args.numel, generator=gen) for _ in range(2)]
     x, dense = grads[0], 4 * args.numel
     rows = {}
-    codecs = [(n, get_codec(n)) for n in CODEC_NAMES if n != "topk"]
+    codecs = [(n, get_codec(n)) for n in CODEC_NAMES if n not in ("topk", "powersgd")]
     codecs.append((f"topk {args.k:g}", get_codec("topk", k=args.k)))
+    # powersgd factors a matrix: the gradient as a square-ish one (a 16M vector: 4096 x 4096)
+    width = next(w for w in range(int(args.numel ** 0.5), 0, -1) if args.numel % w == 0)
+    codecs.append((f"powersgd 4 ({args.numel // width}x{width})", get_codec("powersgd", rank=4, width=width)))
     for label, codec in codecs:
         enc_ms, payload = _median_ms(lambda codec=codec: codec.encode(x), args.runs)
         dec_ms, _ = _median_ms(lambda codec=codec, payload=payload: codec.decode(payload, args.numel), args.runs)

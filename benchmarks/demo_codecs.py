@@ -1,6 +1,7 @@
 """Bytes per step on every edge of the demo, dense against compressed, with the loss each reaches.
 
     python benchmarks/demo_codecs.py --steps 60 --runs fp32,topk,topk/fp16,int8
+    python benchmarks/demo_codecs.py --steps 80 --runs powersgd,topk,int8 --repeat 3
 
 Each run is ``hps demo`` (4 workers, root -> 2 regions -> 2 zones each, BSP) with one push
 codec (``CODEC``) or push and delta codec (``CODEC/DELTA``); all runs happen side by side in
@@ -10,7 +11,9 @@ one invocation. Reports (and writes benchmarks/results/demo_codecs.json), per ru
 - the worker -> zone push over the second half of the run only (the workers' own per-step
   counts), past top-k's density warm-up (the first 20 steps start at 25% density);
 - held-out loss at the end, median step time and wall time.
-Nothing is asserted. Note the optimizers differ: top-k runs DGC's recipe (sgd 0.1, momentum
+With ``--repeat N`` each run is made N times (interleaved: every codec once, then again) and
+each figure is the median of the N, the individual losses kept beside it. Nothing is
+asserted. Note the optimizers differ: top-k runs DGC's recipe (sgd 0.1, momentum
 0.9, corrected at the workers), the others Adam (3e-3): compare losses within a codec family.
 """
 
@@ -65,21 +68,40 @@ def _run(codec: str, delta: str, steps: int, workers: int) -> dict:
                 median_step_s=statistics.median(w["median_step_s"] for w in summary["workers"]))
 
 
+def _median_of(runs: list[dict]) -> dict:
+    """One run's figures, each the median over ``runs`` (the losses of each kept too)."""
+    med = statistics.median
+    out = dict(runs[0], wall_s=med(r["wall_s"] for r in runs), versions=min(r["versions"] for r in runs),
+               edges={k: med(r["edges"][k] for r in runs) for k in runs[0]["edges"]},
+               late_worker_push_bytes_per_step=med(r["late_worker_push_bytes_per_step"] for r in runs),
+               val_loss=med(r["val_loss"] for r in runs), median_step_s=med(r["median_step_s"] for r in runs))
+    if len(runs) > 1:
+        out.update(repeats=len(runs), val_loss_runs=[r["val_loss"] for r in runs])
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--workers", type=int, default=4, help="one per zone of the default topology")
     p.add_argument("--runs", default="fp32,topk,topk/fp16,int8",
                    help="comma-separated CODEC or CODEC/DELTA_CODEC; the first is the dense reference")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each codec; figures are medians")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "demo_codecs.json"))
     args = p.parse_args()
 
     params = sum(x.numel() for x in build_model(ModelConfig(), 0).parameters())
     dense = 4 * params
+    specs = args.runs.split(",")
+    made: dict[str, list[dict]] = {spec: [] for spec in specs}
+    for i in range(args.repeat):  # interleaved, so a slow spell of the machine hits every codec
+        for spec in specs:
+            codec, _, delta = spec.partition("/")
+            made[spec].append(_run(codec, delta or "fp32", args.steps, args.workers))
+            print(f"{spec} run {i + 1}/{args.repeat}: held-out loss {made[spec][-1]['val_loss']:.3f}", flush=True)
     results = []
-    for spec in args.runs.split(","):
-        codec, _, delta = spec.partition("/")
-        res = _run(codec, delta or "fp32", args.steps, args.workers)
+    for spec in specs:
+        res = _median_of(made[spec])
         res["x_smaller"] = {k: dense / v if v else float("inf") for k, v in res["edges"].items()}
         res["late_worker_push_x_smaller"] = dense / res["late_worker_push_bytes_per_step"]
         results.append(res)
@@ -92,8 +114,9 @@ def main() -> int:
         print(f"  {'worker push, 2nd half':28s} {late / 1024:9.1f} KiB/step  ({dense / late:7.1f}x smaller "
               "than dense fp32)", flush=True)
     out = dict(benchmark="demo_codecs", params=params, dense_fp32_bytes=dense,
-               settings=dict(steps=args.steps, workers=args.workers, topk_warmup_steps=WARMUP,
-                             note="per-step figures average over every step, warm-up included"),
+               settings=dict(steps=args.steps, workers=args.workers, topk_warmup_steps=WARMUP, repeat=args.repeat,
+                             note="per-step figures average over every step, warm-up included; with "
+                                  "repeat > 1 each figure is the median over the repeats"),
                machine=dict(platform=platform.platform(), cores=os.cpu_count(),
                             python=platform.python_version(), torch=torch.__version__),
                runs=results)

@@ -26,6 +26,7 @@ DOCTESTED = (
     "ps.core.codecs.half",
     "ps.core.codecs.int8",
     "ps.core.codecs.lossless",
+    "ps.core.codecs.powersgd",
     "ps.core.codecs.rows",
     "ps.core.codecs.sign",
     "ps.core.codecs.topk",

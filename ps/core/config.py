@@ -26,12 +26,14 @@ from typing import Any
 from ps.core.errors import BadInput, short
 
 __all__ = ["OptimizerConfig", "ParamGroup", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS",
-           "CODEC_NAMES", "check_name", "check_member", "address_list"]
+           "CODEC_NAMES", "POWERSGD_MAX_RANK", "check_name", "check_member", "address_list"]
 
 MODES = ("bsp", "ssp", "async")
 # The codecs a job may name (ps.core.codecs implements each and asserts so at import; this
 # module names them without importing torch, so a configuration loads in milliseconds).
-CODEC_NAMES = ("fp32", "fp32+zstd", "fp16", "bf16", "int8", "topk", "sign", "rows")
+CODEC_NAMES = ("fp32", "fp32+zstd", "fp16", "bf16", "int8", "topk", "sign", "rows", "powersgd")
+# The largest rank the powersgd codec takes or decodes: a decode costs rank passes over its chunk.
+POWERSGD_MAX_RANK = 64
 ROLES = ("global", "regional", "zone")
 # The optimizers the wire's OptimizerKind enum names (older peers); any torch.optim class is
 # accepted by name (OptimizerConfig.kind), checked against torch itself.
@@ -208,6 +210,7 @@ class JobConfig:
     relay_codec: str = ""
     topk: float = 0.01             # density k of the topk codec, as a fraction of elements
     topk_warmup_steps: int = 0     # DGC warm-up: density 25% -> topk over these many steps
+    powersgd_rank: int = 4         # rank r of the powersgd codec's factors (torch's hook: 1-4 typical)
     # DGC momentum correction (Lin et al. 2018, sec. 3.2) for sgd+momentum with topk pushes:
     # workers keep the velocity and sparsify it (masking what they sent); the root then steps
     # plain SGD on what arrives. Momentum at the root would apply to stale, sparse sums instead.
@@ -242,6 +245,9 @@ class JobConfig:
         _require(not isinstance(self.topk, bool) and 0 < self.topk <= 1,
                  f"topk density must be in (0, 1], got {self.topk!r}")
         _require(self.topk_warmup_steps >= 0, f"topk_warmup_steps must be >= 0, got {self.topk_warmup_steps}")
+        _require(not isinstance(self.powersgd_rank, bool) and isinstance(self.powersgd_rank, int)
+                 and 1 <= self.powersgd_rank <= POWERSGD_MAX_RANK,
+                 f"powersgd_rank must be an integer in [1, {POWERSGD_MAX_RANK}], got {self.powersgd_rank!r}")
         o = self.optimizer
         _require(not self.momentum_correction or (o.kind == "sgd" and o.momentum > 0 and not o.nesterov
                                                   and self.push_codec == "topk"),

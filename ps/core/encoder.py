@@ -12,7 +12,9 @@
 
 A worker's push edge and each relay's upward edge own one (design invariant 6). Lossy codecs
 always run under error feedback; with ``momentum`` (DGC's momentum correction) the sender also
-keeps the velocity it sparsifies. Lossless codecs send row-sparse keys as rows.
+keeps the velocity it sparsifies; with powersgd it keeps each matrix's Q, the warm start of
+its next power iteration (as torch's ``PowerSGDState`` does). Lossless codecs send row-sparse
+keys as rows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from ps.core.codecs import Codec, ErrorFeedback, dgc_density, get_codec
+from ps.core.codecs.powersgd import PowerSGD
 from ps.core.codecs.topk import TopK
 from ps.core.config import JobConfig
 from ps.core.errors import BadInput
@@ -34,6 +37,7 @@ from ps.core.view import Layout
 __all__ = ["Encoder", "row_sparse_keys"]
 
 _PROBE_ROWS = 64  # rows sampled to rule out a row-sparse gradient cheaply
+_STATE_PREFIXES = ("velocity:", "powersgd_q:")  # state_dict entries that are not residuals
 
 
 def row_sparse_keys(layout: Layout, flat: np.ndarray | torch.Tensor, max_fraction: float = 0.5) -> frozenset[str]:
@@ -76,10 +80,11 @@ class Encoder:
     """
 
     def __init__(self, codec: str, topk: float = 0.01, warmup_steps: int = 0, seed: str | int = 0,
-                 momentum: float = 0.0) -> None:
+                 momentum: float = 0.0, rank: int = 4) -> None:
         seed = seed if isinstance(seed, int) else zlib.crc32(seed.encode())
         self.name, self.topk, self.warmup_steps = codec, topk, warmup_steps
         options: dict[str, float] = ({"k": topk, "seed": seed} if codec == "topk" else
+                                     {"rank": rank, "seed": seed} if codec == "powersgd" else
                                      {"seed": seed} if codec == "int8" else {})
         self.codec = get_codec(codec, **options)
         self.ef = ErrorFeedback()
@@ -87,6 +92,7 @@ class Encoder:
             raise BadInput(f"momentum correction sparsifies the velocity: it needs topk, not {codec!r}")
         self.momentum = momentum
         self.velocity: dict[str, torch.Tensor] = {}  # DGC: u = m u + g per chunk, masked when sent
+        self.warm: dict[str, torch.Tensor] = {}      # powersgd: each chunk's last Q (cols x r)
         # One encode at a time, and a reset never in the middle of one: async senders encode
         # several pushes from threads, and a root restart resets from another thread.
         self._lock = threading.Lock()
@@ -96,9 +102,17 @@ class Encoder:
                 worker: bool = False) -> Encoder:
         """The encoder a job's sender uses: workers of a momentum-corrected job keep the momentum."""
         momentum = cfg.optimizer.momentum if worker and cfg.momentum_correction else 0.0
-        return cls(codec or cfg.push_codec, cfg.topk, cfg.topk_warmup_steps, seed, momentum)
+        return cls(codec or cfg.push_codec, cfg.topk, cfg.topk_warmup_steps, seed, momentum,
+                   cfg.powersgd_rank)
 
     def _encode(self, name: str, codec: Codec, part: np.ndarray | torch.Tensor) -> bytes:
+        if isinstance(codec, PowerSGD):
+            # Warm start: this step's power iteration begins at the Q the last one sent, which
+            # tracks the gradient's slowly changing top subspace (Vogels et al. 2019, sec. 3).
+            payload = self.ef.encode(name, codec.warm(self.warm.pop(name, None)), part)
+            t = part if isinstance(part, torch.Tensor) else torch.from_numpy(np.asarray(part))
+            self.warm[name] = codec.factors(payload, t.numel(), t.device)[1]
+            return payload
         if not self.momentum:
             return self.ef.encode(name, codec, part)
         g = part if isinstance(part, torch.Tensor) else torch.from_numpy(np.asarray(part))
@@ -140,15 +154,28 @@ class Encoder:
         with self._lock:
             self.ef.reset()
             self.velocity.clear()
+            self.warm.clear()
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Residuals by chunk ("key@offset") and, with momentum correction, velocities
-        ("velocity:key@offset"): float32 numpy arrays, safe to checkpoint."""
+        ("velocity:key@offset"), with powersgd each matrix's Q ("powersgd_q:key@offset", cols x
+        r): float32 numpy arrays, safe to checkpoint."""
         state = self.ef.state_dict()
         state.update({f"velocity:{k}": u.detach().cpu().numpy().copy() for k, u in self.velocity.items()})
+        state.update({f"powersgd_q:{k}": q.detach().cpu().numpy().copy() for k, q in self.warm.items()})
         return state
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        self.ef.load_state_dict({k: v for k, v in state.items() if not k.startswith("velocity:")})
-        self.velocity = {k[len("velocity:"):]: torch.from_numpy(np.array(v, np.float32, copy=True).reshape(-1))
-                         for k, v in state.items() if k.startswith("velocity:")}
+        """Replace residuals, velocities and Qs; a Q whose shape no longer fits its matrix (the
+        rank changed) is ignored there and the power iteration starts afresh."""
+        def arrays(prefix: str, flat: bool) -> dict[str, torch.Tensor]:
+            out = {}
+            for k, v in state.items():
+                a = np.array(v, np.float32, copy=True)
+                if k.startswith(prefix) and (flat or a.ndim == 2):
+                    out[k[len(prefix):]] = torch.from_numpy(a.reshape(-1) if flat else a)
+            return out
+
+        self.ef.load_state_dict({k: v for k, v in state.items() if not k.startswith(_STATE_PREFIXES)})
+        self.velocity = arrays("velocity:", flat=True)
+        self.warm = arrays("powersgd_q:", flat=False)

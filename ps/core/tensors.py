@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ps.core.codecs import Codec, get_codec
+from ps.core.codecs.powersgd import PowerSGD
 from ps.core.errors import BadInput, short
 from ps.core.types import Chunk
 from ps.core.view import KeySpec, Layout
@@ -48,6 +49,11 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
     (the lossless rows codec), in chunks of whole rows. Buffer keys (BatchNorm's running
     statistics) carry values, not gradients, and always travel as lossless fp32: a top-k of a
     running mean would be no average at all.
+
+    powersgd factors a key of two or more dimensions as one matrix (shape[0] x the rest, one
+    chunk, its numel past ``chunk_elems``: the factors, not the matrix, must fit a frame), or
+    in blocks of whole rows when even the factors would not; keys it would not shrink 2x
+    (1-D keys, small matrices) travel as fp32 (``PowerSGD.gains``, torch's rule).
     """
     out = []
     fp32 = get_codec("fp32")
@@ -60,6 +66,9 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
             width = row_width(spec)
             key_codec = get_codec("rows", width=width)
             step = max(width, chunk_elems // width * width)
+        elif isinstance(codec, PowerSGD):
+            key_codec, step = _powersgd_key(codec, spec, chunk_elems)
+            plain = plain or key_codec.lossless
         for off in range(0, max(spec.numel, 1), step):
             n = min(step, spec.numel - off)
             if n <= 0:
@@ -69,6 +78,22 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
                        else encode(f"{spec.key}@{off}", key_codec, part))
             out.append(Chunk(spec.key, spec.shape, spec.dtype, off, n, key_codec.name, payload))
     return out
+
+
+def _powersgd_key(codec: PowerSGD, spec: KeySpec, chunk_elems: int) -> tuple[Codec, int]:
+    """The codec and chunk length (elements) of one key of a powersgd push.
+
+    One chunk per matrix, not chunks of ``chunk_elems``: PowerSGD's point is the whole matrix's
+    low rank, and rank-r factors of arbitrary slices of it would cost more and capture less.
+    Only when the factors of the whole matrix would pass ``chunk_elems`` floats (a frame) is it
+    cut into blocks of whole rows, each factored on its own (with its own Q and residual).
+    """
+    width = row_width(spec)
+    rows = spec.numel // width if len(spec.shape) > 1 and width else 0
+    block = min(rows, chunk_elems // codec.rank - width)
+    if len(spec.shape) < 2 or block < 1 or not codec.gains(block, width):
+        return get_codec("fp32"), chunk_elems
+    return codec.for_width(width), block * width
 
 
 def row_width(spec: KeySpec) -> int:

@@ -72,7 +72,7 @@ __all__ = [
 _MODE = {"bsp": pb.MODE_BSP, "ssp": pb.MODE_SSP, "async": pb.MODE_ASYNC}
 _CODEC = {"fp32": pb.CODEC_FP32, "fp32+zstd": pb.CODEC_FP32_ZSTD, "fp16": pb.CODEC_FP16,
           "bf16": pb.CODEC_BF16, "int8": pb.CODEC_INT8, "topk": pb.CODEC_TOPK, "sign": pb.CODEC_SIGN,
-          "rows": pb.CODEC_ROWS}
+          "rows": pb.CODEC_ROWS, "powersgd": pb.CODEC_POWERSGD}
 _OPT = {"sgd": pb.OPTIMIZER_SGD, "adam": pb.OPTIMIZER_ADAM}
 _DTYPE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
           "float64": pb.DTYPE_FLOAT64}
@@ -292,7 +292,7 @@ def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
         push_codec=_CODEC[cfg.push_codec], delta_codec=_CODEC[cfg.delta_codec],
         delta_log_length=cfg.delta_log_length, damping=cfg.damping,
         relay_codec=_CODEC[cfg.relay_codec] if cfg.relay_codec else pb.CODEC_UNSPECIFIED,
-        topk=cfg.topk, topk_warmup_steps=cfg.topk_warmup_steps,
+        topk=cfg.topk, topk_warmup_steps=cfg.topk_warmup_steps, powersgd_rank=cfg.powersgd_rank,
         momentum_correction=cfg.momentum_correction, min_workers=cfg.min_workers,
         buffer_sync_every=cfg.buffer_sync_every, buffers_never=cfg.buffer_sync_every == 0, run_id=cfg.run_id)
 
@@ -323,6 +323,7 @@ def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
         relay_codec=_name(_CODEC, m.relay_codec, "codec") if m.relay_codec else "",
         topk=m.topk or 0.01,  # 0: a peer from before the field; its default
         topk_warmup_steps=m.topk_warmup_steps, momentum_correction=m.momentum_correction,
+        powersgd_rank=m.powersgd_rank or 4,  # 0: a peer from before the field; its default
         min_workers=m.min_workers,
         buffer_sync_every=0 if m.buffers_never else (m.buffer_sync_every or 1), run_id=m.run_id)
 

@@ -310,6 +310,7 @@ def _job(args) -> int:
                             damping=args.damping, push_codec=args.push_codec, delta_codec=args.delta_codec,
                             relay_codec=args.relay_codec, topk=float(args.topk),
                             topk_warmup_steps=int(args.topk_warmup_steps),
+                            powersgd_rank=int(args.powersgd_rank),
                             momentum_correction=args.momentum_correction,
                             min_workers=int(args.min_workers), buffer_sync_every=int(args.buffer_sync_every),
                             optimizer=_optimizer_config(args))
@@ -490,11 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="average module buffers (BatchNorm statistics) across workers every N steps; 0: never "
                    "(each worker keeps its own, as DDP with broadcast_buffers=False)")
     s.add_argument("--push-codec", default="fp32", help="workers' codec: fp32, fp32+zstd, fp16, bf16, "
-                   "int8, topk, sign, rows (lossy ones run with error feedback)")
+                   "int8, topk, sign, rows, powersgd (lossy ones run with error feedback)")
     s.add_argument("--relay-codec", default="", help="relays' codec for aggregates (default: the push codec)")
     s.add_argument("--delta-codec", default="fp32", help="the root's codec for published-view deltas")
     s.add_argument("--topk", default="0.01", help="density of the topk codec (fraction of elements)")
     s.add_argument("--topk-warmup-steps", default="0", help="DGC warm-up: density 25%% down to --topk")
+    s.add_argument("--powersgd-rank", default="4",
+                   help="rank of the powersgd codec's factors (1-64); keys of >= 2 dimensions too small to "
+                   "gain 2x travel as fp32")
     s.add_argument("--momentum-correction", action="store_true",
                    help="DGC: workers keep the sgd momentum and sparsify the velocity (topk, sgd momentum)")
     _tls_flags(s, "the caller")

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ps.net.wire
-from ps.core.codecs import CODEC_NAMES, get_codec, half, int8, rows, sign, topk
+from ps.core.codecs import CODEC_NAMES, get_codec, half, int8, powersgd, rows, sign, topk
 from ps.core.config import JobConfig
 from ps.core.errors import BadInput
 from ps.core.exactly_once import AppliedBook, decode_keys, encode_keys
@@ -338,13 +338,41 @@ def _crafted(name: str, rng, numel: int) -> bytes:
         frame = _zstd(rng, 4 * count)
         head = rows._HEAD.pack(1, rng.choice((1, hostile_int(rng, 0, (1 << 32) - 1))), count, numel)
         return head + rows._LEN.pack(rng.choice((len(frame), hostile_int(rng, 0, (1 << 32) - 1)))) + frame + body
+    if name == "powersgd":
+        # A shape that fits the chunk, or one that does not; the body sized for it, or not.
+        r = rng.choice((1, 2, 64, 65, hostile_int(rng, 0, (1 << 32) - 1)))
+        rows_ = rng.choice((1, max(1, numel // 2), numel, hostile_int(rng, 0, U64)))
+        cols = numel // rows_ if rows_ and rng.random() < 0.7 else hostile_int(rng, 0, U64)
+        sized = b"\0" * min(4 * r * (rows_ + cols), 4096)
+        return powersgd._HEAD.pack(1, r, rows_, cols, numel) + rng.choice((sized, body))
     return rng.choice((_zstd(rng, 4 * numel), body))  # fp32, fp32+zstd
+
+
+def _options(name: str, n: int, rng) -> dict:
+    """Options that let codec ``name`` encode ``n`` elements: rows of width 1; powersgd as a
+    matrix of a random shape n fits (rows x width)."""
+    if name == "rows":
+        return {"width": 1}
+    if name == "powersgd":
+        return {"width": rng.choice([w for w in range(1, n + 1) if n % w == 0]), "rank": rng.randint(1, 4)}
+    return {}
 
 
 @SETTINGS
 @given(RNG)
 def test_every_codec_decodes_hostile_payloads_to_numel_floats_or_refuses(rng):
-    name = rng.choice(CODEC_NAMES)
+    _decode_hostile(rng.choice(CODEC_NAMES), rng)
+
+
+@SETTINGS
+@given(RNG)
+def test_powersgd_decodes_hostile_payloads_to_numel_floats_or_refuses(rng):
+    """The newest codec, on its own: its header declares a shape and a rank that must agree
+    with the chunk and the payload's length before anything is allocated or multiplied."""
+    _decode_hostile("powersgd", rng)
+
+
+def _decode_hostile(name: str, rng) -> None:
     numel = rng.choice((0, 1, rng.randint(1, 300), 1 << 31, 1 << 40, 1 << 40, hostile_int(rng, 0, 1 << 40)))
     kind = rng.random()
     if kind < 0.3:
@@ -355,7 +383,7 @@ def test_every_codec_decodes_hostile_payloads_to_numel_floats_or_refuses(rng):
         n = rng.randint(1, 300)
         x = np.random.default_rng(rng.randrange(1 << 30)).standard_normal(n).astype(np.float32)
         x[: n // 3] = 0
-        payload = bytearray(get_codec(name, **({"width": 1} if name == "rows" else {})).encode(x))
+        payload = bytearray(get_codec(name, **_options(name, n, rng)).encode(x))
         for _ in range(rng.randint(0, 3)):
             payload[rng.randrange(len(payload))] = rng.randrange(256)
         numel = n if rng.random() < 0.7 else numel
@@ -380,7 +408,7 @@ def _hostile_chunk(rng) -> Chunk:
         x = np.random.default_rng(rng.randrange(1 << 30)).standard_normal(numel).astype(np.float32)
         if rng.random() < 0.2:
             x[rng.randrange(numel)] = rng.choice((np.nan, np.inf, -np.inf))
-        payload = get_codec(codec, **({"width": 1} if codec == "rows" else {})).encode(x)
+        payload = get_codec(codec, **_options(codec, numel, rng)).encode(x)
     else:
         payload = rng.randbytes(rng.randint(0, 48))
     return Chunk(key, shape, dtype, offset, numel, codec, memoryview(payload))

@@ -13,8 +13,9 @@ True
 >>> int(np.count_nonzero(topk.decode(payload, x.size)))   # 1% sent, the rest kept for later
 10
 
-A codec is a pure object. Lossy codecs (fp16, bf16, int8, topk, sign; rows is lossless) keep no residual
-themselves: the sender's ``ErrorFeedback`` state does (design invariant 6). Their payloads
+A codec is a pure object. Lossy codecs (fp16, bf16, int8, topk, sign, powersgd; rows is lossless) keep no
+residual themselves: the sender's ``ErrorFeedback`` state does (design invariant 6), and powersgd's
+warm start (each matrix's last Q) is the sender's too (``ps.core.encoder.Encoder``). Their payloads
 describe themselves (sizes, scales, k), so ``get_codec(name)`` decodes any of them whatever
 options the sender used, and decoding is deterministic so every tier that decodes the same
 bytes gets the same numbers. The registry is complete at import: every name in
@@ -30,6 +31,7 @@ from ps.core.codecs.feedback import ErrorFeedback, dgc_density
 from ps.core.codecs.half import Bf16, Fp16
 from ps.core.codecs.int8 import Int8
 from ps.core.codecs.lossless import Fp32, Fp32Zstd
+from ps.core.codecs.powersgd import PowerSGD
 from ps.core.codecs.rows import Rows
 from ps.core.codecs.sign import Sign
 from ps.core.codecs.topk import TopK
@@ -38,7 +40,8 @@ from ps.core.errors import BadInput
 
 __all__ = ["Codec", "LossyCodec", "get_codec", "CODEC_NAMES", "ErrorFeedback", "dgc_density"]
 
-_CLASSES: dict[str, type[Codec]] = {c.name: c for c in (Fp32, Fp32Zstd, Fp16, Bf16, Int8, TopK, Sign, Rows)}
+_CLASSES: dict[str, type[Codec]] = {c.name: c for c in (Fp32, Fp32Zstd, Fp16, Bf16, Int8, TopK, Sign, Rows,
+                                                           PowerSGD)}
 _REGISTRY: dict[str, Codec] = {name: cls() for name, cls in _CLASSES.items()}
 assert set(_REGISTRY) == set(CODEC_NAMES), "every codec name the configuration allows needs a codec"
 
@@ -48,7 +51,7 @@ def get_codec(name: str, **options: Any) -> Codec:
 
         get_codec("int8")                # the shared default instance
         get_codec("topk", k=0.001)       # options: topk (k, seed), int8 (chunk, seed), fp32+zstd (level),
-                                         # rows (width)
+                                         # rows (width), powersgd (rank, width, seed)
     """
     cls = _CLASSES.get(name)
     if cls is None:

@@ -1,0 +1,115 @@
+"""Throughput of the checksums a version could carry: CRC-32 (today's), XXH3-64/128, CRC32C.
+
+    python benchmarks/hashes.py --runs 7
+
+Every version the root publishes carries ``ps.core.view.checksum``, zlib's CRC-32 of the whole
+float32 vector, and every tier that applies a delta recomputes it: at 100M parameters that is
+400 MB hashed per version per tier. Issue 18 asks for a hash at >= 5 GB/s (per block, so a
+tier can hash blocks as they land). This measures, on this machine, one thread each:
+- zlib.crc32 (what view.checksum uses), xxhash's XXH3-64 and XXH3-128, and CRC32C (Castagnoli,
+  hardware-accelerated where the CPU has SSE4.2) via ``google-crc32c`` when it is installed
+  (``pip install google-crc32c``; it is not a dependency of hps);
+- over one 400 MB float32 buffer and one 4 MB buffer (a frame's worth), and over the 400 MB
+  buffer hashed as 100 independent 4 MB blocks (a digest per block, what "per block" needs);
+- GB/s (10^9 bytes per second) of the median of --runs timings. Nothing is asserted; the
+  view checksum is not changed here (that is a protocol change).
+
+Writes benchmarks/results/hashes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL_GBPS = 5.0
+BLOCK = 4 * 1000 * 1000  # bytes per block: a frame's worth (4 MB)
+
+
+def _hashes() -> tuple[dict[str, Callable[[np.ndarray], object]], dict[str, str]]:
+    fns: dict[str, Callable[[np.ndarray], object]] = {
+        "zlib.crc32 (view.checksum today)": zlib.crc32,
+        "xxhash XXH3-64": xxhash.xxh3_64_intdigest,
+        "xxhash XXH3-128": xxhash.xxh3_128_intdigest,
+    }
+    notes = {}
+    try:
+        import google_crc32c  # type: ignore[import-not-found]  # a measurement-only extra
+    except ImportError as exc:
+        notes["crc32c"] = f"google-crc32c not installed ({exc}); pip install google-crc32c to measure it"
+    else:
+        fns["CRC32C (google-crc32c)"] = google_crc32c.value
+        notes["crc32c"] = f"google-crc32c implementation: {google_crc32c.implementation}"
+    return fns, notes
+
+
+def _gbps(fn: Callable[[], object], nbytes: int, runs: int) -> dict:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return dict(gbps=nbytes / med / 1e9, median_s=med, runs=runs,
+                gbps_runs=[round(nbytes / t / 1e9, 3) for t in times])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=7, help="timings per figure over the large buffer (median)")
+    p.add_argument("--small-runs", type=int, default=200, help="timings per figure over the 4 MB buffer")
+    p.add_argument("--mb", type=int, default=400, help="size of the large buffer, MB (10^6 bytes)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hashes.json"))
+    args = p.parse_args()
+
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal(args.mb * 1_000_000 // 4, dtype=np.float32)   # a gradient-like vector
+    small = big[: BLOCK // 4].copy()
+    # Read-only arrays, passed as they are: google-crc32c's C entry point parses its argument
+    # with "y#", which refuses writable buffers and every memoryview (it has a release hook) but
+    # takes a read-only numpy array without a copy; zlib and xxhash take any buffer.
+    big.flags.writeable = small.flags.writeable = False
+    big_b, small_b = big, small
+    blocks = [big[i:i + BLOCK // 4] for i in range(0, big.size, BLOCK // 4)]
+    fns, notes = _hashes()
+    rows = {}
+    for name, fn in fns.items():
+        fn(small_b)  # warm: first call, page faults of the buffer already taken by numpy
+        rows[name] = {
+            f"{args.mb} MB": _gbps(lambda fn=fn: fn(big_b), big.nbytes, args.runs),
+            "4 MB": _gbps(lambda fn=fn: fn(small_b), small.nbytes, args.small_runs),
+            f"{args.mb} MB as 4 MB blocks": _gbps(lambda fn=fn: [fn(b) for b in blocks], big.nbytes, args.runs),
+        }
+    print(f"one thread; GB/s = 10^9 bytes/s, median of {args.runs} runs ({args.small_runs} for 4 MB); "
+          f"goal >= {GOAL_GBPS:g} GB/s")
+    cols = list(next(iter(rows.values())))
+    print(f"{'hash':34s}" + "".join(f"{c:>24s}" for c in cols))
+    for name, r in rows.items():
+        print(f"{name:34s}" + "".join(f"{r[c]['gbps']:24.2f}" for c in cols))
+    for note in notes.values():
+        print(note)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(
+        benchmark="hashes", goal_gbps=GOAL_GBPS, block_bytes=BLOCK, rows=rows, notes=notes,
+        machine=dict(platform=platform.platform(), cores=os.cpu_count(), python=platform.python_version(),
+                     numpy=np.__version__, xxhash=xxhash.VERSION, date=time.strftime("%Y-%m-%d")),
+    ), indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
