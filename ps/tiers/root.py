@@ -46,7 +46,7 @@ from ps.core.codecs import get_codec
 from ps.core.config import JobConfig, OptimizerConfig, ServerConfig, check_name
 from ps.core.consistency import Aggregate, all_finite
 from ps.core.deltas import DeltaEntry
-from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
+from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, NotPrimary, Unavailable, UnknownJob, short
 from ps.core.exactly_once import decode_applied, encode_applied
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
@@ -168,9 +168,9 @@ class Root(Tier):
         if self.state == "primary":
             return
         if self.state == "standby":
-            raise Unavailable(f"this root is the standby of {self.peer} (it takes over when that one is "
-                              "gone); send this to the primary")
-        raise Unavailable(f"this root is not the primary (it is {self.state}); send this to the primary")
+            raise NotPrimary(f"this root is the standby of {self.peer} (it takes over when that one is "
+                             "gone); send this to the primary")
+        raise NotPrimary(f"this root is not the primary (it is {self.state}); send this to the primary")
 
     async def promote(self, why: str) -> int:
         """Take over: a new term, durable before any push is accepted."""
