@@ -313,8 +313,8 @@ class Root(Tier):
             self.declared[cfg.name] = cfg
             self.declared_at[cfg.name] = self.clock()
             self._persist_declared(cfg)
-            self.replication.announce(LogMessage("declared", job=cfg.name,
-                                                 data=json.dumps(dataclasses.asdict(cfg)).encode()))
+            await self.replication.confirm(LogMessage("declared", job=cfg.name,
+                                                      data=json.dumps(dataclasses.asdict(cfg)).encode()))
             log.info("declared job %s: mode %s", cfg.name, cfg.mode, extra=event("job.declared", job=cfg.name))
             return created, 0, self.epoch
         if values is None or values.shape != (layout.numel,):
@@ -325,10 +325,11 @@ class Root(Tier):
         log.info("created job %s: %d keys, %d parameters, mode %s", cfg.name, len(layout.specs),
                  layout.numel, cfg.mode, extra=event("job.created", job=cfg.name, version=0))
         self._checkpoint(js)
-        if self.replication.follower is not None:
+        if self.replication.follower is not None or self.replication.required:
             arrays, meta = self._ckpt_state(js)
-            self.replication.announce(LogMessage("state", job=cfg.name, version=0,
-                                                 data=checkpoint.to_bytes(arrays, meta)))
+            # Waited for: a takeover must not forget a job its first worker was told exists.
+            await self.replication.confirm(LogMessage("state", job=cfg.name, version=0,
+                                                      data=checkpoint.to_bytes(arrays, meta)))
         return True, 0, self.epoch
 
     def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> tuple[JobConfig, bool] | None:
@@ -386,13 +387,14 @@ class Root(Tier):
                 js.wal.close()
         self.ended[name] = version
         self.ended_configs[name] = (cfg, version)
-        self.replication.announce(LogMessage("ended", job=name, version=version, data=json.dumps(dict(
-            version=version, why=why, config=dataclasses.asdict(cfg))).encode()))
+        ended = LogMessage("ended", job=name, version=version, data=json.dumps(dict(
+            version=version, why=why, config=dataclasses.asdict(cfg))).encode())
         if self.config.checkpoint_dir:
             Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
             _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=why)))
         log.info("ended job %s at version %d%s", name, version, f" ({why})" if why else "",
                  extra=event("job.ended", job=name, version=version))
+        await self.replication.confirm(ended)  # after the local end: a retry finds it ended
         return version
 
     async def _housekeeping(self, now: float) -> None:
@@ -402,7 +404,10 @@ class Root(Tier):
         stale = [n for n, js in self.jobs.items() if not js.joined and now - js.created_at > ttl]
         stale += [n for n, t in self.declared_at.items() if now - t > ttl]
         for name in stale:
-            await self.end_job(name, why=f"reaped: no worker joined within {ttl:.0f}s")
+            try:
+                await self.end_job(name, why=f"reaped: no worker joined within {ttl:.0f}s")
+            except Unavailable as exc:  # ended here; the standby gets it with its next bootstrap
+                log.warning("reaping job %s: %s", name, exc)
 
     def _persist_declared(self, cfg: JobConfig) -> None:
         if self.config.checkpoint_dir:
