@@ -327,7 +327,9 @@ class Root(Tier):
         self._checkpoint(js)
         if self.replication.follower is not None or self.replication.required:
             arrays, meta = self._ckpt_state(js)
-            # Waited for: a takeover must not forget a job its first worker was told exists.
+            # Waited for where a standby is required: a takeover must not forget a job its first
+            # worker was told exists. Not rolled back if it fails (others may have joined it by
+            # then): the caller retries, and a standby that reconnects gets it in its bootstrap.
             await self.replication.confirm(LogMessage("state", job=cfg.name, version=0,
                                                       data=checkpoint.to_bytes(arrays, meta)))
         return True, 0, self.epoch
