@@ -5,6 +5,7 @@
 
 import json
 import sys
+import time
 
 import torch
 
@@ -23,4 +24,4 @@ with HpsOptimizer(model, address, job, worker_id=wid, round_timeout_s=120) as op
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         r = opt.step()
-        print(json.dumps(dict(step=step, version=r.version, applied=r.applied)), flush=True)
+        print(json.dumps(dict(step=step, version=r.version, applied=r.applied, t=time.time())), flush=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 __all__ = [
     "HpsError", "BadInput", "UnknownJob", "NotReady", "NotMember", "Conflict", "Stale",
-    "Unavailable", "Exhausted", "NotBuilt", "TimedOut", "Internal", "Unauthenticated",
+    "Unavailable", "NotPrimary", "Exhausted", "NotBuilt", "TimedOut", "Internal", "Unauthenticated",
     "PermissionDenied", "ERRORS", "short",
 ]
 
@@ -95,6 +95,11 @@ class Unavailable(HpsError):
     code = "UNAVAILABLE"
 
 
+class NotPrimary(Unavailable):
+    """A standby root (or a deposed primary) refuses what only the primary does: a relay that
+    lists both roots (``--parent A,B``) tries the other one; anyone else retries with backoff."""
+
+
 class Exhausted(HpsError):
     """A budget of the tier is used up (bytes of pushes in flight, pushes per member, jobs);
     retry with backoff."""
@@ -136,5 +141,5 @@ class PermissionDenied(HpsError):
 
 # The one table: every class a server may send, by the name that travels in the metadata.
 ERRORS: dict[str, type[HpsError]] = {cls.__name__: cls for cls in (
-    BadInput, UnknownJob, NotReady, NotMember, Conflict, Stale, Unavailable, Exhausted,
+    BadInput, UnknownJob, NotReady, NotMember, Conflict, Stale, Unavailable, NotPrimary, Exhausted,
     NotBuilt, TimedOut, Internal, Unauthenticated, PermissionDenied)}

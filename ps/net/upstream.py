@@ -25,7 +25,9 @@ deadline. What to do about an error is the relay's business (ps/tiers/relay.py).
 Alternate parents (issue 15): ``address`` may list several, comma-separated (``--parent A,B``);
 calls go to one at a time (``current``), and ``switch`` moves them to the next in turn. Who
 decides to switch, and what to re-register, is the relay's business too. ``hard_failure`` says
-whether the last failed call could not even connect (nothing listens: a killed process).
+whether the last failed call could not even connect (nothing listens: a killed process);
+``refused_since`` since when the parent has refused writes as a root that is not the primary
+(``NotPrimary``: a standby answers heartbeats and reads, so only these say it cannot be used).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import numpy as np
 
 from ps.core.codecs import get_codec
 from ps.core.config import JobConfig, address_list
-from ps.core.errors import HpsError, TimedOut, Unavailable
+from ps.core.errors import HpsError, NotPrimary, TimedOut, Unavailable
 from ps.core.leases import Dataset, Grant
 from ps.core.ranks import RankInfo
 from ps.core.tensors import split
@@ -64,6 +66,10 @@ from ps.net.wire import (
 
 __all__ = ["Upstream"]
 
+# Calls only a primary root serves (a standby serves heartbeats and reads): one that succeeds says
+# the parent is usable.
+_WRITES = frozenset({"Register", "Push", "Resolve", "Rank", "Lease", "CreateJob", "EndJob"})
+
 
 class Upstream:
     def __init__(self, address: str, member: str, role: str, incarnation: int, own_address: str = "",
@@ -73,6 +79,7 @@ class Upstream:
         self.index = 0                 # which of ``parents`` the calls go to
         self.switches = 0              # times the calls moved to another parent
         self.hard_failure = False      # the last failed call could not connect at all
+        self.refused_since: float | None = None  # monotonic: the parent refuses writes (NotPrimary)
         self.member = member
         self.role = role
         self.incarnation = incarnation
@@ -115,6 +122,7 @@ class Upstream:
         self.switches += 1
         self.reachable = False
         self.hard_failure = False
+        self.refused_since = None
         for job in jobs:
             req = pb.LeaveRequest(job=job, member=self.member)
             task = asyncio.ensure_future(old.call("Leave", req, 1.0, self._tokens(job)))
@@ -135,12 +143,17 @@ class Upstream:
             else:
                 reply = await self._rpc.call(name, request, timeout or self.timeout_s, tokens)
         except HpsError as exc:
-            if isinstance(exc, (Unavailable, TimedOut)):
+            if isinstance(exc, NotPrimary):  # it answered: reachable, but not the root to write to
+                if self.refused_since is None:
+                    self.refused_since = asyncio.get_running_loop().time()
+            elif isinstance(exc, (Unavailable, TimedOut)):
                 self.reachable = False
                 self.failures += 1
                 self.hard_failure = cannot_connect(exc)
             raise
         self.reachable = True
+        if name in _WRITES:
+            self.refused_since = None
         return reply
 
     async def register(self, job: str, last_seq: int) -> Registration:

@@ -218,6 +218,21 @@ def families(snap: dict, labels: dict[str, str]) -> list:
         out += [reach, errors, again, switched, which, cut]
     if snap.get("durability") is not None:
         out += durability_families(snap["durability"], base_names, base)
+    if snap.get("standby") is not None:  # one root of a hot-standby pair (issue 15)
+        sb = snap["standby"]
+        primary = gauge("hps_root_primary", "1 if this root of a hot-standby pair is the primary (accepts "
+                                            "pushes), 0 if it is the standby or fenced", base_names)
+        primary.add_metric(base, 1 if sb["state"] == "primary" else 0)
+        term = gauge("hps_root_term", "This root's term: it rises by one at every takeover", base_names)
+        term.add_metric(base, sb["term"])
+        out += [primary, term]
+        if sb["state"] == "primary":
+            in_sync = gauge("hps_root_standby_in_sync", "1 if this primary root's standby holds its whole "
+                                                        "state and acknowledges every version, else 0 (a primary "
+                                                        "whose standby was once in sync then refuses pushes)",
+                            base_names)
+            in_sync.add_metric(base, 1 if sb["in_sync"] else 0)
+            out.append(in_sync)
     return out
 
 

@@ -241,6 +241,11 @@ class _TierCollector:
                                 reconnects=self.link.reconnects)
         if self.tier.role == "global":
             snap["durability"] = _durability(self.tier)
+            root = self.tier
+            # A hot-standby pair (issue 15): whether a configured standby is in sync with this
+            # primary (None: no pair, no series).
+            snap["standby"] = None if not root.peer else dict(
+                state=root.state, term=root.term, in_sync=bool(root.replication.in_sync()))
         return snap
 
     def _version_ages(self, status) -> dict[str, float]:

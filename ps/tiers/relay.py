@@ -25,7 +25,10 @@ Alternate parents (``--parent A,B``; issue 15). A relay whose parent stops answe
 when nothing listens there any more (a killed process), else after the member timeout --
 registers every job it holds with the next parent in turn and goes on from there: a sibling
 that follows the same root holds the same lineage (root epoch, version numbers, contents), so
-the follow loop resumes from deltas, else from a snapshot. A push it had sent up through the
+the follow loop resumes from deltas, else from a snapshot. The two roots of a hot-standby pair are
+such siblings (``--parent ROOT_A,ROOT_B``): a standby answers heartbeats but refuses registrations
+and pushes (``NotPrimary``) until it takes over, so a relay stays on it for up to the member
+timeout (a takeover comes within the lease), then tries the next parent in the list. A push it had sent up through the
 parent it left is first resolved at the root through the new one (``Resolve``): applied, it is
 acknowledged; not applied, it is sent again; so none is applied twice. Its children see a pause.
 Readiness goes once the relay has been cut off from every parent longer than the member timeout
@@ -47,6 +50,7 @@ from ps.core.errors import (
     Exhausted,
     HpsError,
     NotMember,
+    NotPrimary,
     NotReady,
     Stale,
     TimedOut,
@@ -188,6 +192,18 @@ class Relay(Tier):
                                                  or now - lost_at >= self.config.member_timeout_s):
                     await self._switch_parent(parent, exc)
                     lost_at = None  # the next parent gets its own member timeout
+                continue
+            refused = self.up.refused_since
+            if len(self.up.parents) > 1 and refused is not None \
+                    and asyncio.get_running_loop().time() - refused >= self.config.member_timeout_s:
+                # A root that is not the primary (a standby) answers, but takes no registration or
+                # push. Right after a primary died its standby is about to take over (within the
+                # lease, shorter than the member timeout): stay. Past the member timeout this one
+                # is not taking over (a relay restarted after a takeover, its first parent now
+                # the old primary as a standby): the primary is another parent in the list.
+                await self._switch_parent(parent, NotPrimary(f"{parent} refused writes for "
+                                                             f"{self.config.member_timeout_s:g}s as a root "
+                                                             "that is not the primary"))
                 continue
             if self.cut_off_at is not None:
                 log.warning("%s: parent %s reachable after %.1fs", self.role, parent,

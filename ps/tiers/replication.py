@@ -170,13 +170,41 @@ class Replication:
                               f"({exc}); nothing was applied. Retry shortly") from None
         return True
 
-    def announce(self, msg: LogMessage) -> None:
+    async def confirm(self, msg: LogMessage) -> None:
+        """``announce``, waited for: a job-level change the caller acknowledges (a job declared,
+        created or ended) must be on the standby too when one is required, or a takeover forgets
+        a job its workers were told exists. Unavailable if no follower holds it within the lease."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.lease_s
+        while self.required and (self.follower is None or not self.follower.alive):
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Unavailable(f"this root's standby is not there to hold the change to job {msg.job!r} "
+                                  "(it is gone or taking over); retry shortly")
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        f = self.follower
+        if f is None or not f.alive:
+            return  # none required: acknowledged alone
+        seq = self.announce(msg, force=True)
+        try:
+            await f.wait(seq, self.lease_s)
+        except Unavailable as exc:
+            self.detach(f, f"the change to job {msg.job} was not acknowledged: {exc}")
+            raise Unavailable(f"this root's standby did not acknowledge the change to job {msg.job!r} ({exc}); "
+                              "retry shortly") from None
+
+    def announce(self, msg: LogMessage, force: bool = False) -> int:
         """Send a job-level change (declared, created, ended, roster) to the follower, if any;
         not waited for (a state's records that follow are)."""
         f = self.follower
-        if f is not None and f.alive and (msg.kind != "roster" or msg.job in f.jobs):
-            f.send(msg)
+        seq = 0
+        if f is not None and f.alive and (force or msg.kind != "roster" or msg.job in f.jobs):
+            seq = f.send(msg)
             if msg.kind == "state":
                 f.jobs.add(msg.job)
             elif msg.kind == "ended":
                 f.jobs.discard(msg.job)
+        return seq

@@ -46,7 +46,7 @@ from ps.core.codecs import get_codec
 from ps.core.config import JobConfig, OptimizerConfig, ServerConfig, check_name
 from ps.core.consistency import Aggregate, all_finite
 from ps.core.deltas import DeltaEntry
-from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
+from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, NotPrimary, Unavailable, UnknownJob, short
 from ps.core.exactly_once import decode_applied, encode_applied
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
@@ -168,9 +168,9 @@ class Root(Tier):
         if self.state == "primary":
             return
         if self.state == "standby":
-            raise Unavailable(f"this root is the standby of {self.peer} (it takes over when that one is "
-                              "gone); send this to the primary")
-        raise Unavailable(f"this root is not the primary (it is {self.state}); send this to the primary")
+            raise NotPrimary(f"this root is the standby of {self.peer} (it takes over when that one is "
+                             "gone); send this to the primary")
+        raise NotPrimary(f"this root is not the primary (it is {self.state}); send this to the primary")
 
     async def promote(self, why: str) -> int:
         """Take over: a new term, durable before any push is accepted."""
@@ -313,8 +313,8 @@ class Root(Tier):
             self.declared[cfg.name] = cfg
             self.declared_at[cfg.name] = self.clock()
             self._persist_declared(cfg)
-            self.replication.announce(LogMessage("declared", job=cfg.name,
-                                                 data=json.dumps(dataclasses.asdict(cfg)).encode()))
+            await self.replication.confirm(LogMessage("declared", job=cfg.name,
+                                                      data=json.dumps(dataclasses.asdict(cfg)).encode()))
             log.info("declared job %s: mode %s", cfg.name, cfg.mode, extra=event("job.declared", job=cfg.name))
             return created, 0, self.epoch
         if values is None or values.shape != (layout.numel,):
@@ -325,10 +325,13 @@ class Root(Tier):
         log.info("created job %s: %d keys, %d parameters, mode %s", cfg.name, len(layout.specs),
                  layout.numel, cfg.mode, extra=event("job.created", job=cfg.name, version=0))
         self._checkpoint(js)
-        if self.replication.follower is not None:
+        if self.replication.follower is not None or self.replication.required:
             arrays, meta = self._ckpt_state(js)
-            self.replication.announce(LogMessage("state", job=cfg.name, version=0,
-                                                 data=checkpoint.to_bytes(arrays, meta)))
+            # Waited for where a standby is required: a takeover must not forget a job its first
+            # worker was told exists. Not rolled back if it fails (others may have joined it by
+            # then): the caller retries, and a standby that reconnects gets it in its bootstrap.
+            await self.replication.confirm(LogMessage("state", job=cfg.name, version=0,
+                                                      data=checkpoint.to_bytes(arrays, meta)))
         return True, 0, self.epoch
 
     def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> tuple[JobConfig, bool] | None:
@@ -386,13 +389,14 @@ class Root(Tier):
                 js.wal.close()
         self.ended[name] = version
         self.ended_configs[name] = (cfg, version)
-        self.replication.announce(LogMessage("ended", job=name, version=version, data=json.dumps(dict(
-            version=version, why=why, config=dataclasses.asdict(cfg))).encode()))
+        ended = LogMessage("ended", job=name, version=version, data=json.dumps(dict(
+            version=version, why=why, config=dataclasses.asdict(cfg))).encode())
         if self.config.checkpoint_dir:
             Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
             _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=why)))
         log.info("ended job %s at version %d%s", name, version, f" ({why})" if why else "",
                  extra=event("job.ended", job=name, version=version))
+        await self.replication.confirm(ended)  # after the local end: a retry finds it ended
         return version
 
     async def _housekeeping(self, now: float) -> None:
@@ -402,7 +406,10 @@ class Root(Tier):
         stale = [n for n, js in self.jobs.items() if not js.joined and now - js.created_at > ttl]
         stale += [n for n, t in self.declared_at.items() if now - t > ttl]
         for name in stale:
-            await self.end_job(name, why=f"reaped: no worker joined within {ttl:.0f}s")
+            try:
+                await self.end_job(name, why=f"reaped: no worker joined within {ttl:.0f}s")
+            except Unavailable as exc:  # ended here; the standby gets it with its next bootstrap
+                log.warning("reaping job %s: %s", name, exc)
 
     def _persist_declared(self, cfg: JobConfig) -> None:
         if self.config.checkpoint_dir:

@@ -42,6 +42,8 @@ def tiers_of(topology: dict) -> list[tuple[str, str, str]]:
     """(role, name, region) of every tier in a topology (``hps launch``'s format)."""
     root = topology.get("root") if isinstance(topology.get("root"), dict) else {}
     out = [("global", str(root.get("name") or "root"), "")]
+    if isinstance(root.get("standby"), dict):  # the hot-standby root (issue 15): a root's identity too
+        out.append(("global", str(root["standby"].get("name") or "root-standby"), ""))
     for z in root.get("zones") or []:  # zones straight below the root: the root is their region
         out.append(("zone", str(z["name"] if isinstance(z, dict) else z), out[0][1]))
     for r in topology.get("regions") or []:

@@ -335,6 +335,41 @@ def _job(args) -> int:
     return 0
 
 
+def _promote(args) -> int:
+    """Make a standby root the primary now (a planned switch-over, or a takeover the standby
+    would not make by itself: it was not in sync, or the old primary still answers its Status)."""
+    from ps.core.errors import HpsError
+    from ps.net.rpc import Caller
+    from ps.net.tls import TlsFiles
+    from ps.net.wire import pb, status_from_pb
+    from ps.tools import jobctl
+
+    _client_tls(args)
+    try:
+        admin = jobctl.admin_token()
+        with Caller(args.address, TlsFiles.from_env(), admin) as rpc:
+            before = status_from_pb(rpc.call("Status", pb.StatusRequest(), 10.0))
+            if before.role != "global":
+                print(f"hps promote: {args.address} is a {before.role} tier; only a standby root can be promoted",
+                      file=sys.stderr)
+                return 2
+            if before.root_state == "primary":
+                print(f"{args.address} is the primary already (term {before.term}); nothing to do")
+                return 0
+            if before.root_state == "standby" and before.parent_reachable and not args.force:
+                print(f"hps promote: {args.address} still follows a reachable primary ({before.parent}); "
+                      "promoting it deposes that one (its pushes in flight are refused and retried). "
+                      "Give --force to do it", file=sys.stderr)
+                return 2
+            term = rpc.call("Promote", pb.PromoteRequest(), 30.0).term
+    except (HpsError, ValueError, OSError) as exc:
+        print(f"hps promote: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.address} is the primary root with term {term}; the old primary, if it comes back, finds "
+          "the newer term and rejoins as its standby")
+    return 0
+
+
 def _checkpoint(args) -> int:
     from ps.core.errors import HpsError
     from ps.tools.export import export
@@ -505,6 +540,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", default="",
                    help="create: write the job's token here (mode 0600) instead of printing it")
     s.set_defaults(fn=_job)
+
+    s = sub.add_parser("promote", help="make a standby root the primary now (admin)",
+                       epilog="The admin token comes from HPS_ADMIN_TOKEN or the file HPS_ADMIN_TOKEN_FILE names. "
+                       "A standby takes over by itself once its primary has been gone for --lease-s; this is for a "
+                       "planned switch-over, or a standby that will not (deploy/OPERATING.md).")
+    s.add_argument("address", help="the standby root's HOST:PORT")
+    s.add_argument("--force", action="store_true",
+                   help="promote even though the standby still reaches its primary (a planned switch-over: the "
+                   "old primary refuses pushes from then on and rejoins as the new one's standby)")
+    _tls_flags(s, "the caller")
+    s.set_defaults(fn=_promote)
 
     s = sub.add_parser("checkpoint", help="export a job's checkpoint as torch files",
                        description="Write a job's newest root checkpoint as a model state_dict (torch.save; "

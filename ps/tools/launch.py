@@ -20,7 +20,12 @@ parent, and a top-level ``links`` list may put a link in front of any tier for c
       - {name: eu-wan, to: root, latency_ms: 100, bandwidth_mbit: 100}   # workers -> root
 
 A zone may list ``alternates: [region, ...]``: regional masters it moves to, in order, when its
-own is gone (``--parent OWN,ALT,...``; issue 15).
+own is gone (``--parent OWN,ALT,...``; issue 15). The root may have a hot standby
+(``root: {name: root, checkpoint_dir: A, standby: {name: root-b, checkpoint_dir: B}}``): it starts
+with ``--standby-of`` the root, and the tiers below the root list both (``--parent ROOT,STANDBY``).
+The root itself starts without ``--standby`` (the standby's port is not known yet; the root learns
+its address from the Follow stream); a restarted root gets ``--standby STANDBY``, so it finds a
+standby that took over meanwhile and rejoins as its standby.
 
 ``latency_ms`` is the round trip the link adds, ``bandwidth_mbit`` each direction's rate
 (also ``jitter_ms``, ``loss_pct``). Each declared link is one ``python -m ps.tools.wanem`` process
@@ -181,11 +186,21 @@ class Cluster:
         try:
             r = topo["root"]
             root = c._spawn(r.get("name", "root"), "global", host, r, "", common + list(extra_root_args))
+            alt_roots: list[str] = []  # a standby root: every child of the root lists it second
+            if isinstance(r.get("standby"), dict):
+                sb = r["standby"]
+                standby = c._spawn(sb.get("name", "root-standby"), "global", host, sb, "",
+                                   common + list(extra_root_args) + ["--standby-of", root.address])
+                root.cmd += ["--standby", standby.address]  # for restarts (see the module's docstring)
+                alt_roots.append(standby.address)
+
+            def below_root(spec: dict) -> str:
+                return ",".join([c._edge(spec, root), *alt_roots])
             for z in r.get("zones") or []:  # zones straight below the root (no regional tier)
-                c._spawn(z["name"], "zone", host, z, c._edge(z, root), common)
+                c._spawn(z["name"], "zone", host, z, below_root(z), common)
             later = []  # zones with alternate parents start once every region serves
             for reg in topo.get("regions") or []:
-                rt = c._spawn(reg["name"], "regional", host, reg, c._edge(reg, root), common)
+                rt = c._spawn(reg["name"], "regional", host, reg, below_root(reg), common)
                 for z in reg.get("zones") or []:
                     if z.get("alternates"):
                         later.append((z, rt))
@@ -243,7 +258,7 @@ class Cluster:
             cmd += ["--parent", parent]
         if spec.get("checkpoint_dir"):
             cmd += ["--checkpoint-dir", str(spec["checkpoint_dir"])]
-        for key in ("flush_ms", "flush_bytes"):  # per tier: a zone flushes sooner than a region
+        for key in ("flush_ms", "flush_bytes", "lease_s"):  # per tier: a zone flushes sooner than a region
             if key in spec:
                 cmd += [f"--{key.replace('_', '-')}", str(spec[key])]
         # Every tier of a local cluster shares one machine: torch's default of one arithmetic

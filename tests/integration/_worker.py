@@ -27,5 +27,6 @@ with HpsOptimizer(model, args.address, job, worker_id=args.worker_id, round_time
         loss.backward()
         r = opt.step()
         print(json.dumps(dict(step=step, version=r.version, applied=r.applied, loss=loss.item(),
-                              epoch=opt.client.view.epoch, crc=opt.client.view.checksum)), flush=True)
+                              epoch=opt.client.view.epoch, crc=opt.client.view.checksum,
+                              view=opt.client.view.version, t=time.time())), flush=True)
         time.sleep(args.sleep)

@@ -249,3 +249,31 @@ def test_a_root_stopped_longer_than_the_lease_never_forks_a_version(roots, stopp
     assert all(book[v] == {crc} for v, crc in seen.items() if v in book)
     assert a.status().jobs[0].checksum == b.status().jobs[0].checksum
     c.close()
+
+
+def test_hps_promote_needs_the_admin_token_and_force_while_the_primary_answers(roots, tmp_path):
+    token = tmp_path / "admin-token"
+    token.write_text("s3cret-admin-token\n")
+    token.chmod(0o600)
+    a = roots("a", "--admin-token-file", str(token))
+    b = roots("b", "--admin-token-file", str(token), "--standby-of", a.address)
+    _wait_for(lambda: _synced(b), "the standby to sync")
+    hps = [sys.executable, "-m", "ps.tools.cli", "promote"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPS_ADMIN_TOKEN")}
+
+    def promote(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(hps + list(args), capture_output=True, text=True, timeout=60, env={**env, **extra})
+    r = promote(b.address)  # no token: refused by the root
+    assert r.returncode == 2 and "token" in r.stderr.lower(), r.stderr
+    r = promote(b.address, HPS_ADMIN_TOKEN_FILE=str(token))  # its primary still answers: only with --force
+    assert r.returncode == 2 and "--force" in r.stderr, r.stderr
+    assert "promoted" not in b.log.read_text()
+    r = promote(b.address, "--force", HPS_ADMIN_TOKEN_FILE=str(token))
+    assert r.returncode == 0 and "term 1" in r.stdout, r.stdout + r.stderr
+    with Caller(b.address, token="s3cret-admin-token") as rpc:
+        st = status_from_pb(rpc.call("Status", pb.StatusRequest(), 5))
+    assert (st.root_state, st.term) == ("primary", 1)
+    # the old primary finds the newer term and rejoins as the standby (fenced, never two primaries)
+    _wait_for(lambda: "rejoins as a standby" in a.log.read_text(), "the old primary to step down")
+    r = promote(b.address, HPS_ADMIN_TOKEN="s3cret-admin-token")
+    assert r.returncode == 0 and "primary already" in r.stdout, r.stdout + r.stderr

@@ -197,3 +197,20 @@ def test_promtool_lints_every_family():
         r = subprocess.run([promtool, "check", "metrics"], input=generate_latest(reg).decode(),
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+
+
+def test_a_root_of_a_standby_pair_exports_its_state_term_and_whether_its_standby_is_in_sync():
+    from ps.core.types import TierStatus
+    from ps.tiers.families import families
+
+    st = TierStatus(role="global", name="root-a", server_epoch=1, parent="", parent_reachable=True, ready=True,
+                    uptime_s=1.0, jobs=())
+
+    def series(standby):
+        fams = families(dict(status=st, link=None, durability=None, standby=standby), {"tier": "global"})
+        return {s.name: s.value for f in fams for s in f.samples if s.name.startswith("hps_root_")}
+    assert series(dict(state="primary", term=2, in_sync=False)) == {
+        "hps_root_primary": 1, "hps_root_term": 2, "hps_root_standby_in_sync": 0}
+    assert series(dict(state="primary", term=2, in_sync=True))["hps_root_standby_in_sync"] == 1
+    assert series(dict(state="standby", term=2, in_sync=False)) == {"hps_root_primary": 0, "hps_root_term": 2}
+    assert series(None) == {}  # a root without a standby: no series, no alert
