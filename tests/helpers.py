@@ -9,14 +9,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 
 from ps.core.config import ServerConfig
 from ps.server import create_server, shutdown
 
-__all__ = ["FAST", "LoopThread", "Tree", "same_bits", "bsp_rounds"]
+__all__ = ["FAST", "LoopThread", "Tree", "same_bits", "bsp_rounds", "spawn_worker", "step_worker", "json_lines"]
 
 FAST = dict(heartbeat_s=0.1, member_timeout_s=1.0)
 
@@ -100,3 +106,32 @@ def bsp_rounds(clients, steps: int, grad, report=None) -> None:
     [t.start() for t in ts]
     [t.join(60) for t in ts]
     assert not errors, errors
+
+
+def spawn_worker(reap, module: str, log: Path, *args: str) -> subprocess.Popen:
+    """A worker script (``python -m module args``) in its own process: stdout piped (one JSON
+    line per step), stderr to ``log``; ``reap`` (the fixture) stops it by PID after the test."""
+    p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                         stderr=open(log, "wb"), text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    reap(p)
+    return p
+
+
+def step_worker(reap, address: str, wid: str, steps: int, sleep: float, log: Path) -> subprocess.Popen:
+    """tests/integration/_worker.py: ``steps`` bsp steps at ``address`` as ``wid``, one JSON line
+    per step (version, applied, ...), sleeping ``sleep`` seconds between steps."""
+    return spawn_worker(reap, "tests.integration._worker", log, "--address", address, "--worker-id", wid,
+                        "--steps", str(steps), "--sleep", str(sleep))
+
+
+def json_lines(proc: subprocess.Popen, n: int, timeout: float, stamped: bool = False) -> list:
+    """Up to ``n`` JSON lines from ``proc``'s stdout within ``timeout`` seconds (fewer if it
+    ends); ``stamped``: each as (monotonic time it was read, line)."""
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append((time.monotonic(), json.loads(line)) if stamped else json.loads(line))
+    return out

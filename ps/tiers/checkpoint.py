@@ -45,22 +45,28 @@ def save(directory: str | Path, version: int, arrays: dict[str, np.ndarray], met
     return save_bytes(directory, version, to_bytes(arrays, meta), keep)
 
 
+def write_atomic(path: Path, data: bytes | str, tmp: Path | None = None) -> None:
+    """Replace ``path`` with ``data`` durably: a temporary file, fsync, rename, fsync of the
+    directory (a crash leaves the old file or the new one, never a part)."""
+    tmp = tmp or path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
 def save_bytes(directory: str | Path, version: int, data: bytes, keep: int = 3) -> Path:
     """``save`` of a checkpoint file's bytes (``to_bytes``), atomically."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"ckpt-{version:012d}.npz"
-    tmp = d / f".ckpt-{version:012d}.npz.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    dir_fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    write_atomic(final, data, tmp=d / f".ckpt-{version:012d}.npz.tmp")
     for old in list_checkpoints(d)[:-keep]:
         old.unlink(missing_ok=True)
     return final

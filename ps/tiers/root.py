@@ -36,7 +36,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -220,7 +219,8 @@ class Root(Tier):
             self.ended_configs[name] = (cfg, version)
             self._persist_declared(cfg)
         Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
-        _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=info.get("why", ""))))
+        checkpoint.write_atomic(Path(self._job_dir(name)) / "ENDED",
+                                json.dumps(dict(version=version, why=info.get("why", ""))))
 
     def set_address(self, address: str) -> None:
         self.address = address
@@ -393,7 +393,7 @@ class Root(Tier):
             version=version, why=why, config=dataclasses.asdict(cfg))).encode())
         if self.config.checkpoint_dir:
             Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
-            _write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=why)))
+            checkpoint.write_atomic(Path(self._job_dir(name)) / "ENDED", json.dumps(dict(version=version, why=why)))
         log.info("ended job %s at version %d%s", name, version, f" ({why})" if why else "",
                  extra=event("job.ended", job=name, version=version))
         await self.replication.confirm(ended)  # after the local end: a retry finds it ended
@@ -414,7 +414,8 @@ class Root(Tier):
     def _persist_declared(self, cfg: JobConfig) -> None:
         if self.config.checkpoint_dir:
             Path(self._job_dir(cfg.name)).mkdir(parents=True, exist_ok=True)
-            _write_atomic(Path(self._job_dir(cfg.name)) / "declared.json", json.dumps(dataclasses.asdict(cfg)))
+            checkpoint.write_atomic(Path(self._job_dir(cfg.name)) / "declared.json",
+                                    json.dumps(dataclasses.asdict(cfg)))
 
     def _install(self, cfg: JobConfig, layout: Layout, values: np.ndarray, version: int,
                  view_values: np.ndarray | None = None, register: bool = True) -> RootJob:
@@ -661,7 +662,7 @@ class Root(Tier):
                 return
             path = Path(self._job_dir(js.config.name)) / "roster.json"
             try:
-                await asyncio.to_thread(_write_atomic, path, json.dumps(roster))
+                await asyncio.to_thread(checkpoint.write_atomic, path, json.dumps(roster))
             except OSError as exc:
                 raise Unavailable(f"the root could not save the ranks and data leases of job {js.config.name} "
                                   f"({exc}); retry") from None
@@ -805,12 +806,3 @@ def _describe(cfg: JobConfig) -> str:
     o = cfg.optimizer
     return (f"mode {cfg.mode}" + (f"({cfg.staleness})" if cfg.mode == "ssp" else "") +
             f", {o.kind} lr {o.lr:g}, push codec {cfg.push_codec}")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -140,7 +140,7 @@ class Standby:
             js = root.jobs.get(m.job)
             if js is not None:
                 roster = json.loads(m.data)
-                await asyncio.to_thread(_write, Path(root._job_dir(m.job)) / "roster.json", m.data)
+                await asyncio.to_thread(checkpoint.write_atomic, Path(root._job_dir(m.job)) / "roster.json", m.data)
                 js.ranks.load(roster.get("ranks", []))
                 js.leases.load({"dataset": roster.get("dataset"), "leases": roster.get("leases", [])},
                                root.clock())
@@ -180,12 +180,3 @@ class Standby:
     def _write_state(self, m: LogMessage) -> None:
         self._wipe(m.job)
         checkpoint.save_bytes(self.root._job_dir(m.job), m.version, m.data, self.root.config.checkpoint_keep)
-
-
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

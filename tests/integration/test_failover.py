@@ -6,39 +6,16 @@ is applied twice; `hps status` shows the dead region as down."""
 from __future__ import annotations
 
 import io
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status, print_tree
+from tests.helpers import json_lines, step_worker
 
 FAST = {"heartbeat_s": 0.2, "member_timeout_s": 1.5}
 STEPS = 30
-
-
-def _worker(reap, address: str, wid: str, steps: int, sleep: float, log: Path) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "tests.integration._worker", "--address", address,
-                          "--worker-id", wid, "--steps", str(steps), "--sleep", str(sleep)],
-                         stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    reap(p)
-    return p
-
-
-def _lines(proc: subprocess.Popen, n: int, timeout: float) -> list[tuple[float, dict]]:
-    """Up to ``n`` step lines, each with the monotonic time it was read."""
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out.append((time.monotonic(), json.loads(line)))
-    return out
 
 
 def _two_regions() -> dict:
@@ -51,13 +28,13 @@ def kill_region_and_train(tmp_path: Path, reap, steps: int = STEPS, kill_after: 
     """Two workers in bsp, one below each regional master; kill -9 eu-1 after ``kill_after``
     steps. Returns what was measured (also used by benchmarks/failover.py)."""
     with Cluster.start(_two_regions(), tmp_path / "logs") as cluster:
-        ws = [_worker(reap, cluster.address(z), f"w{i}", steps, 0.02, tmp_path / f"w{i}.log")
+        ws = [step_worker(reap, cluster.address(z), f"w{i}", steps, 0.02, tmp_path / f"w{i}.log")
               for i, z in enumerate(("eu-a", "eu-b"))]
-        first = [_lines(w, kill_after, 90) for w in ws]
+        first = [json_lines(w, kill_after, 90, stamped=True) for w in ws]
         assert all(len(f) == kill_after for f in first), f"no training before the kill (logs: {tmp_path})"
         cluster.stop_tier("eu-1", signal.SIGKILL)
         killed_at = time.monotonic()
-        rest = [_lines(w, steps - kill_after, 120) for w in ws]
+        rest = [json_lines(w, steps - kill_after, 120, stamped=True) for w in ws]
         for i, r in enumerate(rest):
             assert len(r) == steps - kill_after, f"w{i} stopped after {len(r)} more steps (log: {tmp_path}/w{i}.log)"
         # At most one step of the moved zone's workers is not applied: the round its push was in
@@ -104,12 +81,12 @@ def test_a_worker_whose_zone_is_killed_moves_to_its_alternate_zone(tmp_path, rea
     steps, kill_after = 24, 6
     with Cluster.start(topo, tmp_path / "logs") as cluster:
         both = f"{cluster.address('z-a')},{cluster.address('z-b')}"
-        ws = [_worker(reap, both, "w0", steps, 0.02, tmp_path / "w0.log"),
-              _worker(reap, cluster.address("z-b"), "w1", steps, 0.02, tmp_path / "w1.log")]
-        first = [_lines(w, kill_after, 90) for w in ws]
+        ws = [step_worker(reap, both, "w0", steps, 0.02, tmp_path / "w0.log"),
+              step_worker(reap, cluster.address("z-b"), "w1", steps, 0.02, tmp_path / "w1.log")]
+        first = [json_lines(w, kill_after, 90, stamped=True) for w in ws]
         assert all(len(f) == kill_after for f in first), f"no training before the kill (logs: {tmp_path})"
         cluster.stop_tier("z-a", signal.SIGKILL)
-        rest = [_lines(w, steps - kill_after, 120) for w in ws]
+        rest = [json_lines(w, steps - kill_after, 120, stamped=True) for w in ws]
         for i, r in enumerate(rest):
             assert len(r) == steps - kill_after, f"w{i} stopped after {len(r)} more steps (log: {tmp_path}/w{i}.log)"
         dropped = [sum(not e["applied"] for _, e in r) for r in rest]

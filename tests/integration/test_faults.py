@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status
+from tests.helpers import json_lines, step_worker
 
 FAST = {"heartbeat_s": 0.2, "member_timeout_s": 1.5}
 
@@ -25,35 +22,16 @@ def _topology(ckpt: str | None = None) -> dict:
             "regions": [{"name": "eu", "zones": [{"name": "eu-a"}]}]}
 
 
-def _worker(reap, address: str, wid: str, steps: int, sleep: float, log: Path) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "tests.integration._worker", "--address", address,
-                          "--worker-id", wid, "--steps", str(steps), "--sleep", str(sleep)],
-                         stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    reap(p)
-    return p
-
-
-def _lines(proc: subprocess.Popen, n: int, timeout: float) -> list[dict]:
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out.append(json.loads(line))
-    return out
-
-
 def test_killing_a_worker_mid_run_does_not_hang_the_others(tmp_path, reap):
     with Cluster.start(_topology(), tmp_path / "logs") as cluster:
         zone = cluster.address("eu-a")
-        ws = [_worker(reap, zone, f"w{i}", 40, 0.02, tmp_path / f"w{i}.log") for i in range(3)]
-        first = [_lines(w, 5, 60) for w in ws]
+        ws = [step_worker(reap, zone, f"w{i}", 40, 0.02, tmp_path / f"w{i}.log") for i in range(3)]
+        first = [json_lines(w, 5, 60) for w in ws]
         assert all(len(f) == 5 for f in first), first
         os.kill(ws[2].pid, signal.SIGKILL)
         ws[2].wait(timeout=10)
         t0 = time.monotonic()
-        rest = [_lines(w, 35, 90) for w in ws[:2]]
+        rest = [json_lines(w, 35, 90) for w in ws[:2]]
         for i, r in enumerate(rest):
             assert len(r) == 35, f"w{i} stopped after {len(r)} more steps (log: {tmp_path}/w{i}.log)"
             assert all(e["applied"] for e in r)
@@ -73,8 +51,8 @@ def test_root_restart_children_resync_from_a_snapshot_not_a_wrong_base(tmp_path,
     topo = _topology(str(ckpt))
     with Cluster.start(topo, tmp_path / "logs", extra_root_args=["--checkpoint-every", "4"]) as cluster:
         zone = cluster.address("eu-a")
-        w = _worker(reap, zone, "w0", 30, 0.05, tmp_path / "w0.log")
-        before = _lines(w, 6, 60)
+        w = step_worker(reap, zone, "w0", 30, 0.05, tmp_path / "w0.log")
+        before = json_lines(w, 6, 60)
         assert len(before) == 6
         old_epoch = before[-1]["epoch"]
         # Version 6 is acknowledged; the newest checkpoint holds version 4; without the
@@ -83,7 +61,7 @@ def test_root_restart_children_resync_from_a_snapshot_not_a_wrong_base(tmp_path,
         for wal in ckpt.glob("*/wal-*.log"):
             wal.unlink()
         cluster.restart("root")
-        after = _lines(w, 24, 120)
+        after = json_lines(w, 24, 120)
         assert len(after) == 24, f"worker stalled after the restart (log: {tmp_path}/w0.log)"
         new_epoch = after[-1]["epoch"]
         assert new_epoch != old_epoch
@@ -108,8 +86,8 @@ def test_kill_9_of_the_root_loses_no_acknowledged_version(tmp_path, reap):
     kill -9 it replays the log on top of the newest checkpoint, bit for bit."""
     ckpt = tmp_path / "ckpt"
     with Cluster.start(_topology(str(ckpt)), tmp_path / "logs", extra_root_args=["--checkpoint-every", "4"]) as cluster:
-        w = _worker(reap, cluster.address("eu-a"), "w0", 12, 0.05, tmp_path / "w0.log")
-        seen = _lines(w, 7, 60)
+        w = step_worker(reap, cluster.address("eu-a"), "w0", 12, 0.05, tmp_path / "w0.log")
+        seen = json_lines(w, 7, 60)
         assert len(seen) == 7
         acked = {e["version"]: e["crc"] for e in seen}
         cluster.restart("root", signal.SIGKILL)
@@ -122,5 +100,5 @@ def test_kill_9_of_the_root_loses_no_acknowledged_version(tmp_path, reap):
         assert replayed > 0 and ckpt_version < version
         if version in acked:  # the replayed view is the one the worker was given
             assert crc == acked[version]
-        rest = _lines(w, 5, 90)
+        rest = json_lines(w, 5, 90)
         assert len(rest) == 5 and w.wait(timeout=30) == 0

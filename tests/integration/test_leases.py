@@ -5,11 +5,9 @@ versions left it); a root killed with SIGKILL keeps the ranks, leases and traine
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from ps.core.tensors import assemble
 from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
 from ps.tools.launch import Cluster
+from tests.helpers import json_lines, spawn_worker
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (4,))])
@@ -78,22 +77,8 @@ def test_wait_workers_returns_once_min_workers_hold_ranks_and_times_out_naming_w
 
 
 def _spawn(reap, address: str, wid: str, log: Path, sleep: float, wait: int = 1) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "tests.integration._lease_worker", "--address", address,
-                          "--worker-id", wid, "--sleep", str(sleep), "--wait-workers", str(wait)],
-                         stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    reap(p)
-    return p
-
-
-def _lines(proc: subprocess.Popen, n: int, timeout: float) -> list[dict]:
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out.append(json.loads(line))
-    return out
+    return spawn_worker(reap, "tests.integration._lease_worker", log, "--address", address, "--worker-id", wid,
+                        "--sleep", str(sleep), "--wait-workers", str(wait))
 
 
 def _trained_counts(tree, job: str = "data") -> np.ndarray:
@@ -115,11 +100,11 @@ def test_kill_9_of_a_worker_mid_epoch_every_sample_is_trained_exactly_once(tree,
     tree.add("root", "global")
     zone = tree.add("z", "zone", parent="root")
     ws = [_spawn(reap, zone, f"w{i}", tmp_path / f"w{i}.log", sleep=0.15, wait=2) for i in range(2)]
-    first = [_lines(w, 3, 60) for w in ws]  # its rank, then two batches: half of its first shard
+    first = [json_lines(w, 3, 60) for w in ws]  # its rank, then two batches: half of its first shard
     assert all(len(f) == 3 for f in first), (first, tmp_path)
     os.kill(ws[1].pid, signal.SIGKILL)
     ws[1].wait(timeout=10)
-    rest = _lines(ws[0], 100, 120)
+    rest = json_lines(ws[0], 100, 120)
     assert rest and rest[-1] == {"done": True}, f"w0 did not finish the epoch (log: {tmp_path}/w0.log)"
     assert ws[0].wait(timeout=30) == 0
     killed_shard = first[1][2]["progress"][0][1]

@@ -219,6 +219,13 @@ def test_rules_and_dashboard_only_use_series_the_tiers_export(trained):
 
     exported = {s.name for text in [*after.values(), generate_latest(registry).decode()]
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
+    # The hot-standby pair's series exist only on a root that has a standby (this cluster's has
+    # none): rendered from the same pure families a primary of a pair scrapes to.
+    from ps.core.types import TierStatus
+    from ps.tiers.families import families
+    pair = families({"status": TierStatus("global", "root", 1, "", True, True, 1.0), "link": None,
+                     "standby": {"state": "primary", "term": 1, "in_sync": True}}, {"tier": "global"})
+    exported |= {s.name for fam in pair for s in fam.samples}
     rules = yaml.safe_load((ROOT / "deploy/prometheus/rules/hps.rules.yml").read_text())
     recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
     used = {n for g in rules["groups"] for r in g["rules"] for n in _names_used(r["expr"])}
