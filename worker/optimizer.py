@@ -162,13 +162,13 @@ class HpsOptimizer(torch.optim.Optimizer):
         except UnknownJob:
             created = self.client.create_job(job, self.layout, self._values())
             self.client.register()
+        cfg = self.client.config
         try:
             self._check_join(job, name, created, run_id, resume)
+            self.rank, self.world_size = self._take_rank(requested_rank, cfg.min_workers, start_timeout_s)
         except Exception:
             self.client.close()  # leave again: a member that never pushes would hold up bsp rounds
             raise
-        cfg = self.client.config
-        self.rank, self.world_size = self._take_rank(requested_rank, cfg.min_workers, start_timeout_s)
         log.info("%s: job %s %s as rank %d of %d", self.client.worker_id, name,
                  "created" if created else "joined", self.rank, self.world_size)
         self.client.pull(min_version=self.client.start_version)
