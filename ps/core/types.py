@@ -86,12 +86,17 @@ class StepInfo:
         return ""
 
     def merge(self, other: StepInfo, other_newer: bool = True) -> StepInfo:
-        """Two contributions summed: absent keys intersect, skips and progress accumulate, the
+        """Two contributions summed: absent keys intersect, skips and buffers accumulate, data
+        progress keeps the furthest offset per (epoch, shard) (what the root records of it, so
+        a window summing thousands of pushes still carries one entry per shard), and the
         hyperparameters are the newer contribution's (bsp checks that they agree first)."""
         absent = tuple(sorted(set(self.absent) & set(other.absent)))
+        furthest: dict[tuple[int, int], int] = {}
+        for e, s, end in self.progress + other.progress:
+            furthest[(e, s)] = max(end, furthest.get((e, s), end))
         return StepInfo(other.hparams if (other_newer and other.hparams) or not self.hparams else self.hparams,
                         absent, self.skip or other.skip, self.buffers + other.buffers,
-                        self.progress + other.progress)
+                        tuple((e, s, end) for (e, s), end in sorted(furthest.items())))
 
 
 NO_STEP = StepInfo()
