@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,3 +60,28 @@ def plot(path: Path, draw) -> Path | None:
 def met(value: float, goal: float, higher_is_better: bool = True) -> str:
     ok = value >= goal if higher_is_better else value <= goal
     return "met" if ok else "NOT met"
+
+
+FAILOVER_WORKER = ROOT / "benchmarks" / "_failover_worker.py"
+
+
+def failover_workers(cluster, zones: tuple[str, ...], steps: int, logdir: Path) -> list[subprocess.Popen]:
+    """One bsp worker (benchmarks/_failover_worker.py, a JSON line per step) per zone of
+    ``cluster``; stderr to ``logdir/w<i>.log``. The caller stops them by PID."""
+    return [subprocess.Popen([sys.executable, str(FAILOVER_WORKER), cluster.address(z), f"w{i}", str(steps)],
+                             stdout=subprocess.PIPE, stderr=open(logdir / f"w{i}.log", "wb"), text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+            for i, z in enumerate(zones)]
+
+
+def json_lines(proc: subprocess.Popen, n: int, timeout: float, stamped: bool = False) -> list:
+    """Up to ``n`` JSON lines of ``proc``'s stdout within ``timeout`` s; ``stamped``: each as
+    (monotonic time read, line)."""
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append((time.monotonic(), json.loads(line)) if stamped else json.loads(line))
+    return out

@@ -20,8 +20,6 @@ Figures go to benchmarks/results/failover.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
 import statistics
 import subprocess
@@ -30,12 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, write
+from _common import failover_workers, json_lines, write
 
 from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status
-
-WORKER = Path(__file__).with_name("_failover_worker.py")
 
 
 def _topology(member_timeout_s: float, alternate: bool) -> dict:
@@ -48,27 +44,13 @@ def _topology(member_timeout_s: float, alternate: bool) -> dict:
                         {"name": "eu-2", "zones": [zone("eu-b", "eu-1")]}]}
 
 
-def _lines(proc: subprocess.Popen, n: int, timeout: float) -> list[tuple[float, dict]]:
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out.append((time.monotonic(), json.loads(line)))
-    return out
-
-
 def one_run(member_timeout_s: float, alternate: bool, steps: int, kill_after: int, stall_s: float,
             logdir: Path) -> dict:
     procs: list[subprocess.Popen] = []
     with Cluster.start(_topology(member_timeout_s, alternate), logdir / "logs") as cluster:
         try:
-            for i, z in enumerate(("eu-a", "eu-b")):
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), cluster.address(z), f"w{i}", str(steps)],
-                    stdout=subprocess.PIPE, stderr=open(logdir / f"w{i}.log", "wb"), text=True,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}))
-            first = [_lines(p, kill_after, 120) for p in procs]
+            procs += failover_workers(cluster, ("eu-a", "eu-b"), steps, logdir)
+            first = [json_lines(p, kill_after, 120, stamped=True) for p in procs]
             if not all(len(f) == kill_after for f in first):
                 raise SystemExit(f"no training before the kill; logs under {logdir}")
             last = max(e["version"] for f in first for _, e in f)
@@ -77,11 +59,11 @@ def one_run(member_timeout_s: float, alternate: bool, steps: int, kill_after: in
             if not alternate:
                 # eu-a's worker: its zone has nowhere to go (eu-b's region trains on alone once
                 # the root drops eu-1 after the member timeout)
-                got = _lines(procs[0], 1, stall_s)
+                got = json_lines(procs[0], 1, stall_s, stamped=True)
                 moved = [e for _, e in got if e["version"] > last + 1]
                 return dict(alternate=False, stalled=not moved, watched_s=stall_s,
                             recovery_s=(got[-1][0] - killed) if moved else None)
-            rest = [_lines(p, steps - kill_after, 180) for p in procs]
+            rest = [json_lines(p, steps - kill_after, 180, stamped=True) for p in procs]
             if not all(len(r) == steps - kill_after for r in rest):
                 raise SystemExit(f"training stopped after the kill; logs under {logdir}")
             resumed = min(t for r in rest for t, e in r if e["version"] > last + 1)

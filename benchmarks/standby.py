@@ -24,8 +24,6 @@ each run's median step time, and the ratio. Figures go to benchmarks/results/sta
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import signal
 import statistics
@@ -36,7 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import ROOT, write
+from _common import failover_workers, json_lines, write
 
 from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.view import KeySpec, Layout
@@ -44,7 +42,6 @@ from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status
 from worker import ParameterClient
 
-WORKER = Path(__file__).with_name("_failover_worker.py")
 SETTINGS = {"heartbeat_s": 0.2, "member_timeout_s": 3.0}  # the member timeout's default
 
 
@@ -58,31 +55,17 @@ def _topology(tmp: Path, lease_s: float, standby: bool = True, regions: bool = T
     return topo
 
 
-def _lines(proc: subprocess.Popen, n: int, timeout: float) -> list[dict]:
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out.append(json.loads(line))
-    return out
-
-
 def takeover(lease_s: float, steps: int, kill_after: int, logdir: Path) -> dict:
     procs: list[subprocess.Popen] = []
     with Cluster.start(_topology(logdir, lease_s), logdir / "logs") as cluster:
         try:
-            for i, z in enumerate(("eu-a", "eu-b")):
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), cluster.address(z), f"w{i}", str(steps)],
-                    stdout=subprocess.PIPE, stderr=open(logdir / f"w{i}.log", "wb"), text=True,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}))
-            first = [_lines(p, kill_after, 120) for p in procs]
+            procs += failover_workers(cluster, ("eu-a", "eu-b"), steps, logdir)
+            first = [json_lines(p, kill_after, 120) for p in procs]
             if not all(len(f) == kill_after for f in first):
                 raise SystemExit(f"no training before the kill; logs under {logdir}")
             cluster.stop_tier("root-a", signal.SIGKILL)
             killed = time.time()
-            rest = [_lines(p, steps - kill_after, 180) for p in procs]
+            rest = [json_lines(p, steps - kill_after, 180) for p in procs]
             for p in procs:
                 p.wait(timeout=60)
             seen = [f + r for f, r in zip(first, rest)]
