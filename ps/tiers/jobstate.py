@@ -186,11 +186,13 @@ class JobState:
         for m in self.members:
             m.first_round = min(m.first_round, round_)
 
-    def abort(self, why: str) -> None:
-        """The job is gone (ended): fail every waiting push with UnknownJob."""
+    def abort(self, why: str, error: type[HpsError] = UnknownJob) -> None:
+        """The job is gone here: fail every waiting push with ``error`` (UnknownJob: it ended;
+        NotPrimary: this root became a standby, so the push's outcome is the new primary's to
+        tell, and the pusher retries there)."""
         for fut in list(self.futs.values()):
             if not fut.done():
-                fut.set_exception(UnknownJob(why))
+                fut.set_exception(error(why))
                 fut.exception()
         self.futs.clear()
         if self.timer is not None:

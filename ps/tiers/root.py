@@ -193,7 +193,8 @@ class Root(Tier):
     def reset_for_follow(self, term: int, epoch: int) -> None:
         """A new Follow stream: the primary's term and view epoch; every job comes again."""
         for js in self.jobs.values():
-            js.abort("this root is following a new primary state")
+            js.abort("this root is following a new primary: push to it (the outcome is resolved there)",
+                     NotPrimary)
             if js.wal is not None:
                 js.wal.close()
         self.jobs.clear()
