@@ -48,7 +48,7 @@ from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
 
 __all__ = ["ServerOptimizer", "lr_at", "optimizer_class", "check_config", "group_index", "group_defaults",
-           "flat_hparams", "apply_hparams", "torch_kwargs"]
+           "flat_hparams", "apply_hparams", "torch_kwargs", "warm_up"]
 
 # What the root cannot run: it steps once per aggregated gradient, with no loss to re-evaluate.
 _REFUSED = {"lbfgs": "needs a closure that re-evaluates the loss, which only a worker can run; the root "
@@ -56,6 +56,13 @@ _REFUSED = {"lbfgs": "needs a closure that re-evaluates the loss, which only a w
             "sparseadam": "needs sparse gradients; the root holds dense ones (use adam or adamw)"}
 _FLAT = (("momentum", "momentum"), ("nesterov", "nesterov"), ("weight_decay", "weight_decay"), ("eps", "eps"))
 _INDEXED = re.compile(r"^(.+)_(\d)$")
+
+
+def warm_up() -> None:
+    """Build one throwaway torch optimizer. The first one a process builds imports torch._dynamo
+    (1.1 s measured on the dev machine); a root that did so on its event loop at its first
+    CreateJob stalled long enough for its standby to take over (a false takeover, seen in CI)."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
 @functools.cache

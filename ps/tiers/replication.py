@@ -45,7 +45,7 @@ class Follower:
 
     def __init__(self, term: int) -> None:
         self.term = term
-        self.jobs: set[str] = set()   # jobs whose state it was sent: their records go to it
+        self.jobs: dict[str, int] = {}  # jobs whose state it was sent (their records go to it) -> that message
         self.synced = False           # it acknowledged SYNCED: it holds the whole root
         self.alive = True
         self.why = ""
@@ -151,6 +151,22 @@ class Replication:
             except asyncio.TimeoutError:
                 pass
 
+    async def held(self, job: str) -> None:
+        """Before telling a caller that ``job`` exists (a CreateJob retried after its first try
+        was not acknowledged): where a standby is required, it must hold the job's state,
+        acknowledged and not only sent, or a takeover forgets a job its workers were told exists.
+        Unavailable if it does not within the lease."""
+        if not self.required:
+            return
+        await self.ready(job)
+        f = self.follower
+        if f is None or job not in f.jobs:
+            return
+        try:
+            await f.wait(f.jobs[job], self.lease_s)
+        except Unavailable as exc:
+            raise Unavailable(f"this root's standby does not hold job {job!r} yet ({exc}); retry shortly") from None
+
     async def replicate(self, job: str, version: int, data: bytes) -> bool:
         """Send the record of ``version`` and wait for the standby to hold it. False: no follower
         holds the job and none is required (acknowledged alone); Unavailable: it did not
@@ -204,7 +220,7 @@ class Replication:
         if f is not None and f.alive and (force or msg.kind != "roster" or msg.job in f.jobs):
             seq = f.send(msg)
             if msg.kind == "state":
-                f.jobs.add(msg.job)
+                f.jobs[msg.job] = seq
             elif msg.kind == "ended":
-                f.jobs.discard(msg.job)
+                f.jobs.pop(msg.job, None)
         return seq

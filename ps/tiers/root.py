@@ -49,7 +49,7 @@ from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, NotPrimary, 
 from ps.core.exactly_once import decode_applied, encode_applied
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
-from ps.core.optim import ServerOptimizer
+from ps.core.optim import ServerOptimizer, warm_up
 from ps.core.ranks import RankInfo
 from ps.core.tensors import assemble, split
 from ps.core.types import Ack, LogMessage, PushKey, PushMeta, StepInfo, TierStatus
@@ -76,6 +76,7 @@ class Root(Tier):
 
     def __init__(self, config: ServerConfig, **kw) -> None:
         super().__init__(config, **kw)
+        warm_up()  # here, not on the event loop at the first job: a stall a standby would read as death
         self._ckpt_tasks: set[asyncio.Task] = set()
         self.declared: dict[str, JobConfig] = {}   # configured, waiting for parameters
         self.declared_at: dict[str, float] = {}
@@ -256,8 +257,7 @@ class Root(Tier):
                         continue
                     arrays, meta = self._ckpt_state(js)
                     data = await asyncio.to_thread(checkpoint.to_bytes, arrays, meta)
-                    f.send(LogMessage("state", job=name, version=js.view.version, data=data))
-                    f.jobs.add(name)
+                    f.jobs[name] = f.send(LogMessage("state", job=name, version=js.view.version, data=data))
                     if js.roster_saved:
                         f.send(LogMessage("roster", job=name, data=json.dumps(js.roster_saved).encode()))
             await f.wait(f.send(LogMessage("synced")), timeout=max(60.0, 10 * self.config.lease_s))
@@ -307,7 +307,9 @@ class Root(Tier):
         self.writable()
         head = self.check_create(cfg, layout)
         if head is None:
-            js = self.jobs[cfg if isinstance(cfg, str) else cfg.name]
+            name = cfg if isinstance(cfg, str) else cfg.name
+            await self.replication.held(name)  # the first creator's try may not have been acknowledged
+            js = self.job(name)
             return False, js.view.version, js.view.epoch
         cfg, created = head
         if layout is None:
@@ -329,8 +331,9 @@ class Root(Tier):
         if self.replication.follower is not None or self.replication.required:
             arrays, meta = self._ckpt_state(js)
             # Waited for where a standby is required: a takeover must not forget a job its first
-            # worker was told exists. Not rolled back if it fails (others may have joined it by
-            # then): the caller retries, and a standby that reconnects gets it in its bootstrap.
+            # worker was told exists. Not rolled back if it fails: the caller retries, and the
+            # retry is answered only once a standby holds the job (``Replication.held``; one
+            # that reconnects gets it in its bootstrap), so no caller learns of it before.
             await self.replication.confirm(LogMessage("state", job=cfg.name, version=0,
                                                       data=checkpoint.to_bytes(arrays, meta)))
         return True, 0, self.epoch

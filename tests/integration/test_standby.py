@@ -166,6 +166,29 @@ def test_a_killed_primary_is_replaced_by_its_standby_with_no_acknowledged_versio
     c.close()
 
 
+def test_a_job_is_reported_to_exist_only_once_the_standby_holds_it(roots):
+    """A CreateJob the standby did not acknowledge is refused; its retry (which finds the job
+    installed at the primary) is refused too until the standby holds the job. Before, the retry
+    was told "exists", so a takeover just then lost a job its workers were training (seen in CI:
+    they got "job 't' has ended")."""
+    a, b = _pair(roots)
+    b.signal(signal.SIGSTOP)
+    try:
+        time.sleep(2 * LEASE_S)  # a drops the silent follower
+        c = ParameterClient(a.address, "j", "w0", timeout_s=10, retry_s=0)
+        cfg = JobConfig(name="j", optimizer=OptimizerConfig(kind="adam", lr=0.01))
+        for attempt in range(2):
+            with pytest.raises(Unavailable, match="standby"):
+                c.create_job(cfg, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    finally:
+        b.signal(signal.SIGCONT)
+    _wait_for(lambda: b.status().jobs, "the standby to hold the job")
+    c.create_job(cfg, LAYOUT, np.zeros(LAYOUT.numel, np.float32))  # now it is acknowledged
+    c.register()
+    assert c.push(_grad(0, 0), clock=0)[0] == 1
+    c.close()
+
+
 def test_the_old_primary_restarted_refuses_pushes_and_rejoins_as_a_standby(roots):
     a, b = _pair(roots)
     c = _client(f"ipv4:{a.address},{b.address}")
