@@ -25,7 +25,11 @@ REGIONS = {"eu": ["eu-a", "eu-b"], "us": ["us-a", "us-b"]}
 GRPC_PORT = 7000
 HEALTH_PORT = 7001  # plaintext, grpc.health.v1.Health only (`hps serve --health-port`): the probes
 TLS_DIR, ADMIN_DIR = "/etc/hps/tls", "/etc/hps/admin"
-ROOT_ADDRESS = f"hps-root.hps-global.svc.cluster.local:{GRPC_PORT}"
+ROOT_ADDRESS = f"hps-root.hps-global.svc.cluster.local:{GRPC_PORT}"  # the headless Service: both roots
+# The hot-standby pair's stable names (StatefulSet hps-root, headless Service hps-root), ordinal
+# 0 first: what the regional masters list as their parents, and what each root calls its peer.
+ROOT_PODS = [f"hps-root-{i}.hps-root.hps-global.svc.cluster.local:{GRPC_PORT}" for i in (0, 1)]
+ROOT_PARENTS = ",".join(ROOT_PODS)
 # An env var or ConfigMap key with one of these in its name must not carry a literal value.
 _SECRETISH = re.compile(r"PASSWORD|PASSWD|TOKEN|SECRET|CREDENTIAL|API_?KEY|PRIVATE", re.I)
 
@@ -135,7 +139,7 @@ def test_each_region_renders_its_master_and_zones_pointed_at_the_right_parents(r
         assert labels["hps.io/region"] == region
         if name == "hps-regional":
             assert env["HPS_ROLE"]["value"] == "regional"
-            assert env["HPS_PARENT"]["value"] == ROOT_ADDRESS
+            assert env["HPS_PARENT"]["value"] == ROOT_PARENTS  # both roots, in order
         else:
             assert env["HPS_ROLE"]["value"] == "zone" and name == f"hps-zone-{zone}"
             assert env["HPS_PARENT"]["value"] == regional_address(region)
@@ -202,7 +206,7 @@ def test_kustomize_sources_hold_probes_resources_and_parents():
             for c in patch["spec"]["template"]["spec"]["containers"]:
                 target = p["target"].get("name") or p["target"].get("labelSelector")
                 parents[target] = env_of(c)["HPS_PARENT"]["value"]
-        assert parents == {"hps-regional": ROOT_ADDRESS, "hps.io/tier=zone": regional_address(region)}
+        assert parents == {"hps-regional": ROOT_PARENTS, "hps.io/tier=zone": regional_address(region)}
         for z in zones:
             zk = yaml.safe_load((K8S / "overlays" / region / "zones" / z / "kustomization.yaml").read_text())
             assert zk["nameSuffix"] == f"-{z}" and zk["labels"][0]["pairs"] == {"hps.io/zone": z}
@@ -580,9 +584,12 @@ def test_network_policies_let_each_tier_reach_only_its_parent(rendered, tmp_path
         return allowed(policies, ns_labels, pods[src], pods[dst], port, proto)
 
     root = "hps-root.hps-global"
+    # The two roots of the pair (one workload, the same labels): the standby's Follow stream and
+    # the Status each asks its peer, on the gRPC port; not the plaintext health port.
+    assert reach(root, root) and not reach(root, root, HEALTH_PORT)
     for region, zones in REGIONS.items():
         master = f"hps-regional.hps-{region}"
-        assert reach(master, root)
+        assert reach(master, root)  # both roots: they are the master's two parents
         for z in zones:
             zone = f"hps-zone-{z}.hps-{region}"
             assert reach("worker", zone)
@@ -619,13 +626,14 @@ def test_pods_hold_no_api_token_and_budgets_never_block_a_drain(rendered):
             (pdb,) = [p for p in pdbs if p["spec"]["selector"]["matchLabels"].items() <= labels.items()
                       and p["spec"]["selector"]["matchLabels"].get("hps.io/zone") == labels.get("hps.io/zone")]
             replicas = w["spec"].get("replicas", 1)
-            # One pod per tier process (a relay's name is its member id at the parent): a budget that
-            # allowed no disruption would hold every node drain until someone deleted the pod.
-            assert replicas == 1, f"{o}/{name}"
+            # One pod per relay process (a relay's name is its member id at the parent); the root a
+            # hot-standby pair (tests/deploy/test_root_pair.py). A budget that allowed no disruption
+            # would hold every node drain until someone deleted a pod; the pair's allows one of two.
+            assert replicas == (2 if name == "hps-root" else 1), f"{o}/{name}"
             if "minAvailable" in pdb["spec"]:
-                assert pdb["spec"]["minAvailable"] < replicas, f"{o}/{name}: {pdb['spec']}"
+                assert pdb["spec"]["minAvailable"] == replicas - 1, f"{o}/{name}: {pdb['spec']}"
             else:
-                assert pdb["spec"]["maxUnavailable"] >= 1
+                assert pdb["spec"]["maxUnavailable"] == 1, f"{o}/{name}: {pdb['spec']}"
             assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
@@ -805,6 +813,8 @@ def test_cert_manager_objects_have_the_crd_shape_and_name_each_tier_as_hps_certs
             assert spec["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer"}
             assert spec["uris"] == [identity_uri(role, name, region)], secret
             assert TIER_NAME in spec["dnsNames"], secret
+            if role == "global":  # one certificate for both roots of the pair: each one's stable name
+                assert {a.rsplit(":", 1)[0] for a in ROOT_PODS} <= set(spec["dnsNames"]), spec["dnsNames"]
             assert {"server auth", "client auth"} <= set(spec["usages"]), secret
         # the overlay alone has none of them: cert-manager is opt-in
         assert not any(x["apiVersion"].startswith("cert-manager.io/") for x in rendered[f"overlays/{o}"])
