@@ -273,7 +273,8 @@ class TierStatus:
 
 
 # What a Follow stream carries (hps.proto, LogEntry.Kind), in wire order.
-LOG_KINDS = ("follow", "hello", "state", "declared", "ended", "record", "roster", "synced", "ack", "beat")
+LOG_KINDS = ("follow", "hello", "state", "declared", "ended", "record", "roster", "synced", "ack", "beat",
+             "tokens", "token")
 
 
 @dataclass(frozen=True)

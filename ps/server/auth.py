@@ -116,14 +116,41 @@ class Guard:
 
     def mint(self, job: str) -> str:
         """A new token for ``job``: its hash is kept (and persisted) here, the token returned once."""
-        token = secrets.token_urlsafe(32)
-        self._hashes[job] = digest(token)
-        self._save()
+        token, h = self.new_token()
+        self.set_hash(job, h)
         return token
 
-    def forget(self, job: str) -> None:
-        if self._root and self._hashes.pop(job, None) is not None:
+    @staticmethod
+    def new_token() -> tuple[str, bytes]:
+        """A fresh token and its hash, kept nowhere yet (a root with a standby sends the hash to
+        it before keeping it: ``Root.keep_token``)."""
+        token = secrets.token_urlsafe(32)
+        return token, digest(token)
+
+    def set_hash(self, job: str, h: bytes) -> None:
+        """Keep (and persist) ``job``'s token hash; b"": forget it. A standby root keeps what its
+        primary sends, so a takeover knows every job's token."""
+        if h:
+            if self._hashes.get(job) == h:
+                return
+            self._hashes[job] = h
+        elif self._hashes.pop(job, None) is None:
+            return
+        self._save()
+
+    def hashes(self) -> dict[str, bytes]:
+        return dict(self._hashes)
+
+    def replace(self, hashes: dict[str, bytes]) -> None:
+        """Every job's token hash at once (a standby starting to follow its primary)."""
+        if hashes != self._hashes:
+            self._hashes.clear()
+            self._hashes.update(hashes)
             self._save()
+
+    def forget(self, job: str) -> None:
+        if self._root:
+            self.set_hash(job, b"")
 
     def _save(self) -> None:
         if self._store is None:
@@ -204,6 +231,7 @@ def guard_for(config, tier) -> Guard:
     if config.role == "global":
         store = Path(config.checkpoint_dir) / TOKENS_FILE if config.checkpoint_dir else None
         guard = Guard(admin, store=store)
+        tier.tokens = guard  # the root sends job tokens' hashes to its standby (ps.tiers.root)
     else:
         guard = Guard(admin, hashes_from=tier.parent_link().token_hashes)
     if not guard.enabled:

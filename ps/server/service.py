@@ -321,7 +321,7 @@ class _Servicer:
         elif not self.relay:
             self.guard.check_admin(tokens, "create jobs")
 
-    def _job_token(self, context, name: str) -> str:
+    async def _job_token(self, context, name: str) -> str:
         """The job's token for the admin who created it: minted here at the root (once: a job
         with a token never gets another), or the one the root minted for a relayed CreateJob."""
         if self.relay:
@@ -329,7 +329,10 @@ class _Servicer:
         if not self.guard.enabled or self.guard.has_token(name):
             return ""
         self.guard.check_admin(_tokens(context), "create jobs")  # checked before; stays true
-        return self.guard.mint(name)
+        token, h = self.guard.new_token()
+        await self.tier.keep_token(name, h)  # type: ignore[attr-defined]  # the standby's too
+        self.guard.set_hash(name, h)
+        return token
 
     @_streamed("CreateJob")
     async def CreateJob(self, request_iterator, context) -> pb.CreateJobReply:
@@ -358,7 +361,7 @@ class _Servicer:
             created, version, epoch = await self.tier.create_job(
                 cfg, layout, values.finish(require_all=True) if values is not None else None)
             return pb.CreateJobReply(created=created, version=version, view_epoch=epoch,
-                                     job_token=self._job_token(context, name))
+                                     job_token=await self._job_token(context, name))
         finally:
             self.tier.budget.release(reserved)
 

@@ -38,6 +38,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -71,6 +72,15 @@ log = logging.getLogger("hps.root")
 _CKPT_APPLIED_VERSIONS = 64  # versions of applied-push records a checkpoint carries
 
 
+class TokenStore(Protocol):
+    """Where a root keeps its jobs' token hashes (``ps.server.auth.Guard``): its standby must
+    hold them too, or a takeover refuses every job's token (and relays treat jobs as open)."""
+
+    def hashes(self) -> dict[str, bytes]: ...
+    def set_hash(self, job: str, h: bytes) -> None: ...
+    def replace(self, hashes: dict[str, bytes]) -> None: ...
+
+
 class Root(Tier):
     role = "global"
 
@@ -85,6 +95,8 @@ class Root(Tier):
         # A hot-standby pair (ps.tiers.standby, ps.tiers.replication): this root's state
         # ("primary", "standby", "fenced"), its durable term and role, its peer root.
         self.peer = config.standby_of or config.standby
+        self.tokens: TokenStore | None = None  # set by the server when tokens are on
+        self._stopping = False
         self.tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca) if config.secure else None
         self.role_state = (read_role(config.checkpoint_dir, "standby" if config.standby_of else "primary")
                            if config.checkpoint_dir else dict(term=0, state="primary", synced=False, sync=False))
@@ -233,6 +245,8 @@ class Root(Tier):
         if term > self.term:
             raise Conflict(f"the standby holds term {term}, newer than this root's {self.term}: this root "
                            "was deposed; it rejoins as a standby")
+        if self._stopping:  # a follower attached now would hold stop() up (its beats never end)
+            raise Unavailable("this root is stopping; follow it again once it is back")
         self.writable()
         if address and not self.peer:  # where to look for a newer primary once this follower is gone
             self.peer = address
@@ -245,6 +259,8 @@ class Root(Tier):
     async def _bootstrap(self, f: Follower) -> None:
         try:
             f.send(LogMessage("hello", term=self.term, epoch=self.epoch))
+            tokens = self.tokens.hashes() if self.tokens is not None else {}
+            f.send(LogMessage("tokens", data=json.dumps({j: h.hex() for j, h in tokens.items()}).encode()))
             for cfg in list(self.declared.values()):
                 f.send(LogMessage("declared", job=cfg.name, data=json.dumps(dataclasses.asdict(cfg)).encode()))
             for name, version in list(self.ended.items()):
@@ -337,6 +353,14 @@ class Root(Tier):
             await self.replication.confirm(LogMessage("state", job=cfg.name, version=0,
                                                       data=checkpoint.to_bytes(arrays, meta)))
         return True, 0, self.epoch
+
+    async def keep_token(self, job: str, h: bytes) -> None:
+        """A job token's hash, minted for the admin who created the job: on the standby first
+        (where one is required; Unavailable if it does not acknowledge), then here."""
+        self.writable()
+        await self.replication.confirm(LogMessage("token", job=job, data=h))
+        if self.tokens is not None:
+            self.tokens.set_hash(job, h)
 
     def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> tuple[JobConfig, bool] | None:
         """Everything a CreateJob can be refused for, checked before its values arrive. None: the
@@ -784,6 +808,7 @@ class Root(Tier):
         return js
 
     async def stop(self) -> None:
+        self._stopping = True
         if self.replication.follower is not None:
             self.replication.detach(self.replication.follower, "the primary is stopping")
         if self._standby_task is not None:

@@ -130,6 +130,13 @@ class Standby:
             root.reset_for_follow(m.term, m.epoch)
             log.info("following the primary %s (term %d): receiving its state", self.primary, m.term,
                      extra=event("standby.following", term=m.term))
+        elif m.kind == "tokens":  # every job's token hash, after "hello"
+            if root.tokens is not None:
+                hashes = {j: bytes.fromhex(h) for j, h in json.loads(m.data).items()}
+                await asyncio.to_thread(root.tokens.replace, hashes)
+        elif m.kind == "token":  # one job's, as its creator is given it
+            if root.tokens is not None:
+                await asyncio.to_thread(root.tokens.set_hash, m.job, m.data)
         elif m.kind == "state":
             await asyncio.to_thread(self._write_state, m)
             js = root._load(Path(root._job_dir(m.job)))
@@ -156,6 +163,8 @@ class Standby:
             if js is not None and js.wal is not None:
                 js.wal.close()
             await asyncio.to_thread(self._wipe, m.job)
+            if root.tokens is not None:
+                await asyncio.to_thread(root.tokens.set_hash, m.job, b"")
             root.follow_ended(m.job, info)
         elif m.kind == "record":
             js = root.jobs[m.job]

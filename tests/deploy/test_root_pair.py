@@ -213,7 +213,6 @@ def test_the_rendered_root_pair_runs_a_primary_and_a_standby_that_takes_over(glo
         pytest.skip("needs /bin/sh and the venv's hps")
     from ps.core.config import JobConfig
     from ps.core.view import KeySpec, Layout
-    from ps.tools import jobctl
     from ps.tools.certs import issue
     from worker import ParameterClient
 
@@ -240,14 +239,12 @@ def test_the_rendered_root_pair_runs_a_primary_and_a_standby_that_takes_over(glo
                          capture_output=True, text=True, timeout=60)
     assert f"parent {pair[0]} (up)" in out.stdout, out.stdout + out.stderr
 
-    # The job is declared first, so the worker that brings its values keeps acting with the admin
-    # token rather than the job's own: job tokens are minted and kept by the primary alone
-    # (job-tokens.json on its volume), not sent to the standby, so the new primary would refuse
-    # the job's token after the takeover (ps/server/auth.py; not a deploy/ matter).
-    jobctl.create(pair[0], JobConfig(name="pair"), ADMIN)
+    # The admin's worker creates the job and from then on acts with the job's own token, which
+    # the primary minted and sent to its standby: the new primary must accept it after the kill.
     layout = Layout([KeySpec("w", (64,))])
     c = ParameterClient(",".join(pair), "pair", "w0", timeout_s=10, retry_s=60, tls=worker, token=ADMIN)
     c.create_job(JobConfig(name="pair"), layout, np.zeros(layout.numel, np.float32))
+    assert c._rpc.token != ADMIN  # the job's token
     c.register()
     c.pull()
     seen: dict[int, int] = {}

@@ -187,6 +187,10 @@ def test_a_job_is_reported_to_exist_only_once_the_standby_holds_it(roots):
     c.register()
     assert c.push(_grad(0, 0), clock=0)[0] == 1
     c.close()
+    # SIGTERM stops the primary although its standby follows again at once (a follower that
+    # attached during the stop used to hold it up until it was killed)
+    os.kill(a.proc.pid, signal.SIGTERM)
+    assert a.proc.wait(30) == 0
 
 
 def test_the_old_primary_restarted_refuses_pushes_and_rejoins_as_a_standby(roots):
