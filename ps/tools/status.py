@@ -150,7 +150,8 @@ def print_tree(address: str, out, token: str | None = None) -> int:
         if lost is not None:
             parent += f"; its parent dropped it {lost.last_seen_s:.0f}s ago"
             rc = 1
-        print(f"{pad}{st.role} {st.name} @ {addr} epoch {st.server_epoch:#x} "
+        root = f", {st.root_state} (term {st.term})" if st.root_state else ""  # a root of a standby pair
+        print(f"{pad}{st.role} {st.name} @ {addr}{root} epoch {st.server_epoch:#x} "
               f"up {st.uptime_s:.0f}s, {fetch_ready(addr)}{parent}"
               f"{', INSECURE (plaintext, no client certificates)' if st.insecure else ''}", file=out)
         if not st.tokens_required:

@@ -237,7 +237,7 @@ def test_the_rendered_root_pair_runs_a_primary_and_a_standby_that_takes_over(glo
     # own environment (its certificate and admin token): a standby names its primary as parent.
     out = subprocess.run([str(Path(sys.executable).parent / "hps"), "status", p1.address], env=p1.env,
                          capture_output=True, text=True, timeout=60)
-    assert f"parent {pair[0]} (up)" in out.stdout, out.stdout + out.stderr
+    assert f"parent {pair[0]} (up)" in out.stdout and "standby (term 0)" in out.stdout, out.stdout + out.stderr
 
     # The admin's worker creates the job and from then on acts with the job's own token, which
     # the primary minted and sent to its standby: the new primary must accept it after the kill.
