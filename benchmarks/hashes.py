@@ -1,18 +1,18 @@
-"""Throughput of the checksums a version could carry: CRC-32 (today's), XXH3-64/128, CRC32C.
+"""What a version's checksum costs: CRC-32 (the first), XXH3-64 (today's), XXH3-128, CRC32C.
 
     python benchmarks/hashes.py --runs 7
 
-Every version the root publishes carries ``ps.core.view.checksum``, zlib's CRC-32 of the whole
-float32 vector, and every tier that applies a delta recomputes it: at 100M parameters that is
-400 MB hashed per version per tier. Issue 18 asks for a hash at >= 5 GB/s (per block, so a
-tier can hash blocks as they land). This measures, on this machine, one thread each:
-- zlib.crc32 (what view.checksum uses), xxhash's XXH3-64 and XXH3-128, and CRC32C (Castagnoli,
+Every version the root publishes carries ``ps.core.view.checksum`` of the whole float32 vector
+(zlib's CRC-32 until this measurement; XXH3-64 since), and every tier that applies a delta
+recomputes it: at 100M parameters that is 400 MB hashed per version per tier. Issue 18 asks
+for a hash at >= 5 GB/s (per block, so a tier can hash blocks as they land).
+This measures, on this machine, one thread each:
+- zlib.crc32 (what view.checksum used), xxhash's XXH3-64 and XXH3-128, and CRC32C (Castagnoli,
   hardware-accelerated where the CPU has SSE4.2) via ``google-crc32c`` when it is installed
   (``pip install google-crc32c``; it is not a dependency of hps);
 - over one 400 MB float32 buffer and one 4 MB buffer (a frame's worth), and over the 400 MB
   buffer hashed as 100 independent 4 MB blocks (a digest per block, what "per block" needs);
-- GB/s (10^9 bytes per second) of the median of --runs timings. Nothing is asserted; the
-  view checksum is not changed here (that is a protocol change).
+- GB/s (10^9 bytes per second) of the median of --runs timings. Nothing is asserted.
 
 Writes benchmarks/results/hashes.json.
 """
@@ -40,7 +40,7 @@ BLOCK = 4 * 1000 * 1000  # bytes per block: a frame's worth (4 MB)
 
 def _hashes() -> tuple[dict[str, Callable[[np.ndarray], object]], dict[str, str]]:
     fns: dict[str, Callable[[np.ndarray], object]] = {
-        "zlib.crc32 (view.checksum today)": zlib.crc32,
+        "zlib.crc32 (view.checksum until 2026-11-26)": zlib.crc32,
         "xxhash XXH3-64": xxhash.xxh3_64_intdigest,
         "xxhash XXH3-128": xxhash.xxh3_128_intdigest,
     }

@@ -12,16 +12,16 @@ Traceback (most recent call last):
 ps.core.errors.Stale: delta for version 1 of epoch 0x7 does not apply to the held view ...
 
 A job's parameters are held as one flat float32 vector; each key is a slice of it, in the
-order the job was created with. Every version's view has a CRC-32 that replicas verify
-(invariant 1), so a wrong base or a corrupted delta is caught, not trained on.
+order the job was created with. Every version's view has a checksum (XXH3-64) that replicas
+verify (invariant 1), so a wrong base or a corrupted delta is caught, not trained on.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from ps.core.errors import BadInput, Stale, short
 
@@ -38,8 +38,10 @@ MAX_ELEMENTS = 1 << 40
 
 
 def checksum(values: np.ndarray) -> int:
-    """CRC-32 of a float32 vector's bytes (what every version carries)."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(values, dtype="<f4")).cast("B")) & 0xFFFFFFFF
+    """XXH3-64 of a float32 vector's bytes (what every version carries). Every tier computes it
+    for every version it applies: 11.7 GB/s here against 3.8 for the zlib CRC-32 it replaced
+    (``benchmarks/hashes.py``: 34 ms instead of 106 ms per version of a 100M-parameter view)."""
+    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(values, dtype="<f4")).cast("B"))
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class View:
             raise BadInput(f"snapshot has {values.size} elements, the job has {self.layout.numel}")
         got = checksum(values)
         if got != crc:
-            raise Stale(f"snapshot of version {version} fails its checksum ({got:#010x} != {crc:#010x})")
+            raise Stale(f"snapshot of version {version} fails its checksum ({got:#018x} != {crc:#018x})")
         self.values = np.array(values, dtype=np.float32, copy=True)
         self.epoch, self.version, self.checksum, self.clock_min = epoch, version, crc, clock_min
 
@@ -166,7 +168,7 @@ class View:
         new = self.values + delta
         got = checksum(new)
         if got != crc:
-            raise Stale(f"version {version} fails its checksum ({got:#010x} != {crc:#010x}); "
+            raise Stale(f"version {version} fails its checksum ({got:#018x} != {crc:#018x}); "
                         "resync from a snapshot")
         self.values, self.version, self.checksum = new, version, crc
         self.clock_min = max(self.clock_min, clock_min)

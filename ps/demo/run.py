@@ -232,7 +232,7 @@ def _report(args, out, series, step_s, ups, done, placement, tiers, wall, train)
                               push_up_per_step=human_bytes(s.bytes_pushed_up / steps),
                               pull_in_per_step=human_bytes(s.bytes_pulled_in / steps),
                               pull_out_per_step=human_bytes(s.bytes_pulled_out / steps),
-                              checksum=f"{j.checksum:#010x}",
+                              checksum=f"{j.checksum:#018x}",
                               # ssp/async: root version minus the pushed gradients' base version
                               staleness_mean=s.staleness_sum / s.staleness_count if s.staleness_count else 0.0,
                               staleness_max=s.staleness_max))

@@ -800,7 +800,7 @@ class Root(Tier):
         if register:
             self.jobs[cfg.name] = js
             log.info("restored job %s: checkpoint version %d + %d replayed from the write-ahead log "
-                     "= version %d, checksum %#010x", cfg.name, meta["version"], replayed,
+                     "= version %d, checksum %#018x", cfg.name, meta["version"], replayed,
                      js.view.version, js.view.checksum,
                      extra=event("job.restored", job=cfg.name, version=js.view.version, replayed=replayed))
         else:

@@ -161,7 +161,7 @@ def print_tree(address: str, out, token: str | None = None) -> int:
             s = j.stats
             lag = (f"lag unknown (cut off from its parent; last in sync {j.lag_s:.1f}s ago)" if cut_off
                    else f"lag {j.lag_versions} versions / {j.lag_s:.1f}s")
-            print(f"{pad}  job {j.name}: version {j.version} (crc {j.checksum:#010x}) {lag}, "
+            print(f"{pad}  job {j.name}: version {j.version} (checksum {j.checksum:#018x}) {lag}, "
                   f"round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
                   f"members {len(j.members)} ({len(workers)} workers)", file=out)
             if j.mode != "bsp" or s.staleness_count:

@@ -311,8 +311,9 @@ def test_mutated_push_streams_only_ever_raise_bad_input():
 
 
 def test_pull_reply_round_trip():
+    """Checksums are XXH3-64: all 64 bits survive the wire (the field was a uint32 once)."""
     meta = PullMeta(view_epoch=5, from_version=3, to_version=5, snapshot=False, server_epoch=5)
-    versions = [(VersionMeta(4, 0xFFFFFFFF, clock_min=2, contributors=3), _chunks(seed=1)),
+    versions = [(VersionMeta(4, 0xFEDCBA9876543210, clock_min=2, contributors=3), _chunks(seed=1)),
                 (VersionMeta(5, 17), [])]
     got_meta, got = decode_pull_reply(list(encode_pull_reply(meta, versions)))
     assert got_meta == meta
