@@ -57,7 +57,7 @@ import torch
 from ps.core.codecs import get_codec
 from ps.core.config import JobConfig
 from ps.core.encoder import Encoder
-from ps.core.errors import BadInput, Exhausted, HpsError, NotMember, NotReady, Stale, TimedOut, Unavailable
+from ps.core.errors import BadInput, Exhausted, HpsError, Internal, NotMember, NotReady, Stale, TimedOut, Unavailable
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
 from ps.core.ranks import RankInfo
@@ -94,6 +94,7 @@ RETRY_FLOOR_S = 60.0
 # How long a tier that still connects but does not answer is tried before an alternate, while
 # the tier's own member timeout is not known yet (before the first registration).
 _SWITCH_AFTER_S = 3.0
+_BAD_SNAPSHOTS = 3  # snapshots in a row that fail their checksum before a pull gives up
 
 
 @dataclass(frozen=True)
@@ -425,6 +426,7 @@ class ParameterClient:
         deadline = time.monotonic() + (self.round_timeout_s if wait_s is None else wait_s)
         received = 0
         start_epoch = self.view.epoch
+        bad_snapshots = 0
         while True:
             view = self.view
 
@@ -440,6 +442,14 @@ class ParameterClient:
             except Stale as exc:
                 log.warning("%s: %s", self.worker_id, exc)
                 view.epoch = 0  # ask for a snapshot next time
+                if meta.snapshot:  # not a wrong base: the bytes or the checksum itself are wrong
+                    bad_snapshots += 1
+                    if bad_snapshots >= _BAD_SNAPSHOTS or time.monotonic() > deadline:
+                        raise Internal(f"{exc}; {bad_snapshots} snapshots in a row failed their checksum: "
+                                       "memory or the network corrupts them, or this worker and its tiers "
+                                       "run different hps releases (the view checksum changed from CRC-32 "
+                                       "to XXH3-64 on 2026-11-26)") from None
+                    time.sleep(0.2 * bad_snapshots)  # never a tight loop of multi-megabyte pulls
                 continue
             moved = start_epoch and view.epoch != start_epoch  # new lineage: versions restart
             if view.ready and ((view.version >= min_version and view.clock_min >= min_clock) or moved):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ps.core.config import JobConfig
-from ps.core.errors import Unavailable
+from ps.core.errors import Internal, Unavailable
 from ps.core.view import KeySpec, Layout
 from worker import ParameterClient
 from worker.client import RETRY_FLOOR_S
@@ -47,3 +47,27 @@ def test_one_line_opens_a_retry_window_and_one_ends_it(caplog):
     opened = lines[0].getMessage()
     assert f"register at {dead} failed" in opened and "retrying until" in opened and "(1s window: retry_s)" in opened
     assert "giving up" in lines[1].getMessage()
+
+
+def test_snapshots_that_keep_failing_their_checksum_end_the_pull_with_a_sentence(tree, monkeypatch, caplog):
+    """A delta that fails its checksum is followed by a snapshot (a wrong base); a snapshot that
+    fails too is corruption or tiers of another release. Three in a row end the pull with a
+    sentence, after a pause each, instead of pulling snapshots in a tight loop (a worker of a
+    newer release than its tiers did so 28,883 times in a chaos run)."""
+    import ps.core.view
+
+    root = tree.add("root", "global")
+    layout = Layout([KeySpec("w", (64,))])
+    c = ParameterClient(root, job="crc", worker_id="w0", timeout_s=10)
+    c.create_job(JobConfig(name="crc"), layout, np.ones(64, np.float32))
+    c.register()
+    try:
+        c.view.epoch = 0  # what a failed delta leaves: ask for a snapshot
+        monkeypatch.setattr(ps.core.view, "checksum", lambda values: 1)  # this worker computes another one
+        with caplog.at_level(logging.WARNING, logger="hps.worker"), \
+                pytest.raises(Internal, match="3 snapshots in a row failed their checksum"):
+            c.pull()
+        assert sum("fails its checksum" in r.getMessage() for r in caplog.records) == 3
+    finally:
+        monkeypatch.undo()
+        c.close()
