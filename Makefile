@@ -76,7 +76,8 @@ bench: install
 
 # kill -9 and restart each tier kind during a BSP run (benchmarks/chaos.py; ~8 min on 2 cores):
 # recovery times, lost steps, and a nonzero exit if an acknowledged version is lost or a gradient
-# applied twice. CHAOS_FLAGS=--quick is a smoke run; CHAOS_FLAGS="--faults-per-kind 5" more faults.
+# applied twice. CHAOS_FLAGS=--quick is a smoke run; CHAOS_FLAGS="--faults-per-kind 5" more faults;
+# CHAOS_FLAGS=--failover with a standby root and alternate parents (benchmarks/results/chaos_failover.json).
 chaos: install
 	$(BIN)/python benchmarks/chaos.py $(CHAOS_FLAGS)
 

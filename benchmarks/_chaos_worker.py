@@ -106,7 +106,7 @@ def main() -> int:
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xt[idx]), yt[idx])
             loss.backward()
-            opt.step(loss)
+            opt.step(loss=loss)
         with torch.no_grad():
             held_out = torch.nn.functional.cross_entropy(model(xv), yv).item()
         _emit(event="done", worker=me, inc=client.incarnation, version=opt.version,

@@ -4,6 +4,7 @@ no acknowledged version is lost and no gradient is applied twice.
     python benchmarks/chaos.py                       # 3 faults of each kind, 3 fault-free seeds, 800 versions
     python benchmarks/chaos.py --quick               # 1 fault of each kind, fewer versions
     python benchmarks/chaos.py --faults-per-kind 5 --kinds root,worker
+    python benchmarks/chaos.py --failover            # a standby root and alternate parents (issue 15)
 
 The cluster is the default topology's shape (root, regions eu and us, two zones each; the root
 with a checkpoint directory, so its write-ahead log carries it across kill -9) with four
@@ -16,7 +17,10 @@ next one waits until the previous one has recovered and --gap versions more were
 
 Per fault kind:
   * recovery: seconds from the kill until the job's version advances again (a worker is
-    acknowledged a version above the highest acknowledged before the kill), and until the
+    acknowledged a version above the highest acknowledged before the kill); until every worker
+    the fault cut off (below the killed zone or regional master; all of them for the root; the
+    killed worker's new process) is acknowledged such a version ("its workers back": through
+    the restarted tier, or with --failover an alternate parent or the standby); and until the
     killed tier is synced and serving (zone/region/root: holds the job at the version the root
     had when killed, with all its children registered again; worker: its new process's first
     acknowledged push);
@@ -32,6 +36,16 @@ Per fault kind:
     clean-ups do not hide them; and the root's own counter, hps_double_applied_pushes_total,
     read before every root kill and at the end, plus its log's critical lines), and versions
     written twice to the log.
+With --failover (issue 15) the root has a hot standby (root-b) and every zone lists the other
+region's master as its alternate parent (eu-a: --parent eu,us). A regional master or the
+primary root is then killed and left dead until the job advances again (the zones move to
+their alternate, the standby takes over); only then is it started again (the old primary
+rejoins as the new one's standby; a restarted regional master serves, its zones stay where they
+went). A root fault kills whichever root is the primary at that moment. Both roots' logs are
+archived; a version both hold counts once when its contents agree, and twice (a fork) when not.
+"synced and serving" is then, for the root, the restarted one in sync as the standby; for a
+regional master, the restarted one serving.
+
 The faulted run's final held-out loss is compared with fault-free runs of other seeds (the
 claim: within their spread) and with the fault-free run of its own seed.
 
@@ -82,13 +96,32 @@ SETTINGS = {"heartbeat_s": 0.2, "member_timeout_s": 2.0}
 CHECKPOINT_EVERY = 25   # root kills land between checkpoints: a restore replays the log
 RESTORED = re.compile(r"restored job (\S+): checkpoint version (\d+) \+ (\d+) replayed from the write-ahead "
                       r"log = version (\d+), checksum (0x[0-9a-f]+)")
+PROMOTED = re.compile(r"promoted to primary with term (\d+): .*; 1 job\(s\) at versions \{'[^']+': (\d+)\}")
 DOUBLE_LINE = "applied already"  # the root's critical line for a double application
 
 
-def topology(ckpt: Path) -> dict:
-    return {"host": "127.0.0.1", "settings": SETTINGS,
-            "root": {"name": "root", "port": 0, "checkpoint_dir": str(ckpt)},
-            "regions": [{"name": r, "zones": [{"name": z} for z in ZONES if z.startswith(r)]} for r in REGIONS]}
+def topology(ckpt: Path, failover: bool = False) -> dict:
+    root: dict = {"name": "root", "port": 0, "checkpoint_dir": str(ckpt)}
+    if failover:
+        root["standby"] = {"name": "root-b", "checkpoint_dir": str(ckpt.parent / "ckpt-b")}
+
+    def zone(z: str) -> dict:  # with --failover: the other region's master as the alternate parent
+        return {"name": z, "alternates": [r for r in REGIONS if not z.startswith(r)]} if failover else {"name": z}
+    return {"host": "127.0.0.1", "settings": SETTINGS, "root": root,
+            "regions": [{"name": r, "zones": [zone(z) for z in ZONES if z.startswith(r)]} for r in REGIONS]}
+
+
+def roots(cluster: Cluster) -> list[str]:
+    return [n for n in ("root", "root-b") if n in cluster.tiers]
+
+
+def primary(cluster: Cluster) -> str:
+    """The root that is the primary now (the first that says so; "root" if none answers)."""
+    for name in roots(cluster):
+        st = _status(cluster.address(name))
+        if st is not None and st.root_state == "primary":
+            return name
+    return "root"
 
 
 # -- the root's write-ahead log, kept whole --------------------------------------------------
@@ -243,9 +276,14 @@ def _job(st):
 
 
 # -- one fault -------------------------------------------------------------------------------
-def inject(cluster: Cluster, workers: Workers, kind: str, target: str, timeout_s: float) -> dict:
-    """SIGKILL ``target``, start it again, and time its recovery."""
-    root_addr = cluster.address("root")
+def inject(cluster: Cluster, workers: Workers, kind: str, target: str, timeout_s: float,
+           failover: bool = False) -> dict:
+    """SIGKILL ``target``, start it again, and time its recovery. ``failover``: a regional master
+    or root stays dead until the job advances without it (alternate parents, the standby)."""
+    if kind == "root":
+        target = primary(cluster)
+    late = failover and kind in ("root", "region")  # restarted once the job advanced without it
+    root_addr = cluster.address(primary(cluster))
     job_before = _job(_status(root_addr))
     row = dict(kind=kind, target=target, root_version_at_kill=job_before.version if job_before else None,
                root_double_applied_before_kill=job_before.stats.double_applied if job_before else None)
@@ -265,7 +303,19 @@ def inject(cluster: Cluster, workers: Workers, kind: str, target: str, timeout_s
     row.update(t_kill=t_kill, acked_max_before_kill=v_before)
     if kind == "worker":
         workers.start(int(target[1:]))
-    else:
+    elif late and kind == "root":  # the standby takes over: what it held when it did
+        other = next(n for n in roots(cluster) if n != target)
+        offset = cluster.tiers[other].log.stat().st_size
+        deadline = time.time() + timeout_s
+        m = None
+        while m is None and time.time() < deadline:
+            m = PROMOTED.search(cluster.tiers[other].log.read_bytes()[offset:].decode(errors="replace"))
+            time.sleep(0.05)
+        row["promoted"] = other
+        row["takeover_s"] = time.time() - t_kill if m else None
+        row["restored_version"] = int(m.group(2)) if m else None
+        row["acked_versions_lost"] = max(0, v_before - (row["restored_version"] or 0))
+    elif not late:
         cluster.restart(target)
         row["ready_s"] = time.time() - t_kill
         if kind == "root":
@@ -278,16 +328,31 @@ def inject(cluster: Cluster, workers: Workers, kind: str, target: str, timeout_s
     # The job advances again with the first version made wholly after the kill: above the
     # restored version after a root restart; otherwise two above the root's version at the
     # kill (the round open then may still close with pushes already past the killed tier).
-    row["advance_to"] = ((row["restored_version"] or 0) + 1 if kind == "root"
+    row["advance_to"] = ((row["restored_version"] or 0) + 1 if kind == "root" and not late
                          else (row["root_version_at_kill"] or v_before) + 2)
-    synced = advanced = None
+    # The workers the fault cut off (below the killed tier): when each is acknowledged a version
+    # made after the kill again -- through a restarted tier, or an alternate parent.
+    below = ([f"w{i}" for i, z in enumerate(ZONES) if z == target or (kind == "region" and z.startswith(target))]
+             if kind in ("zone", "region") else [target] if kind == "worker" else [f"w{i}" for i in range(len(ZONES))])
+    synced = advanced = back = None
     deadline = time.time() + timeout_s
-    while time.time() < deadline and (synced is None or advanced is None):
+    while time.time() < deadline and (synced is None or advanced is None or back is None):
         events = workers.snapshot()
         if advanced is None:
             later = [e["t"] for e in events if e["event"] == "ack" and e["version"] >= row["advance_to"]]
             if later:
                 advanced = min(later) - t_kill
+        if back is None:
+            firsts = [min((e["t"] for e in events if e["event"] == "ack" and e["worker"] == w
+                           and e["version"] >= row["advance_to"]), default=None) for w in below]
+            if all(t is not None for t in firsts):
+                back = max(firsts) - t_kill
+        if late and "ready_s" not in row:
+            if advanced is None:
+                time.sleep(0.1)
+                continue
+            cluster.restart(target)  # the job went on without it: now it comes back
+            row["ready_s"] = time.time() - t_kill
         if synced is None:
             if kind == "worker":
                 new = [e for e in events if e["worker"] == target and e["event"] == "start" and e["inc"] not in old_inc]
@@ -296,25 +361,38 @@ def inject(cluster: Cluster, workers: Workers, kind: str, target: str, timeout_s
                     acks = [e["t"] for e in events if e["event"] == "ack" and e["inc"] == new[0]["inc"]]
                     if acks:
                         synced = min(acks) - t_kill
+            elif late and kind == "region":  # its zones went to their alternates; it serves again
+                synced = row["ready_s"]
             else:
-                j = _job(_status(cluster.address(target)))
+                st = _status(cluster.address(target))
+                j = _job(st)
                 floor = row["restored_version"] if kind == "root" else (row["root_version_at_kill"] or 0)
-                if j is not None and j.version >= (floor or 0) and len(j.members) >= CHILDREN[kind]:
+                if late:  # the old primary, restarted: the new one's standby, in sync
+                    if st is not None and st.root_state == "standby" and j is not None and j.version >= (floor or 0):
+                        synced = time.time() - t_kill
+                elif j is not None and j.version >= (floor or 0) and len(j.members) >= CHILDREN[kind]:
                     synced = time.time() - t_kill
         if not workers.running():  # the job finished meanwhile
             break
         time.sleep(0.1)
-    row.update(advanced_s=advanced, synced_s=synced, wedged=advanced is None and workers.running())
+    if late and "ready_s" not in row:  # it never advanced without it: back for the rest of the run
+        cluster.restart(target)
+        row["ready_s"] = time.time() - t_kill
+    row.update(advanced_s=advanced, synced_s=synced, workers_back_s=back, workers_below=below,
+               wedged=advanced is None and workers.running())
     return row
 
 
 # -- one run ---------------------------------------------------------------------------------
 def run(seed: int, versions: int, faults: list[tuple[str, str]], gap: int, workdir: Path,
-        recover_timeout_s: float) -> dict:
+        recover_timeout_s: float, failover: bool = False) -> dict:
     ckpt, logs = workdir / "ckpt", workdir / "logs"
-    archive = WalArchive(ckpt, workdir / "wal-archive")
+    archives = [WalArchive(ckpt, workdir / "wal-archive")]
+    if failover:  # the standby's log too: a version both roots hold must agree
+        archives.append(WalArchive(workdir / "ckpt-b", workdir / "wal-archive-b"))
     t0 = time.time()
-    cluster = Cluster.start(topology(ckpt), logs, extra_root_args=["--checkpoint-every", str(CHECKPOINT_EVERY)])
+    cluster = Cluster.start(topology(ckpt, failover), logs,
+                            extra_root_args=["--checkpoint-every", str(CHECKPOINT_EVERY)])
     workers = Workers(cluster, logs, seed, versions)
     phases = dict(cluster_up_s=time.time() - t0)
     rows: list[dict] = []
@@ -336,7 +414,7 @@ def run(seed: int, versions: int, faults: list[tuple[str, str]], gap: int, workd
                 rows.append(dict(kind=kind, target=target, skipped="the job finished first"))
                 continue
             try:
-                row = inject(cluster, workers, kind, target, recover_timeout_s)
+                row = inject(cluster, workers, kind, target, recover_timeout_s, failover)
             except (RuntimeError, TimeoutError) as exc:  # the tier did not come back: a finding
                 row = dict(kind=kind, target=target, error=str(exc)[-2000:], wedged=True, advanced_s=None,
                            synced_s=None, acked_max_before_kill=acked_max(workers.snapshot()))
@@ -345,9 +423,12 @@ def run(seed: int, versions: int, faults: list[tuple[str, str]], gap: int, workd
                 break
             rows.append(row)
             print(f"  {kind:6s} {target:5s} at version {row['acked_max_before_kill']:4d}: advancing again after "
-                  f"{_s(row['advanced_s'])}, synced and serving after {_s(row['synced_s'])}"
+                  f"{_s(row['advanced_s'])}, its workers back after {_s(row['workers_back_s'])}, synced and "
+                  f"serving after {_s(row['synced_s'])}"
                   + (f", restored version {row['restored_version']} (checkpoint {row['restored_from_checkpoint']}"
-                     f" + {row['replayed']} replayed)" if kind == "root" else ""), flush=True)
+                     f" + {row['replayed']} replayed)" if kind == "root" and "replayed" in row else "")
+                  + (f", {row['promoted']} took over at version {row['restored_version']} after "
+                     f"{_s(row['takeover_s'])}" if "promoted" in row else ""), flush=True)
             if row["wedged"]:
                 break
             earliest = acked_max(workers.snapshot()) + gap
@@ -355,7 +436,7 @@ def run(seed: int, versions: int, faults: list[tuple[str, str]], gap: int, workd
         finished = not wedged and workers.wait(recover_timeout_s + 60)
         phases["training_to_s"] = time.time() - t0
         buf = io.StringIO()
-        print_tree(cluster.address("root"), buf)
+        print_tree(cluster.address(primary(cluster)), buf)
         tree = buf.getvalue()
         for name in cluster.tiers:
             st = _status(cluster.address(name))
@@ -365,14 +446,16 @@ def run(seed: int, versions: int, faults: list[tuple[str, str]], gap: int, workd
     finally:
         workers.stop()
         cluster.stop()
-        archive.stop()
+        for archive in archives:
+            archive.stop()
     wall = time.time() - t0
-    wal = archive.records()
+    wal = [rec for archive in archives for rec in archive.records()]
     with open(workdir / "events.jsonl", "w") as f:  # for --keep-logs: what the analysis read
         f.writelines(json.dumps(e) + "\n" for e in workers.events)
     with open(workdir / "wal.jsonl", "w") as f:
         f.writelines(json.dumps(rec) + "\n" for rec in wal)
-    root_log = (logs / "root.log").read_text(errors="replace")
+    root_log = "".join((logs / f"{name}.log").read_text(errors="replace") for name in ("root", "root-b")
+                       if (logs / f"{name}.log").exists())
     return dict(seed=seed, versions=versions, wall_s=wall, phases=phases, finished=finished, wedged=wedged, faults=rows,
                 events=workers.events, wal=wal, status_at_end=status_at_end, tree=tree,
                 root_double_lines=root_log.count(DOUBLE_LINE))
@@ -383,11 +466,18 @@ def _s(x: float | None) -> str:
 
 
 # -- what a run's records say --------------------------------------------------------------
-def analyse(r: dict, workers: int = 4) -> dict:
+def analyse(r: dict, workers: int = 4, failover: bool = False) -> dict:
     events, wal, faults = r["events"], r["wal"], [f for f in r["faults"] if "t_kill" in f]
     # The root's log: versions written more than once, and worker pushes in more than one version.
+    # With a standby, both roots log every version (and a root that rejoins as a standby logs
+    # again what it is sent): a version counts once per distinct contents; two: a fork.
     by_version: dict[int, list[dict]] = defaultdict(list)
+    seen: set[tuple] = set()
     for rec in wal:
+        content = (rec["version"], rec["contributors"], rec["scale"], tuple(map(tuple, rec["keys"])), rec["payload"])
+        if failover and content in seen:
+            continue
+        seen.add(content)
         by_version[rec["version"]].append(rec)
     versions_twice = sorted(v for v, recs in by_version.items() if len(recs) > 1)
     where: dict[tuple, set[int]] = defaultdict(set)
@@ -461,12 +551,14 @@ def summarise(kinds: list[str], faults: list[dict], analysis: dict, root_doubles
         rows = [f for f in faults if f.get("kind") == kind and "t_kill" in f]
         adv = [f["advanced_s"] for f in rows if f["advanced_s"] is not None]
         syn = [f["synced_s"] for f in rows if f["synced_s"] is not None]
+        bk = [f["workers_back_s"] for f in rows if f.get("workers_back_s") is not None]
         out[kind] = dict(
             faults=len(rows), skipped=sum(1 for f in faults if f.get("kind") == kind and "skipped" in f),
             wedged=sum(1 for f in faults if f.get("kind") == kind and f.get("wedged")),
             errors=[f["error"] for f in faults if f.get("kind") == kind and "error" in f],
             advanced_s_median=statistics.median(adv) if adv else None, advanced_s_max=max(adv) if adv else None,
             synced_s_median=statistics.median(syn) if syn else None, synced_s_max=max(syn) if syn else None,
+            workers_back_s_median=statistics.median(bk) if bk else None, workers_back_s_max=max(bk) if bk else None,
             lost_steps=sum(f.get("lost_steps", 0) for f in rows),
             missing_contributions=sum(f.get("missing_contributions", 0) for f in rows),
             acked_versions_lost=sum(f.get("acked_versions_lost", 0) for f in rows))
@@ -494,7 +586,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap", type=int, default=10, help="versions between one fault's recovery and the next fault")
     p.add_argument("--recover-timeout", type=float, default=90.0, help="seconds before a fault counts as wedged")
     p.add_argument("--keep-logs", help="keep every process's log and the root's checkpoints here")
-    p.add_argument("--out", help="result file (default benchmarks/results/chaos.json)")
+    p.add_argument("--failover", action="store_true",
+                   help="a standby root and alternate parents; killed regional masters and roots come back late")
+    p.add_argument("--out", help="result file (default benchmarks/results/chaos.json, chaos_failover.json "
+                                 "with --failover)")
     args = p.parse_args(argv)
     if args.quick:
         args.versions, args.faults_per_kind, args.baselines = min(args.versions, 240), 1, min(args.baselines, 2)
@@ -512,8 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}: seed {seed}, {args.versions} versions, {len(faults)} faults", flush=True)
             workdir = base / name.replace(", ", "-").replace(" ", "-")
             shutil.rmtree(workdir, ignore_errors=True)
-            r = run(seed, args.versions, faults, args.gap, workdir, args.recover_timeout)
-            r["analysis"] = analyse(r)
+            r = run(seed, args.versions, faults, args.gap, workdir, args.recover_timeout, args.failover)
+            r["analysis"] = analyse(r, failover=args.failover)
             a = r["analysis"]
             print(f"   {r['wall_s']:.1f} s, final version {a['final_version']}, held-out loss "
                   f"{a['final_loss'] if a['final_loss'] is None else round(a['final_loss'], 4)}, lost steps "
@@ -532,11 +627,14 @@ def main(argv: list[str] | None = None) -> int:
     fa = faulted["analysis"]
     root_doubles = sum(f.get("root_double_applied_before_kill") or 0
                        for f in faulted["faults"] if f.get("kind") == "root")
-    root_doubles += ((faulted["status_at_end"].get("root") or {}).get("stats") or {}).get("double_applied", 0)
+    root_doubles += sum(((faulted["status_at_end"].get(n) or {}).get("stats") or {}).get("double_applied", 0)
+                        for n in ("root", "root-b"))
     figures = summarise(kinds, faulted["faults"], fa, root_doubles)
     figures["all"]["root_double_applied_log_lines"] = faulted["root_double_lines"]
     # Quiescent at the end: every tier and every worker holds the same version, bit for bit.
-    held = {(s["version"], s["checksum"]) if s else None for s in faulted["status_at_end"].values()}
+    # (with --failover a restarted regional master whose zones went to their alternates holds none)
+    held = {(s["version"], s["checksum"]) if s else None for name, s in faulted["status_at_end"].items()
+            if s or not (args.failover and name in REGIONS)}
     held |= {(e["version"], e["crc"]) for e in faulted_events_done(faulted)}
     figures["all"]["views_agree_at_end"] = len(held) == 1 and None not in held
     others = [r["analysis"]["final_loss"] for n, r in runs.items() if n.startswith("fault-free, seed")
@@ -552,15 +650,17 @@ def main(argv: list[str] | None = None) -> int:
     wedged = faulted["wedged"] or not faulted["finished"]
     bad = (figures["all"]["acked_versions_lost"] or figures["all"]["acks_not_in_log"]
            or figures["all"]["pushes_applied_twice"] or figures["all"]["versions_written_twice"]
-           or root_doubles or faulted["root_double_lines"] or wedged or not figures["all"]["views_agree_at_end"])
+           or root_doubles or faulted["root_double_lines"] or wedged or not figures["all"]["views_agree_at_end"]
+           or fa["workers_done"] < len(ZONES))  # a worker that crashed trains nothing: no clean result
 
     print(f"\nchaos: {len(schedule)} faults in a {args.versions}-version BSP run (seed {args.seed}); "
           f"{total / 60:.1f} min in all")
-    print(f"{'fault':8s} {'n':>2s} {'advancing again':>16s} {'synced+serving':>16s} {'lost steps':>10s} "
-          f"{'missing':>8s} {'acked lost':>10s}")
+    print(f"{'fault':8s} {'n':>2s} {'advancing again':>16s} {'its workers back':>16s} {'synced+serving':>16s} "
+          f"{'lost steps':>10s} {'missing':>8s} {'acked lost':>10s}")
     for kind in kinds:
         k = figures[kind]
         print(f"{kind:8s} {k['faults']:2d} {_pair(k['advanced_s_median'], k['advanced_s_max']):>16s} "
+              f"{_pair(k['workers_back_s_median'], k['workers_back_s_max']):>16s} "
               f"{_pair(k['synced_s_median'], k['synced_s_max']):>16s} {k['lost_steps']:10d} "
               f"{k['missing_contributions']:8d} {k['acked_versions_lost']:10d}")
     al = figures["all"]
@@ -575,21 +675,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"final held-out loss: faulted {_f(loss['faulted'])}; fault-free same seed {_f(same)}; other seeds "
           f"min {_f(loss['other_min'])} median {_f(loss['other_median'])} max {_f(loss['other_max'])} "
           f"({len(others)} runs): {_verdict(loss)}")
-    print("RESULT: " + ("FAILED (acknowledged version lost, gradient applied twice, views differ, or wedged)"
+    print("RESULT: " + ("FAILED (acknowledged version lost, gradient applied twice, views differ, wedged, or a "
+                        "worker did not finish: see its log)"
                         if bad else
                         "no acknowledged version lost, nothing applied twice"))
 
     settings = dict(versions=args.versions, faults_per_kind=args.faults_per_kind, kinds=kinds, gap=args.gap,
                     baselines=args.baselines, seed=args.seed, quick=args.quick,
                     recover_timeout_s=args.recover_timeout, schedule=schedule, tier_settings=SETTINGS,
-                    checkpoint_every=CHECKPOINT_EVERY, topology="root, regions eu/us x zones a/b, 4 workers",
+                    failover=args.failover,
+                    checkpoint_every=CHECKPOINT_EVERY,
+                    topology="root" + (" + standby root-b, zones with the other region as alternate parent"
+                                       if args.failover else "") + ", regions eu/us x zones a/b, 4 workers",
                     model="MLP 32-64-10 on 65536 samples labelled by a random teacher network, batch 32 "
                           "per worker, SGD lr 0.03 momentum 0.9 at the root; loss on 2048 held-out samples")
     for r in runs.values():  # the JSON keeps what was measured, not every event
         r.pop("events", None)
         r.pop("wal", None)
-    write("chaos", dict(settings=settings, total_seconds=round(total, 1), failed=bool(bad), figures=figures,
-                        final_loss=loss, runs=runs), args.out)
+    write("chaos_failover" if args.failover else "chaos",
+          dict(settings=settings, total_seconds=round(total, 1), failed=bool(bad), figures=figures,
+               final_loss=loss, runs=runs), args.out)
     return 1 if bad else 0
 
 
