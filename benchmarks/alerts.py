@@ -165,6 +165,7 @@ def one(fault: str, prometheus: str, warmup_s: float, watch_s: float) -> dict:
     topo = _topology()
     procs: list[subprocess.Popen] = []
     cluster = None
+    keep = bool(os.environ.get("HPS_KEEP"))
     try:
         # The tiers import this checkout's hps, not whichever one the venv installed.
         cluster = Cluster.start(topo, work / "logs", env={"PYTHONPATH": str(ROOT)})
@@ -195,7 +196,10 @@ def one(fault: str, prometheus: str, warmup_s: float, watch_s: float) -> dict:
                 break
             time.sleep(1.0)
         else:
-            raise RuntimeError("the workers did not start training within 180 s")
+            keep = True  # the logs stay for whoever reads this
+            tails = {p.name: p.read_text(errors="replace")[-600:] for p in sorted(work.glob("*.log"))}
+            raise RuntimeError(f"the workers did not start training within 180 s (logs kept in {work}; "
+                               f"last lines: {tails})")
         time.sleep(warmup_s)
         before = [_key(a) for a in _get(f"{base}/alerts")["data"]["alerts"]]
         version = _get(f"{base}/query?query=max(hps_version)")["data"]["result"]
@@ -223,7 +227,7 @@ def one(fault: str, prometheus: str, warmup_s: float, watch_s: float) -> dict:
             _stop(p)
         if cluster is not None:
             cluster.stop()
-        if not os.environ.get("HPS_KEEP"):
+        if not keep:
             shutil.rmtree(work, ignore_errors=True)
 
 

@@ -13,21 +13,6 @@ from ps.tools.launch import Cluster, default_topology
 HPS = [sys.executable, "-m", "ps.tools.cli"]
 
 
-def test_demo_trains_on_the_default_topology_and_reports(tmp_path):
-    out = tmp_path / "demo"
-    r = subprocess.run(HPS + ["demo", "--steps", "4", "--out", str(out)], capture_output=True,
-                       text=True, timeout=240)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "replicas agree with the root bit for bit: yes" in r.stdout
-    assert "step    4/4" in r.stdout
-    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    summary = json.loads((out / "summary.json").read_text())
-    assert [w["steps"] for w in summary["workers"]] == [4, 4, 4, 4]
-    assert {t["role"] for t in summary["tiers"]} == {"global", "regional", "zone"}
-    root = next(t for t in summary["tiers"] if t["role"] == "global")
-    assert root["version"] == 4 and root["push_in_bytes"] > 0
-
-
 def test_launch_then_status_shows_the_whole_tree(tmp_path):
     topo = default_topology()
     topo["settings"] = {"heartbeat_s": 0.1, "member_timeout_s": 1.0}
@@ -102,13 +87,21 @@ def test_job_create_list_end_through_a_relay(tree):
     opt.close()
 
 
-def test_demo_runs_mutual_tls_and_tokens_by_default_and_leaks_no_secret(tmp_path):
+def test_demo_trains_on_the_default_topology_with_mutual_tls_and_tokens_and_leaks_no_secret(tmp_path):
+    """One demo run (each costs ~30 s of start-up here): what it reports, and what it keeps secret."""
     out = tmp_path / "demo"
-    r = subprocess.run(HPS + ["demo", "--steps", "2", "--out", str(out)], capture_output=True,
+    r = subprocess.run(HPS + ["demo", "--steps", "4", "--out", str(out)], capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "mutual TLS and tokens" in r.stdout and "INSECURE" not in r.stdout
     assert "replicas agree with the root bit for bit: yes" in r.stdout
+    assert "step    4/4" in r.stdout
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert [w["steps"] for w in summary["workers"]] == [4, 4, 4, 4]
+    assert {t["role"] for t in summary["tiers"]} == {"global", "regional", "zone"}
+    root = next(t for t in summary["tiers"] if t["role"] == "global")
+    assert root["version"] == 4 and root["push_in_bytes"] > 0
+    assert "mutual TLS and tokens" in r.stdout and "INSECURE" not in r.stdout
     secrets_dir = out / "logs" / "secrets"
     admin = (secrets_dir / "admin-token").read_text().strip()
     job = (secrets_dir / "demo.token").read_text().strip()

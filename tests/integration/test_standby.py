@@ -111,8 +111,8 @@ def _synced(r: Root) -> bool:
     return "in sync with the primary" in r.log.read_bytes()[r.offset:].decode(errors="replace")
 
 
-def _client(address: str, wid: str = "w0", create: bool = True) -> ParameterClient:
-    c = ParameterClient(address, "j", wid, timeout_s=10, retry_s=30)
+def _client(address: str, wid: str = "w0", create: bool = True, retry_s: float = 30) -> ParameterClient:
+    c = ParameterClient(address, "j", wid, timeout_s=10, retry_s=retry_s)
     if create:
         c.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="adam", lr=0.01)), LAYOUT,
                      np.zeros(LAYOUT.numel, np.float32))
@@ -204,7 +204,7 @@ def test_the_old_primary_restarted_refuses_pushes_and_rejoins_as_a_standby(roots
     st = a.status()
     assert (st.root_state, st.term) == ("standby", 1)  # fenced by b's term
     with pytest.raises(Unavailable, match="standby"):  # it accepts no push (nor a join)
-        _client(a.address, "w1", create=False).close()
+        _client(a.address, "w1", create=False, retry_s=0).close()  # refused at once, not retried
     _wait_for(lambda: _synced(a), "the old primary to sync with the new one")
     _train(c, 8, 4, seen)  # acknowledged only once a holds them too
     _wait_for(lambda: a.status().jobs[0].version == 12, "the old primary to follow")
