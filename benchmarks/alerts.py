@@ -78,8 +78,12 @@ for step in range(100000):
     try:
         v, _ = c.push(rng.standard_normal(1000).astype(np.float32), clock=step, report=(1.0, 1, 0.2))
         c.pull(min_version=v)
-    except Exception as exc:
+    except Exception as exc:  # e.g. its round closed without it (it joined late): catch up, then go on
         print("step failed:", exc, flush=True)
+        try:
+            c.pull()
+        except Exception as exc2:
+            print("pull failed:", exc2, flush=True)
     time.sleep(0.2)
 """
 

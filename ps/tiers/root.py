@@ -203,6 +203,15 @@ class Root(Tier):
                     extra=event("root.promoted", term=self.term))
         return self.term
 
+    def synced(self) -> bool:
+        """Readiness. A primary is ready; a standby once it holds its primary's whole state on a
+        live Follow stream (a rollout that replaced the primary next, while the standby was still
+        catching up, would stop training until the primary came back: no takeover without it);
+        a root still deciding what it is, or fenced and looking for the new primary, is not."""
+        if self.state == "standby":
+            return bool(self.standby is not None and self.standby.connected and self.role_state["synced"])
+        return self.state == "primary"
+
     def reset_for_follow(self, term: int, epoch: int) -> None:
         """A new Follow stream: the primary's term and view epoch; every job comes again."""
         for js in self.jobs.values():

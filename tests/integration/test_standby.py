@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from ps.core.errors import HpsError, Unavailable
 from ps.core.view import KeySpec, Layout
 from ps.net.rpc import Caller
 from ps.net.wire import decode_pull_reply, pb, status_from_pb
+from ps.tools.status import fetch_ready
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (256,)), KeySpec("b", (4,))])
@@ -191,6 +193,19 @@ def test_a_job_is_reported_to_exist_only_once_the_standby_holds_it(roots):
     # attached during the stop used to hold it up until it was killed)
     os.kill(a.proc.pid, signal.SIGTERM)
     assert a.proc.wait(30) == 0
+
+
+def test_a_standby_is_ready_only_while_it_holds_its_primarys_state(roots, tmp_path):
+    """Readiness (what a StatefulSet's rolling update waits for): a standby that never reached
+    its primary is not ready; one in sync is; a primary is."""
+    with socket.socket() as s:  # an address nobody serves on
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+    lost = roots("lost", "--standby-of", nowhere)
+    a, b = _pair(roots)
+    _wait_for(lambda: fetch_ready(b.address) == "ready", "the synced standby to be ready")
+    assert fetch_ready(a.address) == "ready"
+    assert fetch_ready(lost.address) == "NOT READY" and lost.status().root_state == "standby"
 
 
 def test_the_old_primary_restarted_refuses_pushes_and_rejoins_as_a_standby(roots):
