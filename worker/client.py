@@ -439,12 +439,13 @@ class ParameterClient:
             meta, versions = decode_pull_reply(self._retrying("pull", one_pull))
             try:
                 received += self._apply(meta, versions)
+                bad_snapshots = 0
             except Stale as exc:
                 log.warning("%s: %s", self.worker_id, exc)
                 view.epoch = 0  # ask for a snapshot next time
                 if meta.snapshot:  # not a wrong base: the bytes or the checksum itself are wrong
                     bad_snapshots += 1
-                    if bad_snapshots >= _BAD_SNAPSHOTS or time.monotonic() > deadline:
+                    if bad_snapshots >= _BAD_SNAPSHOTS:
                         raise Internal(f"{exc}; {bad_snapshots} snapshots in a row failed their checksum: "
                                        "memory or the network corrupts them, or this worker and its tiers "
                                        "run different hps releases (the view checksum changed from CRC-32 "

@@ -219,6 +219,7 @@ class _Servicer:
         self.tier = tier
         self.rpc = rpc  # latency histograms and error counters (ps.tiers.metrics.RpcMetrics)
         self.guard = guard if guard is not None else Guard(admin_token=None)
+        self._minting: dict[str, asyncio.Lock] = {}  # job -> held while its token is minted
         self.relay = tier.role != "global"
 
     def _check_job(self, context, job: str, relay_role: bool = False) -> None:
@@ -326,13 +327,18 @@ class _Servicer:
         with a token never gets another), or the one the root minted for a relayed CreateJob."""
         if self.relay:
             return self.tier.parent_link().minted.pop(name, "")  # type: ignore[attr-defined]
-        if not self.guard.enabled or self.guard.has_token(name):
+        if not self.guard.enabled:
             return ""
-        self.guard.check_admin(_tokens(context), "create jobs")  # checked before; stays true
-        token, h = self.guard.new_token()
-        await self.tier.keep_token(name, h)  # type: ignore[attr-defined]  # the standby's too
-        self.guard.set_hash(name, h)
-        return token
+        # One at a time per job: creators that arrive together (each waits for the standby)
+        # must not each mint a token, of which only the last would work.
+        async with self._minting.setdefault(name, asyncio.Lock()):
+            if self.guard.has_token(name):
+                return ""
+            self.guard.check_admin(_tokens(context), "create jobs")  # checked before; stays true
+            token, h = self.guard.new_token()
+            await self.tier.keep_token(name, h)  # type: ignore[attr-defined]  # the standby's too
+            self.guard.set_hash(name, h)
+            return token
 
     @_streamed("CreateJob")
     async def CreateJob(self, request_iterator, context) -> pb.CreateJobReply:

@@ -364,12 +364,20 @@ class Root(Tier):
         return True, 0, self.epoch
 
     async def keep_token(self, job: str, h: bytes) -> None:
-        """A job token's hash, minted for the admin who created the job: on the standby first
-        (where one is required; Unavailable if it does not acknowledge), then here."""
+        """A job token's hash, minted for the admin who created the job, kept here and on the
+        standby before the token is handed out (Unavailable if a required standby does not
+        acknowledge it; the hash is then dropped here, and a retry mints another). Kept here
+        first, as a job's state is: a standby that attaches meanwhile gets it in its bootstrap,
+        whose snapshot of the hashes replaces what it held."""
         self.writable()
-        await self.replication.confirm(LogMessage("token", job=job, data=h))
         if self.tokens is not None:
             self.tokens.set_hash(job, h)
+        try:
+            await self.replication.confirm(LogMessage("token", job=job, data=h))
+        except BaseException:
+            if self.tokens is not None:
+                self.tokens.set_hash(job, b"")
+            raise
 
     def check_create(self, cfg: JobConfig | str, layout: Layout | None) -> tuple[JobConfig, bool] | None:
         """Everything a CreateJob can be refused for, checked before its values arrive. None: the

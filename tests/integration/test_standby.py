@@ -195,6 +195,40 @@ def test_a_job_is_reported_to_exist_only_once_the_standby_holds_it(roots):
     assert a.proc.wait(30) == 0
 
 
+def test_workers_creating_a_job_together_on_a_root_with_a_standby_can_all_join(roots, tmp_path):
+    """Four workers with the admin token create the job at once; each waits for the standby, so
+    they reached the token minting together and each got its own token, of which only the
+    last worked (found in review). One is minted; every worker registers."""
+    admin = tmp_path / "admin-token"
+    admin.write_text("s3cret-admin-token-for-the-pair\n")
+    admin.chmod(0o600)
+    a = roots("a", "--admin-token-file", str(admin))
+    b = roots("b", "--admin-token-file", str(admin), "--standby-of", a.address)
+    _wait_for(lambda: _synced(b), "the standby to sync")
+    cs = [ParameterClient(a.address, "j", f"w{i}", timeout_s=10, retry_s=10, token="s3cret-admin-token-for-the-pair")
+          for i in range(4)]
+    together = threading.Barrier(len(cs))
+    errors: list[Exception] = []
+
+    def create(c: ParameterClient) -> None:
+        together.wait()
+        try:
+            c.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.01)), LAYOUT,
+                         np.zeros(LAYOUT.numel, np.float32))
+        except HpsError as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=create, args=(c,)) for c in cs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert sum(c._rpc.token != "s3cret-admin-token-for-the-pair" for c in cs) == 1  # one job token
+    for c in cs:
+        c.register()
+        c.close()
+
+
 def test_a_standby_is_ready_only_while_it_holds_its_primarys_state(roots, tmp_path):
     """Readiness (what a StatefulSet's rolling update waits for): a standby that never reached
     its primary is not ready; one in sync is; a primary is."""
