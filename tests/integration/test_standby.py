@@ -109,6 +109,17 @@ def _pair(roots) -> tuple[Root, Root]:
     return a, b
 
 
+def _secured_pair(roots, tmp: Path, admin: str) -> tuple[Root, Root]:
+    """A primary and its synced standby that both want ``admin`` (in tmp/admin-token)."""
+    token = tmp / "admin-token"
+    token.write_text(admin + "\n")
+    token.chmod(0o600)
+    a = roots("a", "--admin-token-file", str(token))
+    b = roots("b", "--admin-token-file", str(token), "--standby-of", a.address)
+    _wait_for(lambda: _synced(b), "the standby to sync")
+    return a, b
+
+
 def _synced(r: Root) -> bool:
     return "in sync with the primary" in r.log.read_bytes()[r.offset:].decode(errors="replace")
 
@@ -199,13 +210,8 @@ def test_workers_creating_a_job_together_on_a_root_with_a_standby_can_all_join(r
     """Four workers with the admin token create the job at once; each waits for the standby, so
     they reached the token minting together and each got its own token, of which only the
     last worked (found in review). One is minted; every worker registers."""
-    admin = tmp_path / "admin-token"
-    admin.write_text("s3cret-admin-token-for-the-pair\n")
-    admin.chmod(0o600)
-    a = roots("a", "--admin-token-file", str(admin))
-    b = roots("b", "--admin-token-file", str(admin), "--standby-of", a.address)
-    _wait_for(lambda: _synced(b), "the standby to sync")
-    cs = [ParameterClient(a.address, "j", f"w{i}", timeout_s=10, retry_s=10, token="s3cret-admin-token-for-the-pair")
+    a, _ = _secured_pair(roots, tmp_path, "s3cret-admin-token")
+    cs = [ParameterClient(a.address, "j", f"w{i}", timeout_s=10, retry_s=10, token="s3cret-admin-token")
           for i in range(4)]
     together = threading.Barrier(len(cs))
     errors: list[Exception] = []
@@ -223,7 +229,7 @@ def test_workers_creating_a_job_together_on_a_root_with_a_standby_can_all_join(r
     for t in threads:
         t.join(60)
     assert not errors, errors
-    assert sum(c._rpc.token != "s3cret-admin-token-for-the-pair" for c in cs) == 1  # one job token
+    assert sum(c._rpc.token != "s3cret-admin-token" for c in cs) == 1  # one job token
     for c in cs:
         c.register()
         c.close()
@@ -328,12 +334,8 @@ def test_a_root_stopped_longer_than_the_lease_never_forks_a_version(roots, stopp
 
 
 def test_hps_promote_needs_the_admin_token_and_force_while_the_primary_answers(roots, tmp_path):
+    a, b = _secured_pair(roots, tmp_path, "s3cret-admin-token")
     token = tmp_path / "admin-token"
-    token.write_text("s3cret-admin-token\n")
-    token.chmod(0o600)
-    a = roots("a", "--admin-token-file", str(token))
-    b = roots("b", "--admin-token-file", str(token), "--standby-of", a.address)
-    _wait_for(lambda: _synced(b), "the standby to sync")
     hps = [sys.executable, "-m", "ps.tools.cli", "promote"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HPS_ADMIN_TOKEN")}
 
