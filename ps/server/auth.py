@@ -122,8 +122,8 @@ class Guard:
 
     @staticmethod
     def new_token() -> tuple[str, bytes]:
-        """A fresh token and its hash, kept nowhere yet (a root with a standby sends the hash to
-        it before keeping it: ``Root.keep_token``)."""
+        """A fresh token and its hash, kept nowhere yet (a root keeps the hash and sends it to its
+        standby before the token is handed out: ``Root.keep_token``)."""
         token = secrets.token_urlsafe(32)
         return token, digest(token)
 
