@@ -15,6 +15,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.helpers import json_lines  # noqa: E402  (after the path: one reader for tests and benchmarks)
+
+__all__ = ["ROOT", "RESULTS", "machine", "write", "plot", "met", "failover_workers", "json_lines"]
+
 
 def machine() -> dict:
     info = dict(platform=platform.platform(), cores=os.cpu_count(), python=platform.python_version(),
@@ -74,14 +78,3 @@ def failover_workers(cluster, zones: tuple[str, ...], steps: int, logdir: Path) 
             for i, z in enumerate(zones)]
 
 
-def json_lines(proc: subprocess.Popen, n: int, timeout: float, stamped: bool = False) -> list:
-    """Up to ``n`` JSON lines of ``proc``'s stdout within ``timeout`` s; ``stamped``: each as
-    (monotonic time read, line)."""
-    out: list = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out.append((time.monotonic(), json.loads(line)) if stamped else json.loads(line))
-    return out

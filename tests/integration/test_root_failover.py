@@ -5,11 +5,7 @@ on without an exception, no acknowledged version is lost and no push is applied 
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +13,7 @@ from ps.net.rpc import Caller
 from ps.net.wire import decode_pull_reply, pb
 from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status
+from tests.helpers import json_lines, step_worker
 
 FAST = {"heartbeat_s": 0.2, "member_timeout_s": 1.5}
 LEASE_S = 1.0
@@ -28,25 +25,6 @@ def _topology(tmp: Path) -> dict:
             "root": {"name": "root-a", "port": 0, "checkpoint_dir": str(tmp / "a"), "lease_s": LEASE_S,
                      "standby": {"name": "root-b", "checkpoint_dir": str(tmp / "b"), "lease_s": LEASE_S}},
             "regions": [{"name": "eu", "zones": [{"name": "eu-a"}, {"name": "eu-b"}]}]}
-
-
-def _worker(reap, address: str, wid: str, log: Path, steps: int = STEPS, sleep: float = 0.02) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "tests.integration._worker", "--address", address,
-                          "--worker-id", wid, "--steps", str(steps), "--sleep", str(sleep)],
-                         stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    reap(p)
-    return p
-
-
-def _lines(proc: subprocess.Popen, n: int, timeout: float) -> list[tuple[float, dict]]:
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out.append((time.monotonic(), json.loads(line)))
-    return out
 
 
 def _history(address: str, epoch: int) -> dict[int, int]:
@@ -63,14 +41,14 @@ def test_a_killed_primary_root_moves_the_relays_to_the_standby_and_training_goes
     with Cluster.start(_topology(tmp_path), tmp_path / "logs") as cluster:
         a, b = cluster.address("root-a"), cluster.address("root-b")
         assert cluster.tiers["eu"].cmd[cluster.tiers["eu"].cmd.index("--parent") + 1] == f"{a},{b}"
-        ws = [_worker(reap, cluster.address(z), f"w{i}", tmp_path / f"w{i}.log")
+        ws = [step_worker(reap, cluster.address(z), f"w{i}", STEPS, 0.02, tmp_path / f"w{i}.log")
               for i, z in enumerate(("eu-a", "eu-b"))]
-        first = [_lines(w, KILL_AFTER, 90) for w in ws]
+        first = [json_lines(w, KILL_AFTER, 90, stamped=True) for w in ws]
         assert all(len(f) == KILL_AFTER for f in first), f"no training before the kill (logs: {tmp_path})"
         assert fetch_status(b).root_state == "standby"
         cluster.stop_tier("root-a", signal.SIGKILL)
         killed_at = time.monotonic()
-        rest = [_lines(w, STEPS - KILL_AFTER, 120) for w in ws]
+        rest = [json_lines(w, STEPS - KILL_AFTER, 120, stamped=True) for w in ws]
         for i, r in enumerate(rest):
             assert len(r) == STEPS - KILL_AFTER, f"w{i} stopped after {len(r)} more steps (logs: {tmp_path})"
         for w in ws:
@@ -111,11 +89,11 @@ def test_a_relay_restarted_after_a_takeover_leaves_the_old_primary_now_a_standby
     steps = 150  # slow enough (50 ms a step, and more) to still be training once both restarts are done
     with Cluster.start(_topology(tmp_path), tmp_path / "logs") as cluster:
         b = cluster.address("root-b")
-        ws = [_worker(reap, cluster.address(z), f"w{i}", tmp_path / f"w{i}.log", steps, sleep=0.05)
+        ws = [step_worker(reap, cluster.address(z), f"w{i}", steps, 0.05, tmp_path / f"w{i}.log")
               for i, z in enumerate(("eu-a", "eu-b"))]
-        got = [_lines(w, 5, 90) for w in ws]
+        got = [json_lines(w, 5, 90, stamped=True) for w in ws]
         cluster.stop_tier("root-a", signal.SIGKILL)
-        got = [g + _lines(w, 5, 60) for g, w in zip(got, ws)]
+        got = [g + json_lines(w, 5, 60, stamped=True) for g, w in zip(got, ws)]
         assert all(len(g) == 10 for g in got), f"no training on the standby (logs: {tmp_path})"
         cluster.restart("root-a")  # with --standby root-b: it finds b took over and follows it
         a = cluster.address("root-a")
@@ -127,7 +105,7 @@ def test_a_relay_restarted_after_a_takeover_leaves_the_old_primary_now_a_standby
         assert before < steps - 20, "training ended before the relay's restart: slow the workers down"
         restarted = time.time()
         cluster.restart("eu")  # kill -9, then on the same port with --parent root-a,root-b
-        rest = [_lines(w, steps - 10, 120) for w in ws]
+        rest = [json_lines(w, steps - 10, 120, stamped=True) for w in ws]
         for i, r in enumerate(rest):
             assert len(r) == steps - 10, f"w{i} stopped after {len(r)} more steps (logs: {tmp_path})"
         for w in ws:
