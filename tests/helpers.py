@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +23,8 @@ import numpy as np
 from ps.core.config import ServerConfig
 from ps.server import create_server, shutdown
 
-__all__ = ["FAST", "LoopThread", "Tree", "same_bits", "bsp_rounds", "spawn_worker", "step_worker", "json_lines"]
+__all__ = ["FAST", "LoopThread", "Tree", "ServeProcess", "same_bits", "bsp_rounds", "spawn_worker", "step_worker",
+           "json_lines"]
 
 FAST = dict(heartbeat_s=0.1, member_timeout_s=1.0)
 
@@ -135,3 +137,56 @@ def json_lines(proc: subprocess.Popen, n: int, timeout: float, stamped: bool = F
             break
         out.append((time.monotonic(), json.loads(line)) if stamped else json.loads(line))
     return out
+
+
+class ServeProcess:
+    """One ``hps serve`` process, logging to ``log``, stopped (and killed) by its PID."""
+
+    def __init__(self, log: Path, name: str, args: list[str]) -> None:
+        self.name, self.log = name, log
+        self.cmd = [sys.executable, "-m", "ps.tools.cli", "serve", *args]
+        self.start(self.cmd + ["--listen", "127.0.0.1:0"])
+
+    def start(self, cmd: list[str]) -> None:
+        self.offset = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = self.text()
+            if "hps: serving" in text:
+                self.address = text.split("hps: serving", 1)[1].split(" on ", 1)[1].split()[0]
+                return
+            assert self.proc.poll() is None, text
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} did not start")
+
+    def text(self) -> str:
+        """What this incarnation has logged."""
+        return self.log.read_bytes()[self.offset:].decode(errors="replace")
+
+    def restart(self, *args: str) -> None:
+        self.start(self.cmd + ["--listen", self.address, *args])
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def status(self, timeout: float = 2.0):
+        from ps.net.rpc import Caller
+        from ps.net.wire import pb, status_from_pb
+
+        with Caller(self.address) as rpc:
+            return status_from_pb(rpc.call("Status", pb.StatusRequest(), timeout))

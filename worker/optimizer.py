@@ -185,7 +185,8 @@ class HpsOptimizer(torch.optim.Optimizer):
         self._init_done = False
         super().__init__(groups, defaults[0])
         self._init_done = True
-        self.mode = cfg.mode
+        # An outer job's workers train in bsp rounds at their region (its inner loop).
+        self.mode = "bsp" if cfg.mode == "outer" else cfg.mode
         self.staleness = cfg.staleness
         self.clock = self.client.start_clock
         self.trace: list[tuple[int, int]] = []  # (clock, version computed on), if record

@@ -25,10 +25,10 @@ from typing import Any
 
 from ps.core.errors import BadInput, short
 
-__all__ = ["OptimizerConfig", "ParamGroup", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS",
+__all__ = ["OptimizerConfig", "ParamGroup", "OuterConfig", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS",
            "CODEC_NAMES", "POWERSGD_MAX_RANK", "check_name", "check_member", "address_list"]
 
-MODES = ("bsp", "ssp", "async")
+MODES = ("bsp", "ssp", "async", "outer")
 # The codecs a job may name (ps.core.codecs implements each and asserts so at import; this
 # module names them without importing torch, so a configuration loads in milliseconds).
 CODEC_NAMES = ("fp32", "fp32+zstd", "fp16", "bf16", "int8", "topk", "sign", "rows", "powersgd")
@@ -193,6 +193,58 @@ class OptimizerConfig:
         return self.kind in OPTIMIZERS and not self.options and not self.groups
 
 
+def _outer_optimizer() -> OptimizerConfig:
+    return OptimizerConfig(kind="sgd", lr=0.7, momentum=0.9, nesterov=True)  # DiLoCo's outer step
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """An ``outer`` job's cross-region loop (DiLoCo; ../shared/DESIGN.md, Consistency modes).
+
+    The tier whose role is ``inner_tier`` (the regional master by default) runs the job's inner
+    loop for its region: bsp rounds of its workers, stepped with the job's ``optimizer``. Every
+    ``inner_steps / fragments`` inner steps it sends the root the pseudo-gradient of the next
+    fragment (outer view - its parameters, encoded with ``codec`` and its residual); the root
+    averages the regions' by workers, steps ``optimizer`` (here: the outer one) and publishes
+    an outer version, which each region takes as its new parameters for that fragment.
+    """
+
+    inner_steps: int = 50          # H: inner steps between two syncs of one fragment
+    fragments: int = 1             # F: parameter blocks synced in turn, one every H/F inner steps
+    codec: str = "int8"            # the pseudo-gradient's codec, with the region's residual
+    optimizer: OptimizerConfig = field(default_factory=_outer_optimizer)
+    inner_tier: str = "regional"   # the role that runs the inner loop
+    overlap: bool = False          # keep training while a fragment's sync is in flight
+    asynchronous: bool = False     # regions do not wait for each other (staleness-aware)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.optimizer, dict):
+            object.__setattr__(self, "optimizer", OptimizerConfig(**self.optimizer))
+        _require(not isinstance(self.inner_steps, bool) and isinstance(self.inner_steps, int)
+                 and 1 <= self.inner_steps <= 1_000_000,
+                 f"outer inner_steps must be an integer in [1, 1000000], got {self.inner_steps!r}")
+        _require(not isinstance(self.fragments, bool) and isinstance(self.fragments, int)
+                 and 1 <= self.fragments <= min(self.inner_steps, 1024)
+                 and self.inner_steps % self.fragments == 0,
+                 f"outer fragments must divide inner_steps ({self.inner_steps}) and be at most 1024, "
+                 f"got {self.fragments!r}")
+        _require(self.codec in CODEC_NAMES, f"outer codec {self.codec!r} is not one of {CODEC_NAMES}")
+        _require(isinstance(self.optimizer, OptimizerConfig), "outer optimizer must be an OptimizerConfig")
+        _require(self.inner_tier in ("regional", "zone"),
+                 f"outer inner_tier must be 'regional' or 'zone' (the root's would be flat bsp), "
+                 f"got {self.inner_tier!r}")
+        # Said plainly rather than accepted and ignored (issue 17).
+        _require(not self.overlap, "outer overlap (training on while a fragment's sync is in flight) is "
+                 "not built yet; leave overlap off")
+        _require(not self.asynchronous, "asynchronous outer steps (a fast region not waiting for a slow one) "
+                 "are not built yet; leave asynchronous off")
+
+    @property
+    def period(self) -> int:
+        """Inner steps between two syncs (of successive fragments)."""
+        return self.inner_steps // self.fragments
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """One training run's configuration, fixed at creation."""
@@ -225,9 +277,18 @@ class JobConfig:
     # The run that created the job (HPS_RUN_ID, or torchrun's TORCHELASTIC_RUN_ID): a worker of
     # another run does not silently join it and its old weights; it resumes only when told to.
     run_id: str = ""
+    # mode "outer": the cross-region loop (None for any other mode; mode "outer" alone takes
+    # OuterConfig's defaults). ``optimizer`` is then the regions' inner optimizer.
+    outer: OuterConfig | None = None
 
     def __post_init__(self) -> None:
         _finite(self)
+        if isinstance(self.outer, dict):
+            object.__setattr__(self, "outer", OuterConfig(**self.outer))
+        if self.mode == "outer" and self.outer is None:
+            object.__setattr__(self, "outer", OuterConfig())
+        _require(self.outer is None or (self.mode == "outer" and isinstance(self.outer, OuterConfig)),
+                 f"outer settings apply to mode outer, not {self.mode!r}")
         _require(self.buffer_sync_every >= 0, f"buffer_sync_every must be >= 0, got {self.buffer_sync_every}")
         _require(self.run_id == "" or bool(_MEMBER.match(self.run_id)),
                  f"run id {short(self.run_id)} must be 1-128 letters, digits, '.', '_', ':', '@' or '-'")
@@ -237,7 +298,10 @@ class JobConfig:
         _require(self.staleness >= 0, f"staleness must be >= 0, got {self.staleness}")
         _require(self.mode == "ssp" or self.staleness == 0,
                  f"staleness {self.staleness} only applies to mode ssp, not {self.mode!r}")
-        _require(self.mode != "bsp" or not self.damping, "damping applies to ssp and async, not bsp")
+        _require(self.mode not in ("bsp", "outer") or not self.damping,
+                 f"damping applies to ssp and async, not {self.mode}")
+        _require(self.mode != "outer" or not self.momentum_correction,
+                 "momentum_correction does not apply to outer jobs (the inner optimizer is at the region)")
         _require(self.push_codec in CODEC_NAMES, f"push codec {self.push_codec!r} is not one of {CODEC_NAMES}")
         _require(self.delta_codec in CODEC_NAMES, f"delta codec {self.delta_codec!r} is not one of {CODEC_NAMES}")
         _require(self.relay_codec == "" or self.relay_codec in CODEC_NAMES,

@@ -136,18 +136,23 @@ class Encoder:
             return cast(TopK, self.codec).with_k(dgc_density(max(0, step), self.topk, self.warmup_steps))
         return self.codec
 
-    def split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int = 0) -> list[Chunk]:
+    def split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int = 0,
+              only: frozenset[str] | None = None) -> list[Chunk]:
+        """``flat`` encoded as chunks; ``only``: just these keys (the others, and their
+        residuals, are left for a later push)."""
         with self._lock:
-            return self._split(layout, flat, step)
+            return self._split(layout, flat, step, only)
 
-    def _split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int) -> list[Chunk]:
+    def _split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int,
+               only: frozenset[str] | None = None) -> list[Chunk]:
         if self.name == "rows":
             rows = frozenset(s.key for s in layout)
         elif self.lossless:
             rows = row_sparse_keys(layout, flat)
         else:
             rows = frozenset()  # lossy codecs already send no zeros they need not (top-k) or pack them
-        return split(layout, flat, self.codec_at(step), encode=None if self.lossless else self._encode, rows=rows)
+        return split(layout, flat, self.codec_at(step), encode=None if self.lossless else self._encode, rows=rows,
+                     only=only)
 
     def reset(self) -> None:
         """Drop every residual (a new lineage: the root restarted)."""

@@ -41,8 +41,9 @@ CHUNK_ELEMS = 1 << 20  # 4 MiB of float32: the wire's per-frame payload limit
 
 def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_elems: int = CHUNK_ELEMS,
           encode: Callable[[str, Codec, np.ndarray | torch.Tensor], bytes] | None = None,
-          rows: frozenset[str] = frozenset()) -> list[Chunk]:
-    """Encode ``flat`` (the job's whole vector, numpy or torch on any device) as chunks.
+          rows: frozenset[str] = frozenset(), only: frozenset[str] | None = None) -> list[Chunk]:
+    """Encode ``flat`` (the job's whole vector, numpy or torch on any device) as chunks
+    (``only``: of these keys alone; a receiver assembles the others as zero).
 
     ``encode(name, codec, part)`` replaces ``codec.encode(part)`` for senders with state (error
     feedback keyed by ``name``, "key@offset"); keys in ``rows`` travel as their non-zero rows
@@ -58,6 +59,8 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
     out = []
     fp32 = get_codec("fp32")
     for spec in layout:
+        if only is not None and spec.key not in only:
+            continue
         base = layout.offset(spec.key)
         key_codec, step, plain = codec, chunk_elems, encode is None
         if spec.kind == "buffer" and not codec.lossless:

@@ -199,6 +199,16 @@ class JobStats:
     clock_staleness_sum: int = 0
     clock_staleness_max: int = 0
     over_bound: int = 0          # root, ssp: updates whose clock staleness exceeded the bound s
+    # An outer job at the tier running its region's inner loop (ps.tiers.outer):
+    outer_version: int = 0       # the outer version its parameters were last rebased on
+    outer_syncs: int = 0         # pseudo-gradients the root applied
+    outer_sync_failures: int = 0  # syncs that failed (the steps go with the next one)
+    outer_sync_seconds_sum: float = 0.0  # from sending a pseudo-gradient to holding its outer version
+    outer_bytes_up: int = 0      # pseudo-gradient payload bytes sent up (across the WAN)
+    outer_bytes_down: int = 0    # outer-version payload bytes pulled (across the WAN)
+    pseudo_grad_norm: float = 0.0  # L2 norm of the last pseudo-gradient, per worker
+    inner_steps_since_sync: int = 0  # inner steps not yet in any pseudo-gradient
+    inner_steps_lost: int = 0    # inner steps lost to restarts of this tier (reported, never silent)
 
     def staleness(self, s: int) -> None:
         self.staleness_count += 1
@@ -244,6 +254,7 @@ class JobStatus:
     # worker or relay; last_seen_s: seconds since it was dropped). Members that said goodbye
     # (finished) are not here; the list empties when the job ends.
     lost: tuple[MemberInfo, ...] = ()
+    inner_loop: bool = False     # an outer job whose region's inner loop runs at this tier
 
     @property
     def lag_versions(self) -> int:

@@ -34,6 +34,7 @@ from ps.core.config import (
     OPTIMIZERS,
     JobConfig,
     OptimizerConfig,
+    OuterConfig,
     ParamGroup,
 )
 from ps.core.errors import BadInput, short
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 # Enum tables; complete at import (every non-UNSPECIFIED value has a domain name).
-_MODE = {"bsp": pb.MODE_BSP, "ssp": pb.MODE_SSP, "async": pb.MODE_ASYNC}
+_MODE = {"bsp": pb.MODE_BSP, "ssp": pb.MODE_SSP, "async": pb.MODE_ASYNC, "outer": pb.MODE_OUTER}
 _CODEC = {"fp32": pb.CODEC_FP32, "fp32+zstd": pb.CODEC_FP32_ZSTD, "fp16": pb.CODEC_FP16,
           "bf16": pb.CODEC_BF16, "int8": pb.CODEC_INT8, "topk": pb.CODEC_TOPK, "sign": pb.CODEC_SIGN,
           "rows": pb.CODEC_ROWS, "powersgd": pb.CODEC_POWERSGD}
@@ -277,18 +278,53 @@ def _options_from_pb(options: Iterable[pb.OptimizerOption]) -> tuple[tuple[str, 
     return tuple(out)
 
 
+def _optimizer_to_pb(o: OptimizerConfig) -> pb.OptimizerConfig:
+    return pb.OptimizerConfig(kind=_OPT.get(o.kind, pb.OPTIMIZER_UNSPECIFIED), lr=o.lr, momentum=o.momentum,
+                              nesterov=o.nesterov, weight_decay=o.weight_decay,
+                              beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                              warmup_steps=o.warmup_steps, class_name=o.kind,
+                              options=_options_to_pb(o.options),
+                              groups=[pb.ParamGroup(match=g.match, options=_options_to_pb(g.options))
+                                      for g in o.groups],
+                              clip_grad_norm=o.clip_grad_norm)
+
+
+def _optimizer_from_pb(o: pb.OptimizerConfig) -> OptimizerConfig:
+    # Bounded before anything is built (OptimizerConfig checks the same bounds on what it gets).
+    if len(o.options) > MAX_OPTIONS or len(o.groups) > MAX_GROUPS or any(
+            len(g.options) > MAX_OPTIONS or len(g.match) > MAX_PATTERNS for g in o.groups):
+        raise BadInput(f"optimizer configuration too large: at most {MAX_OPTIONS} options, {MAX_GROUPS} groups "
+                       f"of {MAX_PATTERNS} patterns")
+    return OptimizerConfig(kind=o.class_name or _name(_OPT, o.kind, "optimizer"), lr=o.lr,
+                           momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay,
+                           beta1=o.beta1, beta2=o.beta2, eps=o.eps, warmup_steps=o.warmup_steps,
+                           options=_options_from_pb(o.options),
+                           groups=tuple(ParamGroup(tuple(g.match), _options_from_pb(g.options))
+                                        for g in o.groups),
+                           clip_grad_norm=o.clip_grad_norm)
+
+
+def _outer_to_pb(c: OuterConfig | None) -> pb.OuterConfig | None:
+    if c is None:
+        return None
+    return pb.OuterConfig(inner_steps=c.inner_steps, fragments=c.fragments, codec=_CODEC[c.codec],
+                          optimizer=_optimizer_to_pb(c.optimizer), inner_tier=ROLE[c.inner_tier],
+                          overlap=c.overlap, asynchronous=c.asynchronous)
+
+
+def _outer_from_pb(m: pb.JobConfig) -> OuterConfig | None:
+    if not m.HasField("outer"):
+        return None
+    c = m.outer
+    return OuterConfig(inner_steps=c.inner_steps, fragments=c.fragments, codec=_name(_CODEC, c.codec, "codec"),
+                       optimizer=_optimizer_from_pb(c.optimizer), inner_tier=ROLE_NAME.get(c.inner_tier, "?"),
+                       overlap=c.overlap, asynchronous=c.asynchronous)
+
+
 def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
-    o = cfg.optimizer
     return pb.JobConfig(
         name=cfg.name, mode=_MODE[cfg.mode], staleness=cfg.staleness,
-        optimizer=pb.OptimizerConfig(kind=_OPT.get(o.kind, pb.OPTIMIZER_UNSPECIFIED), lr=o.lr, momentum=o.momentum,
-                                     nesterov=o.nesterov, weight_decay=o.weight_decay,
-                                     beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                                     warmup_steps=o.warmup_steps, class_name=o.kind,
-                                     options=_options_to_pb(o.options),
-                                     groups=[pb.ParamGroup(match=g.match, options=_options_to_pb(g.options))
-                                             for g in o.groups],
-                                     clip_grad_norm=o.clip_grad_norm),
+        optimizer=_optimizer_to_pb(cfg.optimizer), outer=_outer_to_pb(cfg.outer),
         push_codec=_CODEC[cfg.push_codec], delta_codec=_CODEC[cfg.delta_codec],
         delta_log_length=cfg.delta_log_length, damping=cfg.damping,
         relay_codec=_CODEC[cfg.relay_codec] if cfg.relay_codec else pb.CODEC_UNSPECIFIED,
@@ -303,21 +339,9 @@ def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
         if not m.name:
             raise BadInput("a job configuration needs at least the job's name")
         return None
-    o = m.optimizer
-    # Bounded before anything is built (OptimizerConfig checks the same bounds on what it gets).
-    if len(o.options) > MAX_OPTIONS or len(o.groups) > MAX_GROUPS or any(
-            len(g.options) > MAX_OPTIONS or len(g.match) > MAX_PATTERNS for g in o.groups):
-        raise BadInput(f"optimizer configuration too large: at most {MAX_OPTIONS} options, {MAX_GROUPS} groups "
-                       f"of {MAX_PATTERNS} patterns")
     return JobConfig(
         name=m.name, mode=_name(_MODE, m.mode, "mode"), staleness=m.staleness,
-        optimizer=OptimizerConfig(kind=o.class_name or _name(_OPT, o.kind, "optimizer"), lr=o.lr,
-                                  momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay,
-                                  beta1=o.beta1, beta2=o.beta2, eps=o.eps, warmup_steps=o.warmup_steps,
-                                  options=_options_from_pb(o.options),
-                                  groups=tuple(ParamGroup(tuple(g.match), _options_from_pb(g.options))
-                                               for g in o.groups),
-                                  clip_grad_norm=o.clip_grad_norm),
+        optimizer=_optimizer_from_pb(m.optimizer), outer=_outer_from_pb(m),
         push_codec=_name(_CODEC, m.push_codec, "codec"), delta_codec=_name(_CODEC, m.delta_codec, "codec"),
         delta_log_length=m.delta_log_length, damping=m.damping,
         relay_codec=_name(_CODEC, m.relay_codec, "codec") if m.relay_codec else "",
@@ -412,7 +436,7 @@ def status_to_pb(s: TierStatus) -> pb.StatusReply:
                            round=j.round, round_pushed=j.round_pushed, clock_min=j.clock_min,
                            staleness=j.staleness, parameters=j.parameters,
                            members=_members_to_pb(j.members), lost=_members_to_pb(j.lost),
-                           stats=pb.JobStats(**{k: getattr(j.stats, k) for k in _STATS}))
+                           inner_loop=j.inner_loop, stats=pb.JobStats(**{k: getattr(j.stats, k) for k in _STATS}))
               for j in s.jobs])
 
 
@@ -428,7 +452,7 @@ def status_from_pb(m: pb.StatusReply) -> TierStatus:
                              lag_s=j.lag_s, round=j.round, round_pushed=j.round_pushed,
                              clock_min=j.clock_min, staleness=j.staleness, parameters=j.parameters,
                              members=_members_from_pb(j.members), lost=_members_from_pb(j.lost),
-                             stats=JobStats(**{k: getattr(j.stats, k) for k in _STATS}))
+                             inner_loop=j.inner_loop, stats=JobStats(**{k: getattr(j.stats, k) for k in _STATS}))
                    for j in m.jobs))
 
 

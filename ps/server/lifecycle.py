@@ -40,7 +40,7 @@ from ps.server.auth import guard_for
 from ps.server.health import Health, health_handler
 from ps.server.service import handler
 from ps.tiers.metrics import TierMetrics, process_registry, serve_metrics
-from ps.tiers.relay import Relay
+from ps.tiers.outer import OuterRelay
 from ps.tiers.tier import Tier
 
 __all__ = ["create_server", "shutdown", "serve", "health_port"]
@@ -63,7 +63,7 @@ async def create_server(config: ServerConfig, registry: CollectorRegistry | None
 
         tier: Tier = Root(config)
     else:
-        tier = Relay(config)
+        tier = OuterRelay(config)  # a relay; for outer jobs whose inner loop is its role, their root
     server = grpc.aio.server(options=SERVER_OPTIONS)
     metrics = TierMetrics(tier, registry if registry is not None else CollectorRegistry())
     health = Health(tier)

@@ -122,6 +122,21 @@ def families(snap: dict, labels: dict[str, str]) -> list:
     out += [version, lag_v, lag_s, members, workers, lost, age, open_round, pushes, push_bytes, pull_bytes, push_raw,
             pull_raw, hits, fallbacks, rounds, aborted, restarted, refused, dups, resolved, departures,
             wait, bound, w_loss, w_step]
+    # Outer jobs at the tier running a region's inner loop (ps.tiers.outer): the WAN side.
+    o_version = gauge("hps_outer_version", "Outer version the region's parameters were last rebased on")
+    o_syncs = counter("hps_outer_syncs_total", "Pseudo-gradients of this region the root applied "
+                                               "(one fragment each)")
+    o_failed = counter("hps_outer_sync_failures_total", "Syncs that failed (their inner steps go with "
+                                                        "the next sync)")
+    o_latency = SummaryMetricFamily("hps_outer_sync_seconds", "From sending a pseudo-gradient to "
+                                    "holding the outer version that applied it", labels=jl)
+    o_bytes = counter("hps_outer_wan_bytes_total", "Payload bytes across the WAN edge: pseudo-gradients "
+                      "sent (direction=up), outer versions pulled (direction=down)", [*jl, "direction"])
+    o_norm = gauge("hps_outer_pseudo_gradient_norm", "L2 norm of the last pseudo-gradient, per worker")
+    o_since = gauge("hps_outer_inner_steps_since_sync", "Inner steps not yet in any pseudo-gradient")
+    o_lost = counter("hps_outer_inner_steps_lost_total", "Inner steps lost to restarts of this tier or "
+                                                         "dropped when every member left (never silent)")
+    outer_fams = [o_version, o_syncs, o_failed, o_latency, o_bytes, o_norm, o_since, o_lost]
     staleness = stale_max = None
     if s.role == "global":
         # A summary, not a histogram: the root keeps only the count, sum and maximum.
@@ -146,6 +161,8 @@ def families(snap: dict, labels: dict[str, str]) -> list:
         over = counter("hps_updates_over_bound_total", "Updates of ssp jobs whose clock staleness "
                        "exceeded the job's bound s (invariant 3 broken: must stay 0)")
         out += [staleness, stale_max, doubled, not_durable, ckpt_failed, clocks, clocks_max, over]
+    if is_relay:
+        out += outer_fams
 
     for j in s.jobs:
         lv, st = [*base, j.name], j.stats
@@ -184,6 +201,16 @@ def families(snap: dict, labels: dict[str, str]) -> list:
         wait.add_metric(lv, count_value=st.pushes, sum_value=st.round_wait_ms_sum / 1000.0)
         w_loss.add_metric(lv, count_value=st.loss_count, sum_value=st.loss_sum)
         w_step.add_metric(lv, count_value=st.loss_count, sum_value=st.step_seconds_sum)
+        if j.inner_loop:
+            o_version.add_metric(lv, st.outer_version)
+            o_syncs.add_metric(lv, st.outer_syncs)
+            o_failed.add_metric(lv, st.outer_sync_failures)
+            o_latency.add_metric(lv, count_value=st.outer_syncs, sum_value=st.outer_sync_seconds_sum)
+            o_bytes.add_metric([*lv, "up"], st.outer_bytes_up)
+            o_bytes.add_metric([*lv, "down"], st.outer_bytes_down)
+            o_norm.add_metric(lv, st.pseudo_grad_norm)
+            o_since.add_metric(lv, st.inner_steps_since_sync)
+            o_lost.add_metric(lv, st.inner_steps_lost)
         if staleness is not None:
             staleness.add_metric(lv, count_value=st.staleness_count, sum_value=st.staleness_sum)
             stale_max.add_metric(lv, st.staleness_max)

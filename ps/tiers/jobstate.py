@@ -89,7 +89,8 @@ class JobState:
 
     @property
     def bsp(self) -> bool:
-        return self.config.mode == "bsp"
+        # outer: bsp rounds of the workers inside a region, and of the regions at the root
+        return self.config.mode in ("bsp", "outer")
 
     def new_window(self) -> Window:
         return Window(numel=self.layout.numel, repeats=self.config.mode == "async")

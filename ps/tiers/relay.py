@@ -222,14 +222,18 @@ class Relay(Tier):
     async def _register_again(self, unknown: list[str]) -> None:
         """Register the jobs the parent forgot, and jobs detached after a refusal (NotReady) or a
         switch of parents that still have children here: their rounds never close otherwise."""
-        detached = [j for j, js in self.jobs.items() if j not in self.attached and len(js.members)]
+        detached = [j for j in self.jobs if j not in self.attached and self._has_children(j)]
         for job in sorted(set(unknown) | set(detached)):
             self.attached.discard(job)
-            if job in self.jobs and len(self.jobs[job].members):
+            if job in self.jobs and self._has_children(job):
                 try:
                     await self._job_for_register(job)
                 except HpsError as exc:
                     log.warning("%s: re-registering job %s failed: %s", self.role, job, exc)
+
+    def _has_children(self, job: str) -> bool:
+        """Members below hold ``job`` here (a job without any is not registered again)."""
+        return len(self.jobs[job].members) > 0
 
     async def _switch_parent(self, old: str, why: HpsError) -> None:
         """Move to the next parent in turn and register every job held here with it."""
@@ -282,7 +286,10 @@ class Relay(Tier):
         # at every level, so re-sparsify (DGC; design invariant 6). Off the event loop: a large
         # model's encode takes tens of milliseconds (the encoder runs one at a time).
         enc = self.encoder(js)
-        chunks = await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round) if agg.contributors else []
+        # Keys no contribution has a gradient for are not sent, and keep their residual.
+        absent = frozenset(agg.step.absent)
+        only = frozenset(s.key for i, s in enumerate(js.layout.specs) if i not in absent) if absent else None
+        chunks = await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round, only) if agg.contributors else []
         (loss, n, secs), js.unsent_report = js.unsent_report, (0.0, 0, 0.0)
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
                                       agg.contributors, agg.clock_min, agg.clock_max, floor,

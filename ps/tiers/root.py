@@ -477,7 +477,8 @@ class Root(Tier):
 
     @staticmethod
     def _optimizer(cfg: JobConfig, params: np.ndarray, layout: Layout) -> ServerOptimizer:
-        opt = cfg.optimizer
+        # An outer job's optimizer field is the regions' inner one; the root steps the outer one.
+        opt = cfg.outer.optimizer if cfg.outer is not None else cfg.optimizer
         if cfg.momentum_correction:  # the workers hold the momentum (DGC); it must not apply twice
             opt = dataclasses.replace(opt, momentum=0.0)
         return ServerOptimizer(opt, params, layout)
@@ -569,10 +570,15 @@ class Root(Tier):
                 js.stats.double_applied += doubles
                 log.critical("job %s: version %d applied %d worker push(es) an earlier version had "
                              "applied already", js.config.name, js.view.version, doubles)
+            await self._after_version(js, rec)
             if not fut.done():
                 fut.set_result(Ack(js.view.version, js.view.epoch, skipped=step.skip))
             if js.view.version % self.config.checkpoint_every == 0:
                 self._checkpoint(js)
+
+    async def _after_version(self, js: RootJob, rec: WalRecord) -> None:
+        """A version was published and is about to be acknowledged (the job's apply lock held):
+        nothing more at the root; a region's inner loop syncs with the root here (ps.tiers.outer)."""
 
     async def _roll_back(self, js: RootJob) -> None:
         """Put the job's parameters and optimizer back to its published version, exactly."""
@@ -850,5 +856,10 @@ def _config(c: dict) -> JobConfig:
 
 def _describe(cfg: JobConfig) -> str:
     o = cfg.optimizer
-    return (f"mode {cfg.mode}" + (f"({cfg.staleness})" if cfg.mode == "ssp" else "") +
+    text = (f"mode {cfg.mode}" + (f"({cfg.staleness})" if cfg.mode == "ssp" else "") +
             f", {o.kind} lr {o.lr:g}, push codec {cfg.push_codec}")
+    if cfg.outer is not None:
+        c = cfg.outer
+        text += (f"; outer {c.optimizer.kind} lr {c.optimizer.lr:g} every {c.inner_steps} inner steps "
+                 f"in {c.fragments} fragment(s), {c.codec} pseudo-gradients, inner loop at the {c.inner_tier} tier")
+    return text

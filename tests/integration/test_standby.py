@@ -23,58 +23,20 @@ from ps.core.view import KeySpec, Layout
 from ps.net.rpc import Caller
 from ps.net.wire import decode_pull_reply, pb, status_from_pb
 from ps.tools.status import fetch_ready
+from tests.helpers import ServeProcess
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (256,)), KeySpec("b", (4,))])
 LEASE_S = 1.0
 
 
-class Root:
+class Root(ServeProcess):
     """One root process (``hps serve --role global``), stopped by PID."""
 
     def __init__(self, tmp: Path, name: str, *args: str) -> None:
-        self.name, self.log = name, tmp / f"{name}.log"
-        self.cmd = [sys.executable, "-m", "ps.tools.cli", "serve", "--role", "global", "--name", name,
-                    "--insecure", "--heartbeat-s", "0.2", "--member-timeout-s", "3", "--lease-s", str(LEASE_S),
-                    "--checkpoint-dir", str(tmp / name), "--checkpoint-every", "7", *args]
-        self.start(self.cmd + ["--listen", "127.0.0.1:0"])
-
-    def start(self, cmd: list[str]) -> None:
-        self.offset = self.log.stat().st_size if self.log.exists() else 0
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            text = self.log.read_bytes()[self.offset:].decode(errors="replace")
-            if "hps: serving" in text:
-                self.address = text.split("hps: serving", 1)[1].split(" on ", 1)[1].split()[0]
-                return
-            assert self.proc.poll() is None, text
-            time.sleep(0.05)
-        raise TimeoutError(f"{self.name} did not start")
-
-    def restart(self, *args: str) -> None:
-        self.start(self.cmd + ["--listen", self.address, *args])
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-        if sig == signal.SIGKILL:
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-    def status(self, timeout: float = 2.0):
-        with Caller(self.address) as rpc:
-            return status_from_pb(rpc.call("Status", pb.StatusRequest(), timeout))
+        super().__init__(tmp / f"{name}.log", name, [
+            "--role", "global", "--name", name, "--insecure", "--heartbeat-s", "0.2", "--member-timeout-s", "3",
+            "--lease-s", str(LEASE_S), "--checkpoint-dir", str(tmp / name), "--checkpoint-every", "7", *args])
 
 
 @pytest.fixture

@@ -1,0 +1,130 @@
+"""The arithmetic of an ``outer`` job's region (pure): fragments, pseudo-gradients, rebasing.
+
+>>> from ps.core.view import KeySpec, Layout
+>>> layout = Layout([KeySpec("a", (4,)), KeySpec("b", (2,)), KeySpec("c", (2,))])
+>>> plan = OuterPlan(layout, inner_steps=4, fragments=2)
+>>> plan.keys                                   # each fragment's keys, balanced by elements
+((0,), (1, 2))
+>>> plan.fragment(outer_version=5), plan.period  # fragments in turn, one every H/F inner steps
+(1, 2)
+>>> base = np.zeros(8, np.float32); params = np.arange(8, dtype=np.float32)
+>>> delta = plan.pseudo_gradient(base, params, 1, workers=2)  # (base - params) * workers
+>>> delta.tolist()
+[0.0, 0.0, 0.0, 0.0, -8.0, -10.0, -12.0, -14.0]
+>>> plan.absent(1)                               # what the root's outer optimizer leaves alone
+(0,)
+>>> plan.rebase(params, base, np.full(8, 9, np.float32), 1); params.tolist(), base.tolist()
+([0.0, 1.0, 2.0, 3.0, 9.0, 9.0, 9.0, 9.0], [0.0, 0.0, 0.0, 0.0, 9.0, 9.0, 9.0, 9.0])
+
+DiLoCo (Douillard et al. 2023): a region trains H inner steps from the outer parameters
+``base``; its pseudo-gradient is ``base - params``; the root averages the regions' (by workers,
+as bsp averages by workers) and takes one outer optimizer step on it, whose result every
+region takes as its new ``params`` and ``base``. Streaming DiLoCo (2501.18512) syncs the
+parameters in F fragments, one every H/F inner steps, so each fragment still syncs once
+every H steps and the WAN carries a 1/F share at a time.
+
+Inner version numbers follow the outer ones: a region's inner lineage starts at
+``outer_version * stride`` and every sync publishes one version (the rebase), so the inner
+versions between two syncs are ``u * stride .. u * stride + period``. A restarted region can
+then tell, from the version a child last held, how many inner steps it lost (``lost_steps``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ps.core.view import Layout
+
+__all__ = ["OuterPlan"]
+
+
+class OuterPlan:
+    """Where each fragment lives in the flat vector and when it syncs."""
+
+    def __init__(self, layout: Layout, inner_steps: int, fragments: int) -> None:
+        self.layout = layout
+        self.inner_steps = inner_steps
+        self.period = inner_steps // fragments
+        # Keys in order, cut into F runs of about numel / F elements each (a key is never split:
+        # the optimizer's per-key state and the absent list are per key). Fewer keys than
+        # fragments leaves some fragments empty; they still take their turn.
+        specs = list(layout)
+        target = layout.numel / fragments
+        keys: list[list[int]] = [[] for _ in range(fragments)]
+        acc = 0
+        for i, s in enumerate(specs):
+            f = min(fragments - 1, int(acc // target)) if target else 0
+            keys[f].append(i)
+            acc += s.numel
+        self.keys = tuple(tuple(k) for k in keys)
+        self.names = tuple(frozenset(specs[i].key for i in k) for k in self.keys)
+        self._spans = tuple(tuple((layout.offset(specs[i].key), specs[i].numel) for i in k) for k in self.keys)
+        self._buffers = frozenset(i for i, s in enumerate(specs) if s.kind == "buffer")
+
+    @property
+    def fragments(self) -> int:
+        return len(self.keys)
+
+    @property
+    def stride(self) -> int:
+        """Inner versions per outer version: ``period`` inner steps and the rebase."""
+        return self.period + 1
+
+    def fragment(self, outer_version: int) -> int:
+        """The fragment the sync based on ``outer_version`` carries (every region agrees)."""
+        return outer_version % self.fragments
+
+    def absent(self, fragment: int) -> tuple[int, ...]:
+        """Key indices a sync of ``fragment`` carries no gradient for (sorted)."""
+        inside = set(self.keys[fragment])
+        return tuple(i for i in range(len(self.layout.specs)) if i not in inside)
+
+    def buffers(self, fragment: int) -> bool:
+        """Whether ``fragment`` holds buffer keys (a sync then carries their values)."""
+        return any(i in self._buffers for i in self.keys[fragment])
+
+    def pseudo_gradient(self, base: np.ndarray, params: np.ndarray, fragment: int, workers: int,
+                        out: np.ndarray | None = None) -> np.ndarray:
+        """``(base - params) * workers`` on ``fragment``'s keys, zero elsewhere: the sum a bsp
+        round of ``workers`` would send, so the root's average weighs regions by workers.
+        Buffer keys carry ``params * workers`` (values, averaged at the root as in bsp)."""
+        out = np.zeros_like(params) if out is None else out
+        out.fill(0.0)
+        w = np.float32(workers)
+        for i, (off, n) in zip(self.keys[fragment], self._spans[fragment], strict=True):
+            sl = slice(off, off + n)
+            if i in self._buffers:
+                np.multiply(params[sl], w, out=out[sl])
+            else:
+                np.subtract(base[sl], params[sl], out=out[sl])
+                out[sl] *= w
+        return out
+
+    def rebase(self, params: np.ndarray, base: np.ndarray, outer: np.ndarray, fragment: int) -> None:
+        """Take the outer values of ``fragment`` as the region's parameters and new base (in
+        place: the inner optimizer's tensors are views of ``params``)."""
+        for off, n in self._spans[fragment]:
+            params[off:off + n] = outer[off:off + n]
+            base[off:off + n] = outer[off:off + n]
+
+    def norm(self, delta: np.ndarray, fragment: int, workers: int) -> float:
+        """The L2 norm of the pseudo-gradient (per worker: ``delta`` is scaled by ``workers``)."""
+        sq = 0.0
+        for i, (off, n) in zip(self.keys[fragment], self._spans[fragment], strict=True):
+            if i not in self._buffers:
+                part = delta[off:off + n].astype(np.float64)
+                sq += float(part @ part)
+        return float(np.sqrt(sq)) / max(1, workers)
+
+    def start_version(self, outer_version: int) -> int:
+        """The inner version a region's lineage starts at when its base is ``outer_version``."""
+        return outer_version * self.stride
+
+    def lost_steps(self, old_version: int, outer_version: int) -> int:
+        """Inner steps a region's old lineage held at ``old_version`` that are in no outer
+        version, when the outer view is now at ``outer_version``: those since its last sync,
+        unless its pending sync (all ``period`` steps done) made it into a later outer version."""
+        synced_to, steps = divmod(old_version, self.stride)
+        if steps == self.period and outer_version > synced_to:
+            return 0
+        return steps

@@ -1,0 +1,403 @@
+"""Outer jobs at the tier that runs a region's inner loop (issue 17; DESIGN.md, mode ``outer``).
+
+>>> async def region(parent):   # a root at ``parent`` holds an outer job "lm" (JobConfig.outer)
+...     tier = OuterRelay(ServerConfig(role="regional", parent=parent, name="eu"))
+...     await tier.start()      # ps.server.create_server serves every relay as one
+...     reg = await tier.register("lm", "eu-a", "zone", "", last_seq=0, incarnation=0x5eed)
+...     held = tier.inner.jobs["lm"].view.version, tier.jobs["lm"].view.version
+...     await tier.stop()
+...     return reg.config.mode, held     # the inner lineage starts at outer version 0 * stride
+>>> asyncio.run(region(address))
+('outer', (0, 0))
+
+An ``OuterRelay`` is a relay for every job but the outer jobs whose ``inner_tier`` is its role.
+For those it holds two things:
+
+- its place in the root's job, as any relay does (``Relay``): registered as one member, it
+  follows the *outer* view with long-polling pulls (a region pulls each outer delta across the
+  WAN once) and pushes up through its encoder, with its residual (error feedback);
+- an ``InnerRoot``: the region's own root for the job. Its children (zones, workers) register,
+  push, pull and resolve there as at any root: bsp rounds close here, the job's optimizer (the
+  inner one) steps here, versions are published here with every invariant of the tree (replicas
+  bit for bit, exactly-once, epochs). A zone below cannot tell it from the global root.
+
+Every ``period = inner_steps / fragments`` inner versions the inner root, before acknowledging
+the round (the region waits: overlap is not built yet), sends the root the next fragment's
+pseudo-gradient (``ps.core.outer``) as a push of the region's workers, waits for the outer
+version that applied it, takes the fragment's outer values as its parameters and publishes
+that as one more inner version (the rebase), whose number the round's acknowledgement carries.
+
+The inner state is in memory only. A restarted region starts a new lineage from the outer view;
+the inner steps its old lineage held beyond its last sync are counted (``inner_steps_lost``,
+``hps_outer_inner_steps_lost_total``) and logged as soon as a child pulls with the old lineage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ps.core.config import JobConfig, ServerConfig
+from ps.core.consistency import Aggregate
+from ps.core.encoder import Encoder
+from ps.core.errors import BadInput, HpsError, NotReady, short
+from ps.core.intake import PushIntake
+from ps.core.leases import Dataset, Grant
+from ps.core.logs import event
+from ps.core.optim import ServerOptimizer, warm_up
+from ps.core.outer import OuterPlan
+from ps.core.ranks import RankInfo
+from ps.core.tensors import Chunk
+from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration, StepInfo, TierStatus, VersionMeta
+from ps.core.view import Layout
+from ps.tiers.jobstate import JobState, RelayJob, RootJob
+from ps.tiers.relay import Relay
+from ps.tiers.root import Root
+from ps.tiers.tier import new_epoch
+from ps.tiers.wal import WalRecord
+
+__all__ = ["OuterRelay", "InnerRoot", "runs_inner"]
+
+log = logging.getLogger("hps.outer")
+
+PullReply = tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]
+_OUTER_WAIT_S = 60.0  # at most this long for the outer version that applied a pseudo-gradient
+
+
+def runs_inner(cfg: JobConfig, role: str) -> bool:
+    """Whether a tier of ``role`` runs ``cfg``'s inner loop."""
+    return cfg.outer is not None and cfg.outer.inner_tier == role
+
+
+@dataclass
+class OuterState:
+    """A region's side of one outer job: where its fragments stand."""
+
+    plan: OuterPlan
+    base: np.ndarray            # the outer values each fragment was last rebased on
+    workers: int = 1            # contributors of the last inner round (the pseudo-gradient's weight)
+    scratch: np.ndarray | None = None
+    detached: bool = False      # every child left: not in the root's rounds until one is back
+    reported: set[int] = dataclasses.field(default_factory=set)  # old lineages whose loss is counted
+
+
+class InnerRoot(Root):
+    """A region's root for its outer jobs: ``Root`` with the job's inner optimizer, no disk, and
+    a sync with the global root every ``period`` versions (``OuterRelay.sync``)."""
+
+    def __init__(self, config: ServerConfig, relay: OuterRelay) -> None:
+        super().__init__(dataclasses.replace(config, role="global", parent="", checkpoint_dir="",
+                                             standby="", standby_of=""))
+        self.role = relay.role
+        self.epoch = relay.epoch  # one server epoch for the process, whichever part answers
+        self.relay = relay
+
+    @staticmethod
+    def _optimizer(cfg: JobConfig, params: np.ndarray, layout: Layout) -> ServerOptimizer:
+        return ServerOptimizer(cfg.optimizer, params, layout)  # the inner one
+
+    async def _after_version(self, js: RootJob, rec: WalRecord) -> None:
+        await self.relay.after_inner_version(js, rec.contributors)
+
+    def _telemetry(self, js: RootJob, meta: PushMeta) -> bool:
+        if not super()._telemetry(js, meta):
+            return False
+        ojs = self.relay.jobs.get(js.config.name)
+        if ojs is not None:  # the root hears the region's losses with its next pseudo-gradient
+            loss, n, secs = ojs.unsent_report
+            ojs.unsent_report = (loss + meta.loss_sum, n + meta.loss_count, secs + meta.step_seconds_sum)
+        return True
+
+    async def _members_changed(self, js: JobState) -> None:
+        await super()._members_changed(js)
+        if len(js.members) == 0:
+            await self.relay.inner_empty(js.config.name)
+
+    async def pull(self, job: str, member: str, view_epoch: int, since: int, min_version: int,
+                   wait_s: float, min_clock: int = 0) -> PullReply:
+        self.relay.note_old_lineage(job, view_epoch, since)
+        return await super().pull(job, member, view_epoch, since, min_version, wait_s, min_clock)
+
+
+class OuterRelay(Relay):
+    """A relay that runs the inner loop of the outer jobs whose ``inner_tier`` is its role."""
+
+    def __init__(self, config: ServerConfig, **kw) -> None:
+        super().__init__(config, **kw)
+        # Made with the first outer job held here: a relay of other jobs builds no optimizer.
+        self.inner: InnerRoot | None = None
+        self.outer: dict[str, OuterState] = {}
+        self._inner_locks: dict[str, asyncio.Lock] = {}
+
+    async def stop(self) -> None:
+        if self.inner is not None:
+            await self.inner.stop()
+        await super().stop()
+
+    def _inner(self, job: str) -> bool:
+        return self.inner is not None and job in self.inner.jobs
+
+    async def _inner_root(self) -> InnerRoot:
+        if self.inner is None:
+            await asyncio.to_thread(warm_up)  # torch's first optimizer imports for a second: not on the loop
+            self.inner = InnerRoot(self.config, self)
+            await self.inner.start()
+        return self.inner
+
+    # -- the region's own job --------------------------------------------------------------
+    async def register(self, job: str, member: str, role: str, address: str, last_seq: int,
+                       incarnation: int) -> Registration:
+        js = await self._job_for_register(job)
+        if not runs_inner(js.config, self.role):
+            return await super().register(job, member, role, address, last_seq, incarnation)
+        inner = await self._ensure_inner(js)
+        await self._rejoin(js, inner)
+        return await inner.register(job, member, role, address, last_seq, incarnation)
+
+    async def _ensure_inner(self, ojs: RelayJob) -> InnerRoot:
+        """Make the region's inner job from the outer view (its first child, or after a restart)."""
+        name = ojs.config.name
+        inner = await self._inner_root()
+        async with self._inner_locks.setdefault(name, asyncio.Lock()):
+            if name in inner.jobs:
+                return inner
+            deadline = self.clock() + self.config.upstream_timeout_s
+            while not ojs.view.ready and self.clock() < deadline:
+                await ojs.wait_change(deadline - self.clock())
+            if not ojs.view.ready:
+                raise NotReady(f"this {self.role} tier has no outer view of job {short(name)} yet; retry shortly")
+            cfg, oc = ojs.config, ojs.config.outer
+            assert oc is not None
+            plan = OuterPlan(ojs.layout, oc.inner_steps, oc.fragments)
+            u = ojs.view.version
+            ijs = inner._install(cfg, ojs.layout, ojs.view.values, plan.start_version(u))
+            # A lineage of its own: children of an earlier one (this process's, or a dead
+            # predecessor's) take a snapshot rather than deltas that do not apply to theirs.
+            ijs.view.load_snapshot(new_epoch(), ijs.view.version, ijs.view.values.copy(), ijs.view.checksum)
+            ijs.stats.outer_version = u
+            self.outer[name] = OuterState(plan, ojs.view.values.copy())
+            log.info("%s: job %s runs its inner loop here from outer version %d (inner version %d; "
+                     "%d inner steps per sync, %d fragment(s))", self.role, name, u, ijs.view.version,
+                     plan.period, plan.fragments,
+                     extra=event("outer.started", job=name, version=u))
+            return inner
+
+    async def inner_empty(self, job: str) -> None:
+        """Every child left: leave the root's rounds, which would otherwise wait for this region.
+        The inner job stays (children pulling still get answers); a child registering again
+        rebases it on the outer view first (``_rejoin``)."""
+        st = self.outer.get(job)
+        if st is None or st.detached:
+            return
+        st.detached = True
+        if job in self.attached:
+            self.attached.discard(job)
+            try:
+                await self.up.leave(job)
+            except HpsError as exc:
+                log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
+
+    async def _rejoin(self, ojs: RelayJob, inner: InnerRoot) -> None:
+        """A child came back to a job this region had left: take the outer view whole (the root
+        moved on without us) and publish it as an inner version; the steps not synced are lost,
+        and said so."""
+        name = ojs.config.name
+        st, ijs = self.outer.get(name), inner.jobs.get(name)
+        if st is None or ijs is None or not st.detached:
+            return
+        async with ijs.apply_lock:
+            lost = ijs.stats.inner_steps_since_sync
+            for f in range(st.plan.fragments):
+                st.plan.rebase(ijs.params, st.base, ojs.view.values, f)
+            inner._publish(ijs, ijs.view.clock_min, 0)
+            ijs.reset_round(ijs.view.version, "the region joined the root's rounds again")
+            ijs.stats.inner_steps_lost += lost
+            ijs.stats.inner_steps_since_sync = 0
+            ijs.stats.outer_version = ojs.view.version
+            st.detached = False
+        log.warning("%s: job %s: joined the root's rounds again at outer version %d; %d inner step(s) "
+                    "not synced before every member left were dropped", self.role, name, ojs.view.version,
+                    lost, extra=event("outer.dropped", job=name, steps=lost))
+
+    def note_old_lineage(self, job: str, view_epoch: int, since: int) -> None:
+        """A child pulled holding ``since`` of another lineage: if it is one this process never
+        served, a predecessor died with it; count the inner steps in no outer version."""
+        ijs, st = self.inner.jobs.get(job) if self.inner else None, self.outer.get(job)
+        if (ijs is None or st is None or not view_epoch or view_epoch == ijs.view.epoch or since <= 0
+                or view_epoch in st.reported):
+            return
+        st.reported.add(view_epoch)
+        if len(st.reported) > 64:
+            st.reported.pop()
+        lost = st.plan.lost_steps(since, ijs.stats.outer_version)
+        ijs.stats.inner_steps_lost += lost
+        log.warning("%s: job %s: a child held inner version %d of an earlier lineage (epoch %#x): %d inner "
+                    "step(s) since its last sync are in no outer version and were lost", self.role, job,
+                    since, view_epoch, lost, extra=event("outer.steps_lost", job=job, steps=lost))
+
+    # -- the sync ---------------------------------------------------------------------------
+    async def after_inner_version(self, ijs: RootJob, contributors: int) -> None:
+        """The inner root published a version (its apply lock held): sync a fragment when due."""
+        name = ijs.config.name
+        st = self.outer.get(name)
+        if st is None or self.inner is None:
+            return
+        if contributors:
+            st.workers = contributors
+            ijs.stats.inner_steps_since_sync += 1
+        if ijs.stats.inner_steps_since_sync < st.plan.period:
+            return
+        await self.sync(ijs, st)
+
+    async def sync(self, ijs: RootJob, st: OuterState) -> None:
+        """Send the due fragment's pseudo-gradient, take the outer version that applied it as
+        the fragment's parameters, and publish that as an inner version. A failure is logged
+        and counted; the steps go with the next sync (tried after the next inner version)."""
+        name = ijs.config.name
+        ojs = self.jobs.get(name)
+        if not isinstance(ojs, RelayJob) or not ojs.view.ready:
+            ijs.stats.outer_sync_failures += 1
+            log.warning("%s: job %s: no outer view to sync with; training on", self.role, name)
+            return
+        t0 = time.perf_counter()
+        u = ojs.view.version
+        f = st.plan.fragment(u)
+        st.scratch = st.plan.pseudo_gradient(st.base, ijs.params, f, st.workers, out=st.scratch)
+        norm = st.plan.norm(st.scratch, f, st.workers)
+        step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0)
+        agg = Aggregate(round=u, grad=st.scratch, contributors=st.workers, clock_min=u, clock_max=u,
+                        members=(), step=step)
+        fut = asyncio.get_running_loop().create_future()
+        sent = ojs.stats.bytes_pushed_up
+        await self._forward(ojs, agg, (), u, fut)  # retries within round_timeout_s; never raises
+        try:
+            ack: Ack = fut.result()
+            await self._hold_outer(ojs, ack)
+        except (HpsError, asyncio.TimeoutError) as exc:
+            ijs.stats.outer_sync_failures += 1
+            log.warning("%s: job %s: the sync of fragment %d (outer version %d) failed: %s; training on, "
+                        "its steps go with the next sync", self.role, name, f, u, short(str(exc), 200),
+                        extra=event("outer.sync_failed", job=name, version=u))
+            return
+        st.plan.rebase(ijs.params, st.base, ojs.view.values, f)
+        assert self.inner is not None
+        self.inner._publish(ijs, ijs.view.clock_min, 0)
+        ijs.reset_round(ijs.view.version, "the region synced with the root")
+        s = ijs.stats
+        s.outer_syncs += 1
+        s.outer_version = ojs.view.version
+        s.outer_bytes_up += ojs.stats.bytes_pushed_up - sent
+        s.outer_bytes_down = ojs.stats.bytes_pulled_in
+        s.pseudo_grad_norm = norm
+        s.outer_sync_seconds_sum += time.perf_counter() - t0
+        s.inner_steps_since_sync = 0
+        log.debug("%s: job %s: fragment %d synced: outer version %d, inner version %d, %.3fs", self.role,
+                  name, f, ojs.view.version, ijs.view.version, time.perf_counter() - t0)
+
+    async def _hold_outer(self, ojs: RelayJob, ack: Ack) -> None:
+        """Wait until the followed outer view holds the version that applied our push."""
+        deadline = self.clock() + _OUTER_WAIT_S
+        while ojs.view.version < ack.applied_version or ojs.view.epoch != ack.view_epoch:
+            if self.clock() > deadline:
+                raise asyncio.TimeoutError(f"outer version {ack.applied_version} did not arrive within "
+                                           f"{_OUTER_WAIT_S:g}s")
+            if ojs.view.epoch != ack.view_epoch and ojs.view.version >= ack.applied_version:
+                return  # the root restarted meanwhile: a newer lineage holds at least that version
+            await ojs.wait_change(deadline - self.clock())
+
+    # -- children's calls: the inner root answers for inner jobs ----------------------------
+    def heartbeat(self, member: str, jobs: list[str], role: str = "worker", address: str = "") -> list[str]:
+        unknown = super().heartbeat(member, [j for j in jobs if not self._inner(j)], role, address)
+        if self.inner is None:
+            return unknown
+        return unknown + self.inner.heartbeat(member, [j for j in jobs if self._inner(j)], role, address)
+
+    async def leave(self, job: str, member: str) -> None:
+        if self.inner is not None and self._inner(job):
+            return await self.inner.leave(job, member)
+        return await super().leave(job, member)
+
+    def open_push(self, meta: PushMeta) -> PushIntake:
+        if self.inner is not None and self._inner(meta.job):
+            return self.inner.open_push(meta)
+        return super().open_push(meta)
+
+    async def commit_push(self, intake: PushIntake, digest: bytes) -> Ack:
+        if self.inner is not None and self._inner(intake.meta.job):
+            return await self.inner.commit_push(intake, digest)
+        return await super().commit_push(intake, digest)
+
+    async def pull(self, job: str, member: str, view_epoch: int, since: int, min_version: int,
+                   wait_s: float, min_clock: int = 0) -> PullReply:
+        if self.inner is not None and self._inner(job):
+            return await self.inner.pull(job, member, view_epoch, since, min_version, wait_s, min_clock)
+        return await super().pull(job, member, view_epoch, since, min_version, wait_s, min_clock)
+
+    async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float) -> tuple[str, int, int]:
+        if self.inner is not None and self._inner(job):
+            return await self.inner.resolve(job, keys, wait_s)
+        return await super().resolve(job, keys, wait_s)
+
+    async def rank(self, job: str, member: str, incarnation: int, requested: int | None = None,
+                   release: bool = False) -> RankInfo:
+        return await super().rank(job, member, incarnation, requested, release)  # the root's, across regions
+
+    async def lease(self, job: str, member: str, incarnation: int, dataset: Dataset, epoch: int,
+                    want: bool = True, held: tuple[tuple[int, int], ...] = ()) -> Grant:
+        if self._inner(job):
+            raise BadInput(f"job {short(job)} is an outer job: leased data shards are not built for outer "
+                           "jobs yet (a sample's progress would have to wait for its fragment's sync); "
+                           "shard the data by rank instead")
+        return await super().lease(job, member, incarnation, dataset, epoch, want, held)
+
+    def _may_read(self, js: JobState, member: str) -> bool:
+        return super()._may_read(js, member) or (self.inner is not None and member in self.inner.children)
+
+    def _has_children(self, job: str) -> bool:
+        ijs = self.inner.jobs.get(job) if self.inner is not None else None
+        return super()._has_children(job) or (ijs is not None and len(ijs.members) > 0)
+
+    def _drop_job(self, job: str, why: str) -> None:
+        super()._drop_job(job, why)
+        ijs = self.inner.jobs.pop(job, None) if self.inner is not None else None
+        self.outer.pop(job, None)
+        if ijs is not None and self.inner is not None:
+            self.inner.ended[job] = ijs.view.version
+            ijs.abort(why)
+
+    def encoder(self, js: RelayJob) -> Encoder:
+        """An outer job's edge above its inner loop carries pseudo-gradients: the outer codec."""
+        cfg = js.config
+        below = self.role == "zone" and cfg.outer is not None and cfg.outer.inner_tier != "zone"
+        if js.encoder is None and cfg.outer is not None and not below:
+            name = self.config.up_codec or cfg.outer.codec
+            js.encoder = Encoder.for_job(cfg, name, seed=self.member_id)
+        return super().encoder(js)
+
+    def synced(self) -> bool:
+        return super().synced() and (self.inner is None or all(js.view.ready for js in self.inner.jobs.values()))
+
+    def status(self) -> TierStatus:
+        st = super().status()
+        if self.inner is None or not self.inner.jobs:
+            return st
+        inner = {j.name: j for j in self.inner.status().jobs}
+        jobs = []
+        for j in st.jobs:
+            i = inner.pop(j.name, None)
+            if i is None:
+                jobs.append(j)
+                continue
+            # What the children see (the inner job), with the WAN edge's lag and bytes.
+            stats = dataclasses.replace(i.stats, bytes_pushed_up=j.stats.bytes_pushed_up,
+                                        bytes_pulled_in=j.stats.bytes_pulled_in)
+            jobs.append(dataclasses.replace(i, parent_version=i.version, lag_s=j.lag_s, stats=stats,
+                                            inner_loop=True))
+        children = {c.member: c for c in (*st.children, *self.inner.status().children)}
+        return dataclasses.replace(st, jobs=(*jobs, *inner.values()), children=tuple(children.values()))
+
