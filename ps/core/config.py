@@ -206,12 +206,14 @@ class OuterConfig:
     ``inner_steps / fragments`` inner steps it sends the root the pseudo-gradient of the next
     fragment (outer view - its parameters, encoded with ``codec`` and its residual); the root
     averages the regions' by workers, steps ``optimizer`` (here: the outer one) and publishes
-    an outer version, which each region takes as its new parameters for that fragment.
+    an outer version (its delta encoded with ``delta_codec``, the error kept at the root), which
+    each region takes as its new parameters for that fragment.
     """
 
     inner_steps: int = 50          # H: inner steps between two syncs of one fragment
     fragments: int = 1             # F: parameter blocks synced in turn, one every H/F inner steps
     codec: str = "int8"            # the pseudo-gradient's codec, with the region's residual
+    delta_codec: str = "int8"      # the root's outer versions (the job's delta_codec: the inner ones)
     optimizer: OptimizerConfig = field(default_factory=_outer_optimizer)
     inner_tier: str = "regional"   # the role that runs the inner loop
     overlap: bool = False          # keep training while a fragment's sync is in flight
@@ -229,6 +231,8 @@ class OuterConfig:
                  f"outer fragments must divide inner_steps ({self.inner_steps}) and be at most 1024, "
                  f"got {self.fragments!r}")
         _require(self.codec in CODEC_NAMES, f"outer codec {self.codec!r} is not one of {CODEC_NAMES}")
+        _require(self.delta_codec in CODEC_NAMES,
+                 f"outer delta codec {self.delta_codec!r} is not one of {CODEC_NAMES}")
         _require(isinstance(self.optimizer, OptimizerConfig), "outer optimizer must be an OptimizerConfig")
         _require(self.inner_tier in ("regional", "zone"),
                  f"outer inner_tier must be 'regional' or 'zone' (the root's would be flat bsp), "

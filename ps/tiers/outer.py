@@ -101,6 +101,10 @@ class InnerRoot(Root):
     def _optimizer(cfg: JobConfig, params: np.ndarray, layout: Layout) -> ServerOptimizer:
         return ServerOptimizer(cfg.optimizer, params, layout)  # the inner one
 
+    @staticmethod
+    def _delta_codec(cfg: JobConfig) -> str:
+        return cfg.delta_codec  # the inner versions, to the region's zones
+
     async def _after_version(self, js: RootJob, rec: WalRecord) -> None:
         await self.relay.after_inner_version(js, rec.contributors)
 
@@ -133,6 +137,7 @@ class OuterRelay(Relay):
         self.inner: InnerRoot | None = None
         self.outer: dict[str, OuterState] = {}
         self._inner_locks: dict[str, asyncio.Lock] = {}
+        self._inner_made = asyncio.Lock()
 
     async def stop(self) -> None:
         if self.inner is not None:
@@ -143,10 +148,12 @@ class OuterRelay(Relay):
         return self.inner is not None and job in self.inner.jobs
 
     async def _inner_root(self) -> InnerRoot:
-        if self.inner is None:
-            await asyncio.to_thread(warm_up)  # torch's first optimizer imports for a second: not on the loop
-            self.inner = InnerRoot(self.config, self)
-            await self.inner.start()
+        async with self._inner_made:  # two first registrations at once make one
+            if self.inner is None:
+                await asyncio.to_thread(warm_up)  # torch's first optimizer imports for a second: not on the loop
+                inner = InnerRoot(self.config, self)
+                await inner.start()
+                self.inner = inner
         return self.inner
 
     # -- the region's own job --------------------------------------------------------------

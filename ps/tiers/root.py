@@ -612,7 +612,8 @@ class Root(Tier):
         # Into buffers the job keeps: fresh 400 MB arrays for the difference, the decoded delta
         # and the new view measured ~40% of a 100M-parameter push at the root (py-spy).
         cfg = js.config
-        codec = get_codec(cfg.delta_codec, k=cfg.topk) if cfg.delta_codec == "topk" else get_codec(cfg.delta_codec)
+        name = self._delta_codec(cfg)
+        codec = get_codec(name, k=cfg.topk) if name == "topk" else get_codec(name)
         if js.scratch is None:
             js.scratch = np.empty_like(js.params)
         diff = np.subtract(js.params, js.view.values, out=js.scratch)
@@ -632,6 +633,11 @@ class Root(Tier):
         js.reported_floor = js.view.clock_min
         js.log.append(DeltaEntry(version, crc, tuple(chunks), js.view.clock_min, contributors))
         js.notify()
+
+    @staticmethod
+    def _delta_codec(cfg: JobConfig) -> str:
+        """The codec of the versions this root publishes (an outer job's: its outer one)."""
+        return cfg.outer.delta_codec if cfg.outer is not None else cfg.delta_codec
 
     def _telemetry(self, js: RootJob, meta: PushMeta) -> bool:
         """Count the push's training report, and check the job's loss as the alert rule does

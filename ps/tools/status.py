@@ -164,7 +164,15 @@ def print_tree(address: str, out, token: str | None = None) -> int:
             print(f"{pad}  job {j.name}: version {j.version} (checksum {j.checksum:#018x}) {lag}, "
                   f"round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
                   f"members {len(j.members)} ({len(workers)} workers)", file=out)
-            if j.mode != "bsp" or s.staleness_count:
+            if j.inner_loop:  # an outer job whose region's inner loop runs here: its WAN side
+                mean = s.outer_sync_seconds_sum / s.outer_syncs if s.outer_syncs else 0.0
+                per = human_bytes(s.outer_bytes_up // s.outer_syncs) if s.outer_syncs else "-"
+                lost = f"; INNER STEPS LOST {s.inner_steps_lost}" if s.inner_steps_lost else ""
+                print(f"{pad}    outer: version {s.outer_version}, {s.outer_syncs} syncs ({s.outer_sync_failures} "
+                      f"failed), {mean:.2f}s each; {s.inner_steps_since_sync} inner steps since the last; "
+                      f"pseudo-gradient norm {s.pseudo_grad_norm:.3g}; WAN up {human_bytes(s.outer_bytes_up)} "
+                      f"({per} per sync), down {human_bytes(s.outer_bytes_down)}{lost}", file=out)
+            if j.mode not in ("bsp", "outer") or s.staleness_count:
                 mean = s.staleness_sum / s.staleness_count if s.staleness_count else 0.0
                 print(f"{pad}    {j.mode}: clock floor {j.clock_min}, staleness mean {mean:.2f} max "
                       f"{s.staleness_max} over {s.staleness_count} applied pushes", file=out)

@@ -41,11 +41,12 @@ def _loss(model, x, y):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def _two_regions(tree) -> list[str]:
+def _two_regions(tree, zones_each: int = 1) -> list[str]:
+    """Zones in the order workers are spread over them (worker i on zone i % len): eu, us, eu, ..."""
     tree.add("root", "global")
     tree.add("eu", "regional", parent="root")
     tree.add("us", "regional", parent="root")
-    return [tree.add("eu-a", "zone", parent="eu"), tree.add("us-a", "zone", parent="us")]
+    return [tree.add(f"{r}-{z}", "zone", parent=r) for z in "ab"[:zones_each] for r in ("eu", "us")]
 
 
 def _zone_under(tree, name: str, parent: str) -> str:
@@ -64,7 +65,7 @@ def _train(zones: list[str], job: JobConfig, steps: int = STEPS) -> dict[int, li
     def worker(i: int) -> None:
         try:
             model = models[i]
-            with HpsOptimizer(model, zones[i % 2], job, worker_id=f"{job.name}-w{i}") as opt:
+            with HpsOptimizer(model, zones[i % len(zones)], job, worker_id=f"{job.name}-w{i}") as opt:
                 for s in range(steps):
                     sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
                     opt.zero_grad()
@@ -88,7 +89,7 @@ def test_outer_with_one_inner_step_equals_bsp(tree):
     zones = _two_regions(tree)
     inner = OptimizerConfig(kind="sgd", lr=0.1)
     bsp = _train(zones, JobConfig(name="eq-bsp", optimizer=inner, min_workers=WORKERS))
-    outer = OuterConfig(inner_steps=1, codec="fp32", optimizer=OptimizerConfig(kind="sgd", lr=1.0))
+    outer = OuterConfig(inner_steps=1, codec="fp32", delta_codec="fp32", optimizer=OptimizerConfig(kind="sgd", lr=1.0))
     got = _train(zones, JobConfig(name="eq-outer", mode="outer", optimizer=inner, outer=outer,
                                   min_workers=WORKERS))
     start = [p.detach() for p in _model().parameters()]
@@ -110,7 +111,7 @@ def test_wrong_outer_arithmetic_would_be_caught(tree):
     zones = _two_regions(tree)
     inner = OptimizerConfig(kind="sgd", lr=0.1)
     bsp = _train(zones, JobConfig(name="ne-bsp", optimizer=inner, min_workers=WORKERS), steps=4)
-    outer = OuterConfig(inner_steps=1, codec="fp32", optimizer=OptimizerConfig(kind="sgd", lr=0.5))
+    outer = OuterConfig(inner_steps=1, codec="fp32", delta_codec="fp32", optimizer=OptimizerConfig(kind="sgd", lr=0.5))
     got = _train(zones, JobConfig(name="ne-outer", mode="outer", optimizer=inner, outer=outer,
                                   min_workers=WORKERS), steps=4)
     rel = max(float((a - b).norm() / b.norm()) for a, b in zip(got[0], bsp[0]))
@@ -120,14 +121,15 @@ def test_wrong_outer_arithmetic_would_be_caught(tree):
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_fragments_sync_in_turn_and_replicas_agree(tree, fragments):
     """H = 4: each fragment is synced exactly once per H inner steps; the zone holds its
-    region's inner view bit for bit; both regions hold the same outer version."""
-    zones = _two_regions(tree)
+    region's inner view bit for bit; both regions hold the same outer version. Two zones per
+    region: their first registrations arrive together and make one inner job."""
+    zones = _two_regions(tree, zones_each=2)
     outer = OuterConfig(inner_steps=4, fragments=fragments, codec="int8")
     job = JobConfig(name=f"fr{fragments}", mode="outer", optimizer=OptimizerConfig(kind="adamw", lr=0.01),
                     outer=outer, min_workers=WORKERS)
     _train(zones, job, steps=8)
     syncs = 8 // (4 // fragments)
-    for region, zone in (("eu", "eu-a"), ("us", "us-a")):
+    for region, zone in (("eu", "eu-a"), ("us", "us-a"), ("eu", "eu-b"), ("us", "us-b")):
         st = tree.lt.call(lambda r=region: tree.tier(r).inner.jobs[job.name].stats)
         assert st.outer_syncs == syncs, (region, st.outer_syncs)
         assert st.inner_steps_since_sync == 0 and st.outer_bytes_up > 0 and st.pseudo_grad_norm > 0
@@ -171,7 +173,7 @@ def test_kill_9_of_a_regional_master_mid_run(tree, tmp_path):
         def worker(i: int) -> None:
             try:
                 model = models[i]
-                with HpsOptimizer(model, zones[i % 2], job, worker_id=f"ko-w{i}") as opt:
+                with HpsOptimizer(model, zones[i % len(zones)], job, worker_id=f"ko-w{i}") as opt:
                     s = 0
                     deadline = time.monotonic() + 90
                     while not stop.is_set() and time.monotonic() < deadline:

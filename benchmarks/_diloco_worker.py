@@ -1,0 +1,281 @@
+"""One replica group of benchmarks/_diloco_peer.py: the demo model trained with torchft's DiLoCo,
+its outer all-reduce (gloo) across the emulated WAN. Runs under torchft's interpreter
+(HPS_PEER_PYTHON), not the project's.
+
+    python benchmarks/_diloco_worker.py --lighthouse --min-replicas 4     # the Lighthouse
+    python benchmarks/_diloco_worker.py --replica-id eu_0 --region eu --seed 0 --sync-every 50 \
+        --steps 200 --batch 16 --lighthouse-addr 127.0.0.1:29510 --relay 127.0.0.1:40000
+
+A worker is one torchft replica group (group world size 1): its own TCPStore and Manager,
+DiLoCo over the whole model (one fragment) with AdamW inside (3e-3, 20 warm-up steps, as the
+demo's Adam) and SGD outside (lr 0.7, momentum 0.9, Nesterov), fp32 pseudo-gradients in one
+bucketized all-reduce. Same model, data and batches as benchmarks/_wan_worker.py (TinyLM seed
+0, BatchSampler seed 1000 + --seed). Prints one JSON line per step (absolute time, loss) and a
+final line (validation loss on the final, synchronised parameters).
+
+How its traffic crosses the WAN (the relay in _diloco_peer.py, one shared link per region): every
+address this process reaches in another region (the Lighthouse, a peer's TCPStore, a peer's gloo
+listener) is swapped for the relay's listener on the emulated path, asked of the relay's control
+port ("ROUTE <region> <host:port>"); what this process listens on is declared first ("OWN").
+The swaps are done on the only two places torchft learns those addresses: the store address in
+the quorum (``RoutedGloo.configure``) and gloo's rendezvous records in that store (the
+``RoutingStore`` rewrites a peer's sockaddr in its "<device>/<rank>" record). torchft itself is
+not changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+class Relay:
+    """The relay's control channel (local plumbing, not a WAN path)."""
+
+    def __init__(self, address: str, region: str) -> None:
+        self.address, self.region = address, region
+        self._lock = threading.Lock()
+        self._routes: dict[str, str] = {}
+
+    def _ask(self, line: str) -> str:
+        host, port = self.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(line.encode() + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                buf += chunk
+        reply = buf.decode().strip()
+        if reply.startswith("ERR"):
+            raise RuntimeError(f"relay refused {line!r}: {reply}")
+        return reply
+
+    def own(self, addr: str) -> None:
+        self._ask(f"OWN {self.region} {addr}")
+
+    def route(self, addr: str) -> str:
+        with self._lock:
+            if addr not in self._routes:
+                self._routes[addr] = self._ask(f"ROUTE {self.region} {addr}")
+            return self._routes[addr]
+
+
+_AF_INET = 2
+
+
+def _rank_record(value: bytes) -> tuple[int, str] | None:
+    """Where gloo's tcp rank record (hostname, device sockaddr + seq, pair ids) keeps the
+    device's IPv4 address: (offset of the sockaddr, "ip:port"), or None if ``value`` is not one."""
+    if len(value) < 16:
+        return None
+    (hsz,) = struct.unpack_from("<Q", value, 0)
+    if hsz > 1024 or 8 + hsz + 8 > len(value):
+        return None
+    off = 8 + hsz
+    (asz,) = struct.unpack_from("<Q", value, off)
+    off += 8
+    if asz < 16 or off + asz > len(value) or (len(value) - off - asz) % 8:
+        return None
+    family, port = struct.unpack_from("<H", value, off)[0], struct.unpack_from(">H", value, off + 2)[0]
+    if family != _AF_INET:
+        return None
+    ip = socket.inet_ntoa(value[off + 4:off + 8])
+    return off, f"{ip}:{port}"
+
+
+class RoutingStore(dist.Store):
+    """The PG's rendezvous store, with peers' gloo addresses swapped for their relay path."""
+
+    def __init__(self, inner: dist.Store, relay: Relay) -> None:
+        super().__init__()
+        self.inner, self.relay = inner, relay
+
+    def set(self, key, value):
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        rec = _rank_record(raw)
+        if rec is not None:  # our own gloo listener: declare it before anyone can read it
+            self.relay.own(rec[1])
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        raw = bytes(self.inner.get(key))
+        rec = _rank_record(raw)
+        if rec is None:
+            return raw
+        off, addr = rec
+        routed = self.relay.route(addr)
+        if routed == addr:
+            return raw
+        host, port = routed.rsplit(":", 1)
+        out = bytearray(raw)
+        struct.pack_into(">H", out, off + 2, int(port))
+        out[off + 4:off + 8] = socket.inet_aton(host)
+        return bytes(out)
+
+    def add(self, key, n):
+        return self.inner.add(key, n)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def wait(self, keys, timeout=None):
+        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        return self.inner.set_timeout(timeout)
+
+
+def _routed_gloo(relay: Relay):
+    from torchft.process_group import ProcessGroupGloo
+
+    class RoutedGloo(ProcessGroupGloo):
+        """torchft's ProcessGroupGloo; the quorum's store and the peers' gloo listeners are
+        reached through the relay when they are in another region."""
+
+        def configure(self, store_addr: str, *args, **kwargs) -> None:
+            hostport, sep, prefix = store_addr.partition("/")
+            super().configure(relay.route(hostport) + sep + prefix, *args, **kwargs)
+
+        def _create_pg(self, store, rank: int, world_size: int):
+            return super()._create_pg(RoutingStore(store, relay), rank, world_size)
+
+    return RoutedGloo(timeout=timedelta(seconds=300))
+
+
+@torch.no_grad()
+def _val_loss(model, data, context: int, batches: int = 8, split: str = "val") -> float:
+    from ps.demo.corpus import BatchSampler
+
+    sampler = BatchSampler(data, context=context, batch_size=16, seed=1234, split=split)
+    losses = [model(*sampler.next_batch())[1].item() for _ in range(batches)]
+    return sum(losses) / len(losses)
+
+
+def lighthouse(args) -> int:
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=args.min_replicas)
+    port = int(server.address().rsplit(":", 1)[1])
+    print(f"lighthouse: serving 127.0.0.1:{port}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait(args.max_s)
+    server.shutdown()
+    return 0
+
+
+def train(args) -> int:
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+
+    from ps.demo.corpus import BatchSampler, load_corpus
+    from ps.demo.model import ModelConfig, build_model
+
+    torch.set_num_threads(1)
+    relay = Relay(args.relay, args.region)
+    cfg = ModelConfig()
+    data = load_corpus()
+    model = build_model(cfg, seed=0)
+    sampler = BatchSampler(data, context=cfg.context, batch_size=args.batch, seed=1000 + args.seed)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
+    warmup = torch.optim.lr_scheduler.LambdaLR(
+        inner, lambda s: (s + 1) / args.warmup if s < args.warmup else 1.0)  # ps.core.optim.lr_at's ramp
+    outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.9, nesterov=True)
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    relay.own(f"127.0.0.1:{store.port}")
+    lighthouse_addr = "http://" + relay.route(args.lighthouse_addr)
+
+    def state_dict():
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load_state_dict(sd):
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
+    manager = Manager(
+        pg=_routed_gloo(relay), load_state_dict=load_state_dict, state_dict=state_dict,
+        min_replica_size=args.replicas, use_async_quorum=False, timeout=timedelta(seconds=300),
+        quorum_timeout=timedelta(seconds=600), connect_timeout=timedelta(seconds=60), rank=0, world_size=1,
+        store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse_addr,
+        replica_id=args.replica_id, hostname="127.0.0.1",
+        # Every replica builds TinyLM from seed 0: identical, nothing to copy at step 0.
+        init_sync=False)
+    try:
+        with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, use_bucketization=True) as diloco:
+            _emit(event="start", worker=args.replica_id, t=time.time())
+            for step in range(args.steps):
+                x, y = sampler.next_batch()
+                inner.zero_grad()
+                loss = model(x, y)[1]
+                loss.backward()
+                inner.step()  # DiLoCo's hook: every sync_every steps, the outer step (all-reduce)
+                warmup.step()
+                _emit(event="step", worker=args.replica_id, step=step, t=time.time(), loss=loss.item(),
+                      outer_steps=manager.current_step())
+            synced = args.steps % args.sync_every == 0
+            del diloco
+        val = _val_loss(model, data, cfg.context)
+        _emit(event="done", worker=args.replica_id, t=time.time(), outer_steps=manager.current_step(),
+              val_loss=val if math.isfinite(val) else None, final_params_synced=synced,
+              errored=str(manager.errored()) if manager.errored() else "")
+    finally:
+        manager.shutdown(wait=False)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lighthouse", action="store_true", help="run torchft's Lighthouse instead")
+    p.add_argument("--min-replicas", type=int, default=4)
+    p.add_argument("--max-s", type=float, default=3600.0, help="the Lighthouse stops after this at most")
+    p.add_argument("--replica-id", default="eu_0")
+    p.add_argument("--region", default="eu")
+    p.add_argument("--replicas", type=int, default=4, help="min_replica_size of every quorum")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--sync-every", type=int, default=50, help="H: inner steps per outer step")
+    p.add_argument("--inner-lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--lighthouse-addr", default="", help="HOST:PORT of the Lighthouse (real; routed here)")
+    p.add_argument("--relay", default="", help="HOST:PORT of the relay's control port")
+    args = p.parse_args()
+    if args.lighthouse:
+        return lighthouse(args)
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
