@@ -81,12 +81,13 @@ class Relay:
             return self._routes[addr]
 
 
-_AF_INET = 2
+_AF_INET, _AF_INET6 = 2, 10
 
 
 def _rank_record(value: bytes) -> tuple[int, str] | None:
-    """Where gloo's tcp rank record (hostname, device sockaddr + seq, pair ids) keeps the
-    device's IPv4 address: (offset of the sockaddr, "ip:port"), or None if ``value`` is not one."""
+    """Where gloo's tcp rank record (size_t + hostname, size_t + the device's sockaddr_storage
+    and seq, pair ids) keeps the device's address: (offset of the sockaddr, "ip:port"), or None
+    if ``value`` is not one. Any other address family is an error: it would bypass the WAN."""
     if len(value) < 16:
         return None
     (hsz,) = struct.unpack_from("<Q", value, 0)
@@ -95,13 +96,15 @@ def _rank_record(value: bytes) -> tuple[int, str] | None:
     off = 8 + hsz
     (asz,) = struct.unpack_from("<Q", value, off)
     off += 8
-    if asz < 16 or off + asz > len(value) or (len(value) - off - asz) % 8:
+    if asz < 28 or off + asz > len(value) or (len(value) - off - asz) % 8:
         return None
-    family, port = struct.unpack_from("<H", value, off)[0], struct.unpack_from(">H", value, off + 2)[0]
-    if family != _AF_INET:
-        return None
-    ip = socket.inet_ntoa(value[off + 4:off + 8])
-    return off, f"{ip}:{port}"
+    (family,) = struct.unpack_from("<H", value, off)
+    (port,) = struct.unpack_from(">H", value, off + 2)
+    if family == _AF_INET:
+        return off, f"{socket.inet_ntop(socket.AF_INET, value[off + 4:off + 8])}:{port}"
+    if family == _AF_INET6:
+        return off, f"[{socket.inet_ntop(socket.AF_INET6, value[off + 8:off + 24])}]:{port}"
+    raise RuntimeError(f"gloo rank record with address family {family}: cannot route it through the WAN")
 
 
 class RoutingStore(dist.Store):
@@ -129,6 +132,8 @@ class RoutingStore(dist.Store):
             return raw
         host, port = routed.rsplit(":", 1)
         out = bytearray(raw)
+        out[off:off + 28] = bytes(28)  # an IPv4 sockaddr_in where the peer's was (v4 or v6)
+        struct.pack_into("<H", out, off, _AF_INET)
         struct.pack_into(">H", out, off + 2, int(port))
         out[off + 4:off + 8] = socket.inet_aton(host)
         return bytes(out)
@@ -232,7 +237,7 @@ def train(args) -> int:
         # Every replica builds TinyLM from seed 0: identical, nothing to copy at step 0.
         init_sync=False)
     try:
-        with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, use_bucketization=True) as diloco:
+        with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, use_bucketization=True):
             _emit(event="start", worker=args.replica_id, t=time.time())
             for step in range(args.steps):
                 x, y = sampler.next_batch()
@@ -243,8 +248,7 @@ def train(args) -> int:
                 warmup.step()
                 _emit(event="step", worker=args.replica_id, step=step, t=time.time(), loss=loss.item(),
                       outer_steps=manager.current_step())
-            synced = args.steps % args.sync_every == 0
-            del diloco
+        synced = args.steps % args.sync_every == 0  # else the final parameters are each worker's own
         val = _val_loss(model, data, cfg.context)
         _emit(event="done", worker=args.replica_id, t=time.time(), outer_steps=manager.current_step(),
               val_loss=val if math.isfinite(val) else None, final_params_synced=synced,

@@ -33,9 +33,36 @@ from __future__ import annotations
 
 import numpy as np
 
+from ps.core.config import JobConfig
+from ps.core.errors import BadInput
 from ps.core.view import Layout
 
-__all__ = ["OuterPlan"]
+__all__ = ["OuterPlan", "check_outer_member"]
+
+_RANK = {"worker": 0, "zone": 1, "regional": 2, "global": 3}
+
+
+def check_outer_member(cfg: JobConfig, tier_role: str, member: str, member_role: str) -> None:
+    """Above an outer job's inner loop only pseudo-gradients travel: a tier there takes members
+    of the inner tier's role (or between), never a worker or a relay below the inner loop, whose
+    raw gradients the outer optimizer would take for pseudo-gradients. BadInput says where it
+    belongs.
+
+    >>> from ps.core.config import JobConfig
+    >>> try:
+    ...     check_outer_member(JobConfig(name="lm", mode="outer"), "global", "eu-a", "zone")
+    ... except BadInput as exc:
+    ...     print(str(exc)[:90])
+    job lm is an outer job whose inner loop runs at the regional tier; zone 'eu-a' cannot join
+    """
+    if cfg.outer is None:
+        return
+    inner = cfg.outer.inner_tier
+    if _RANK[tier_role] > _RANK[inner] and not _RANK[inner] <= _RANK.get(member_role, 0) < _RANK[tier_role]:
+        where = "a regional master" if inner == "regional" else "a zone"
+        raise BadInput(f"job {cfg.name} is an outer job whose inner loop runs at the {inner} tier; "
+                       f"{member_role} {member!r} cannot join it at the {tier_role} tier: put it below {where}"
+                       + (" (or create the job with inner_tier 'zone')" if inner == "regional" else ""))
 
 
 class OuterPlan:

@@ -52,7 +52,8 @@ def _declare(args, root: str, admin_token: str) -> str:
     from ps.demo.train import demo_job
     from ps.tools import jobctl
 
-    job = demo_job("demo", args.mode, args.staleness, args.codec, args.topk, args.delta_codec, args.damping)
+    job = demo_job("demo", args.mode, args.staleness, args.codec, args.topk, args.delta_codec, args.damping,
+                   getattr(args, "inner_steps", 10))
     _, token = jobctl.create(root, job, admin_token)
     if not token:
         raise RuntimeError("the root handed out no token for the demo's job (it existed already?)")
@@ -124,15 +125,18 @@ def main(args) -> int:
                  # starve the tiers, which in a deployment run on hosts of their own.
                  "--nice", "10", *(["--damping"] if args.damping else []),
                  "--mode", args.mode, "--staleness", str(args.staleness),
+                 "--inner-steps", str(getattr(args, "inner_steps", 10)),
                  "--codec", args.codec, "--topk", str(args.topk), "--delta-codec", args.delta_codec,
                  "--slow", str(args.slow if i == args.workers - 1 else 1.0)],
                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                 env={**_without_admin(os.environ), **worker_env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
             workers.append(proc)
             threading.Thread(target=read_events, args=(proc, q), daemon=True).start()
-        mode = (f"ssp({args.staleness})" if args.mode == "ssp" else args.mode) + (" damped" if args.damping else "")
+        mode = _mode_label(args) + (" damped" if args.damping else "")
         codec = (f"top-{args.topk:g} + error feedback (DGC: sgd, momentum corrected at the workers)"
                  if args.codec == "topk" else f"{args.codec} (adam)")
+        if args.mode == "outer":
+            codec = f"{args.codec} (adamw, inside each region; int8 pseudo-gradients and outer deltas across)"
         print(f"hps demo: {args.workers} workers, {mode}, {codec} pushes, training for {total} steps "
               f"({args.steps} per worker on average; {', '.join(f'{w}@{z}' for w, z in placement.items())})",
               flush=True)
@@ -188,7 +192,7 @@ def _follow(args, out, cluster, root, workers, placement, q) -> int:
     for _ in range(100):
         admin = cluster.secrets.admin_token() if cluster.secrets is not None else None
         tiers = [(depth[t.role], t.address, fetch_status(t.address, token=admin)) for t in cluster.tiers.values()]
-        if len({(j.version, j.checksum) for _, _, st in tiers for j in st.jobs}) <= 1:
+        if all(len(g) <= 1 for g in _view_groups(tiers, {}, {}).values()):
             break
         time.sleep(0.05)
     # Training time: from all workers up (they start together) to the last one synced; the
@@ -238,19 +242,60 @@ def _report(args, out, series, step_s, ups, done, placement, tiers, wall, train)
                               staleness_max=s.staleness_max))
     print("\n" + summary_table(trows, ["tier", "version", "push_in_per_step", "push_up_per_step",
                                        "pull_in_per_step", "pull_out_per_step", "checksum"]))
-    # Every tier holds the root's view; a worker that ended on the root's last version holds it
+    # Every tier holds its source's view (the root's; in outer jobs its region's inner one, and
+    # each region's outer view the root's); a worker that ended on that view's version holds it
     # too (in ssp/async workers stop at different versions: those are checked by the tests).
-    root_view = {(j.version, j.checksum) for d, _, st in tiers if d == 0 for j in st.jobs}
-    views = {(j.version, j.checksum) for _, _, st in tiers for j in st.jobs}
-    views |= {(d["version"], d["checksum"]) for d in done.values() if (d["version"],) == (next(iter(root_view))[0],)}
-    agree = len(root_view) == 1 and views == root_view and len(done) == len(placement)
+    groups = _view_groups(tiers, done, placement)
+    agree = bool(groups) and all(len(g) == 1 for g in groups.values()) and len(done) == len(placement)
     per_worker = " ".join(f"{r['worker']}:{r['steps']}" for r in rows)
-    print(f"\nreplicas agree with the root bit for bit: {'yes' if agree else 'NO'}; "
+    what = ("each region's replicas agree with its regional master, and the regions' outer views with the root"
+            if args.mode == "outer" else "replicas agree with the root")
+    print(f"\n{what}, bit for bit: {'yes' if agree else 'NO'}; "
           f"{sum(r['steps'] for r in rows)} steps ({per_worker}) in {train:.1f}s of training, "
           f"{wall:.1f}s with start-up")
-    mode = f"ssp({args.staleness})" if args.mode == "ssp" else args.mode
+    mode = _mode_label(args)
     png = plot_loss(series, str(out / "loss.png"), f"hps demo: {len(placement)} workers, {mode}")
     (out / "summary.json").write_text(json.dumps(dict(workers=rows, tiers=trows, wall_s=wall, train_s=train,
                                                       replicas_agree=agree), indent=2))
     print(f"plot: {png}\nsummary: {out / 'summary.json'}")
     return 0 if agree and len(done) == len(placement) else 1
+
+
+def _mode_label(args) -> str:
+    if args.mode == "ssp":
+        return f"ssp({args.staleness})"
+    if args.mode == "outer":
+        return f"outer (H={getattr(args, 'inner_steps', 10)}: bsp inside each region, outer steps at the root)"
+    return args.mode
+
+
+def _view_groups(tiers, done: dict, placement: dict) -> dict[str, set]:
+    """The (version, checksum) pairs that must agree, by what they must agree with: the root's
+    view (every tier, and the workers that ended on its version); in an outer job each region's
+    inner view (its zones, its workers) and the outer view (the root, each region's)."""
+    groups: dict[str, set] = {}
+    region_of = {addr: addr for depth, addr, _ in tiers if depth == 1}
+    zone_of: dict[str, str] = {}
+    for depth, addr, st in tiers:
+        if depth == 2:
+            region_of[addr] = st.parent if st.parent in region_of else ""
+            zone_of[st.name] = addr
+    for depth, addr, st in tiers:
+        for j in st.jobs:
+            if j.mode == "outer" and depth > 0:
+                group = f"region {region_of.get(addr, '')}"
+                if j.inner_loop:
+                    groups.setdefault("outer", set()).add((j.stats.outer_version, j.stats.outer_checksum))
+            else:
+                group = "root"
+            groups.setdefault(group, set()).add((j.version, j.checksum))
+    for w, d in done.items():
+        group = f"region {region_of.get(zone_of.get(placement.get(w, ''), ''), '')}"
+        if group not in groups:
+            group = "root"
+        held = groups.get(group, set())
+        if len(held) == 1 and d.get("version") == next(iter(held))[0]:
+            held.add((d["version"], d["checksum"]))
+    if "outer" in groups:
+        groups["outer"] |= groups.pop("root", set())
+    return groups

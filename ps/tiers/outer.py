@@ -186,7 +186,7 @@ class OuterRelay(Relay):
             # A lineage of its own: children of an earlier one (this process's, or a dead
             # predecessor's) take a snapshot rather than deltas that do not apply to theirs.
             ijs.view.load_snapshot(new_epoch(), ijs.view.version, ijs.view.values.copy(), ijs.view.checksum)
-            ijs.stats.outer_version = u
+            ijs.stats.outer_version, ijs.stats.outer_checksum = u, ojs.view.checksum
             self.outer[name] = OuterState(plan, ojs.view.values.copy())
             log.info("%s: job %s runs its inner loop here from outer version %d (inner version %d; "
                      "%d inner steps per sync, %d fragment(s))", self.role, name, u, ijs.view.version,
@@ -225,7 +225,7 @@ class OuterRelay(Relay):
             ijs.reset_round(ijs.view.version, "the region joined the root's rounds again")
             ijs.stats.inner_steps_lost += lost
             ijs.stats.inner_steps_since_sync = 0
-            ijs.stats.outer_version = ojs.view.version
+            ijs.stats.outer_version, ijs.stats.outer_checksum = ojs.view.version, ojs.view.checksum
             st.detached = False
         log.warning("%s: job %s: joined the root's rounds again at outer version %d; %d inner step(s) "
                     "not synced before every member left were dropped", self.role, name, ojs.view.version,
@@ -297,7 +297,7 @@ class OuterRelay(Relay):
         ijs.reset_round(ijs.view.version, "the region synced with the root")
         s = ijs.stats
         s.outer_syncs += 1
-        s.outer_version = ojs.view.version
+        s.outer_version, s.outer_checksum = ojs.view.version, ojs.view.checksum
         s.outer_bytes_up += ojs.stats.bytes_pushed_up - sent
         s.outer_bytes_down = ojs.stats.bytes_pulled_in
         s.pseudo_grad_norm = norm

@@ -66,6 +66,7 @@ from ps.core.exactly_once import MAX_IN_FLIGHT
 from ps.core.intake import ByteBudget, PushIntake
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
+from ps.core.outer import check_outer_member
 from ps.core.ranks import RankInfo
 from ps.core.tensors import Chunk, payload_bytes
 from ps.core.types import Ack, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, Registration, TierStatus, VersionMeta
@@ -177,6 +178,7 @@ class Tier:
         if not incarnation:
             raise BadInput("register needs the caller's incarnation (a non-zero random id per process)")
         js = await self._job_for_register(job)
+        check_outer_member(js.config, self.role, member, role)
         old = js.members.find(member)
         if old is not None and old.incarnation != incarnation:
             if incarnation in self.replaced.get(member, ()):

@@ -7,6 +7,7 @@
     hps status 127.0.0.1:7000
     hps status --launch-dir hps-demo/logs      # what hps launch supervises, then the tree
     hps job create lm --mode ssp --staleness 2 --optimizer adam --lr 3e-3 --address 127.0.0.1:7000
+    hps job create lm --mode outer --inner-steps 50 --optimizer adamw --lr 3e-3 --outer-lr 0.7
     hps job create lm --optimizer adamw --lr 3e-4 --opt betas=0.9,0.95 --group '*.bias,*norm*:weight_decay=0' \
               --clip-grad-norm 1.0
     hps checkpoint export hps-demo/logs/checkpoints/lm --out model.pt --optimizer-out opt.pt
@@ -297,6 +298,20 @@ def _optimizer_config(args):
                            clip_grad_norm=float(args.clip_grad_norm))
 
 
+def _outer_config(args):
+    """--mode outer's settings (None for other modes)."""
+    from ps.core.config import OptimizerConfig, OuterConfig
+
+    if args.mode != "outer":
+        return None
+    momentum = float(args.outer_momentum)
+    sgd = args.outer_optimizer.lower() == "sgd"
+    return OuterConfig(inner_steps=int(args.inner_steps), fragments=int(args.fragments), codec=args.outer_codec,
+                       delta_codec=args.outer_delta_codec, inner_tier=args.inner_tier,
+                       optimizer=OptimizerConfig(kind=args.outer_optimizer, lr=float(args.outer_lr),
+                                                 momentum=momentum if sgd else 0.0, nesterov=sgd and momentum > 0))
+
+
 def _job(args) -> int:
     from ps.core.config import JobConfig
     from ps.core.errors import HpsError
@@ -313,7 +328,7 @@ def _job(args) -> int:
                             powersgd_rank=int(args.powersgd_rank),
                             momentum_correction=args.momentum_correction,
                             min_workers=int(args.min_workers), buffer_sync_every=int(args.buffer_sync_every),
-                            optimizer=_optimizer_config(args))
+                            optimizer=_optimizer_config(args), outer=_outer_config(args))
             created, job_token = jobctl.create(args.address, cfg, admin)
             print(f"job {args.name} {'declared' if created else 'already exists with this configuration'}; "
                   "its first worker brings the parameters")
@@ -498,9 +513,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("action", choices=["create", "list", "end"])
     s.add_argument("name", nargs="?", help="job name (create, end)")
     s.add_argument("--address", action=_EnvDefault, default="127.0.0.1:7000", help="any tier's HOST:PORT")
-    s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"])
+    s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async", "outer"],
+                   help="outer: bsp inside each region at its regional master (--optimizer is the inner one), "
+                   "outer steps across the WAN every --inner-steps")
     s.add_argument("--staleness", default="0", help="s for --mode ssp")
     s.add_argument("--damping", action="store_true", help="ssp/async: lr / (1 + staleness)")
+    s.add_argument("--inner-steps", default="50", help="--mode outer: H, inner steps between a fragment's syncs")
+    s.add_argument("--fragments", default="1", help="--mode outer: parameter fragments synced in turn (divides H)")
+    s.add_argument("--outer-codec", default="int8", help="--mode outer: the pseudo-gradients' codec (up the WAN)")
+    s.add_argument("--outer-delta-codec", default="int8", help="--mode outer: the outer versions' codec (down)")
+    s.add_argument("--outer-optimizer", default="sgd", help="--mode outer: the root's outer optimizer class")
+    s.add_argument("--outer-lr", default="0.7", help="--mode outer: the outer learning rate")
+    s.add_argument("--outer-momentum", default="0.9", help="--mode outer: outer momentum (nesterov when sgd)")
+    s.add_argument("--inner-tier", default="regional", choices=["regional", "zone"],
+                   help="--mode outer: the tier running each region's inner loop")
     s.add_argument("--optimizer", default="sgd",
                    help="the root's optimizer: any torch.optim class by name, any case (sgd, adam, adamw, "
                    "rmsprop, adagrad, adadelta, adamax, nadam, radam, asgd, rprop, ...; not lbfgs nor "
@@ -575,8 +601,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=16, help="sequences per worker per step")
     s.add_argument("--out", default="hps-demo", help="where the plot, summary and logs go")
     s.add_argument("--topology", help="topology YAML (default: the embedded one)")
-    s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async"], help="consistency model")
+    s.add_argument("--mode", default="bsp", choices=["bsp", "ssp", "async", "outer"],
+                   help="consistency model (outer: bsp inside each region, outer steps across the WAN)")
     s.add_argument("--staleness", type=int, default=2, help="s for --mode ssp")
+    s.add_argument("--inner-steps", type=int, default=10, help="--mode outer: inner steps between syncs")
     s.add_argument("--codec", default="fp32", help="push codec of workers and relays, e.g. topk")
     s.add_argument("--topk", type=float, default=0.01, help="density of --codec topk")
     s.add_argument("--delta-codec", default="fp32",

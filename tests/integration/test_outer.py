@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from ps.core.config import JobConfig, OptimizerConfig, OuterConfig, ServerConfig
-from ps.core.errors import HpsError
+from ps.core.errors import BadInput, HpsError
 from ps.core.outer import OuterPlan
+from ps.core.view import KeySpec, Layout
 from ps.server import create_server
 from tests.helpers import FAST, ServeProcess, same_bits
-from worker import HpsOptimizer
+from worker import HpsOptimizer, ParameterClient
 
 STEPS, WORKERS, PER_WORKER = 12, 4, 8
 
@@ -221,3 +222,20 @@ def test_kill_9_of_a_regional_master_mid_run(tree, tmp_path):
             j for j in eu.status().jobs if j.name == "ko").stats.outer_version, "regions disagree")
     finally:
         eu.stop()
+
+
+def test_a_zone_straight_under_the_root_is_refused_with_a_sentence(tree):
+    """Above the inner loop only pseudo-gradients travel: a zone (or worker) at the root of an
+    outer job would have its raw gradients taken for pseudo-gradients. Refused, nothing joins."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    layout = Layout([KeySpec("w", (8,))])
+    job = JobConfig(name="misplaced", mode="outer", outer=OuterConfig(inner_steps=2))
+    w = ParameterClient(zone, "misplaced", "w0", timeout_s=10)
+    try:
+        w.create_job(job, layout, np.zeros(8, np.float32))
+        with pytest.raises(BadInput, match="put it below a regional master"):
+            w.register()
+        assert tree.lt.call(lambda: len(tree.tier("root").jobs["misplaced"].members)) == 0
+    finally:
+        w.close()

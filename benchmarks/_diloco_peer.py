@@ -1,0 +1,393 @@
+"""A peer row for benchmarks/wan_loss.py: the same demo model, data, batch and emulated WAN,
+trained with torchft 0.2.0's DiLoCo (what a user would pick instead of hps across regions).
+
+    python benchmarks/_diloco_peer.py --inner-steps 50 --steps 200
+    # prints run_diloco(...)'s dict as JSON
+
+2 regions x 2 workers, each worker one torchft replica group (benchmarks/_diloco_worker.py,
+run by HPS_PEER_PYTHON, default /tmp/peervenv/bin/python: torchft lives in its own venv). Inner
+AdamW 3e-3 (20 warm-up steps), outer SGD lr 0.7, momentum 0.9, Nesterov, every H inner steps;
+fp32 pseudo-gradients in one bucketized gloo all-reduce. torchft's Lighthouse runs at the
+"root" site.
+
+The WAN, as wan_loss.py's: each region has one link to the root site, ``latency_ms`` round
+trip and ``bandwidth_mbit`` each way, shared by everything the region sends or receives
+(ps.tools.wanem's model: its Link, its per-direction serialisation clock, its pump). A
+connection from eu to us crosses eu's link up, then us's link down (store and forward at the
+root, 64 KiB chunks): 2x latency round trip, and its bytes are counted on both links, as the
+hierarchy's eu -> root -> us path is. A worker's connections to the Lighthouse cross its own
+region's link only; connections inside a region cross nothing. All of it is one relay process
+(``--relay``, below), since gloo's peers connect to each other directly: the workers swap every
+address in another region for the relay's listener on that path (see _diloco_worker.py). The
+relay logs each link's byte counters in wanem's words; they are read as wan_loss.py reads its
+links' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "benchmarks", "_diloco_worker.py")
+PEER_PYTHON = "/tmp/peervenv/bin/python"
+REGIONS = (("eu", 2), ("us", 2))
+
+
+# --- the relay: both regions' links, in front of whatever a worker reaches in another region ---
+
+def _relay_main(args) -> int:
+    import asyncio
+    import random
+
+    sys.path.insert(0, ROOT)
+    from ps.tools.wanem import Link, _Direction, _pump
+
+    link = Link(latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit)
+    rng = random.Random(0)
+    links = {r: (_Direction(link, rng), _Direction(link, rng)) for r, _ in REGIONS}  # (up, down)
+    conns = {r: 0 for r in links}
+    owner: dict[str, str] = {}            # "host:port" -> region ("root": the Lighthouse's site)
+    proxies: dict[tuple[str, str], str] = {}
+    servers = []
+    writers: set = set()
+    log = open(args.log, "a", buffering=1)
+
+    class Path:
+        """src -> dst: src's link up, then dst's link down (either may be the root: no link)."""
+
+        def __init__(self, src: str, dst: str) -> None:
+            self.dirs = ([links[src][0]] if src in links else []) + ([links[dst][1]] if dst in links else [])
+            self.link = Link(latency_ms=sum(d.link.latency_ms for d in self.dirs),
+                             bandwidth_mbit=link.bandwidth_mbit,
+                             buffer_bytes=sum(d.link.buffer for d in self.dirs))
+
+        def schedule(self, n: int, now: float, after: float) -> float:
+            for d in self.dirs[:-1]:
+                now = d.schedule(n, now, 0.0)  # arrives at the root; forwarded from then
+            return self.dirs[-1].schedule(n, now, after)
+
+    def split(addr: str) -> tuple[str, int]:
+        host, port = addr.rsplit(":", 1)
+        return host.strip("[]"), int(port)
+
+    async def proxy_for(src: str, target: str) -> str:
+        key = (src, target)
+        if key in proxies:
+            return proxies[key]
+        dst = owner[target]
+        up, down = Path(src, dst), Path(dst, src)
+        host, port = split(target)
+
+        async def handle(c_reader, c_writer):
+            for r in {src, dst} & set(conns):
+                conns[r] += 1
+            t_writer = None
+            writers.add(c_writer)
+            try:
+                t_reader, t_writer = await asyncio.open_connection(host, port)
+                writers.add(t_writer)
+                for w in (c_writer, t_writer):
+                    sock = w.get_extra_info("socket")
+                    if sock is not None:
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await asyncio.gather(_pump(c_reader, t_writer, up), _pump(t_reader, c_writer, down),
+                                     return_exceptions=True)
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                for w in (c_writer, t_writer):
+                    if w is not None:
+                        w.close()
+                        writers.discard(w)
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        servers.append(server)
+        addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        proxies[key] = addr
+        print(f"relay: {src} -> {target} ({dst}) via {addr}", file=log)
+        return addr
+
+    async def control(reader, writer):
+        try:
+            words = (await reader.readline()).decode().split()
+            if len(words) == 3 and words[0] == "OWN":
+                owner[words[2]] = words[1]
+                reply = "OK"
+            elif len(words) == 3 and words[0] == "ROUTE":
+                src, target = words[1], words[2]
+                if target not in owner:
+                    reply = f"ERR {target} was never declared (OWN)"
+                elif owner[target] == src:
+                    reply = target  # same region: no WAN
+                else:
+                    reply = await proxy_for(src, target)
+            else:
+                reply = f"ERR bad request {words!r}"
+            writer.write(reply.encode() + b"\n")
+            await writer.drain()
+        finally:
+            writer.close()
+
+    def report(final: bool, t0: float) -> None:
+        for r, (up, down) in links.items():
+            if final:
+                print(f"wanem {r}-wan: stopped after {time.monotonic() - t0:.1f}s; {conns[r]} connections, "
+                      f"{up.bytes} bytes up, {down.bytes} bytes down", file=log)
+            else:
+                print(f"wanem {r}-wan: {up.bytes} bytes up, {down.bytes} bytes down so far", file=log)
+
+    async def serve() -> None:
+        t0 = time.monotonic()
+        ctl = await asyncio.start_server(control, "127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, lambda: report(False, t0))
+        print(f"relay: control 127.0.0.1:{ctl.sockets[0].getsockname()[1]} ({link.describe()} per region)",
+              flush=True)
+        try:
+            await asyncio.wait_for(stop.wait(), args.max_s)
+        except asyncio.TimeoutError:
+            pass
+        ctl.close()
+        for s in servers:
+            s.close()
+        for w in list(writers):
+            w.transport.abort()
+        report(True, t0)
+
+    asyncio.run(serve())
+    return 0
+
+
+# --- the driver ---
+
+def _wait_line(proc: subprocess.Popen, pattern: str, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+            m = re.search(pattern, line)
+            if m:
+                return m
+        elif proc.poll() is not None:
+            break
+    raise RuntimeError(f"no {pattern!r} from {proc.args[:3]} within {timeout:.0f}s (exit {proc.poll()}): {seen[-500:]}")
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def _peer_python() -> tuple[str, str, str]:
+    """(interpreter, torchft version, "" or why torchft cannot be used from it)."""
+    py = os.environ.get("HPS_PEER_PYTHON", PEER_PYTHON)
+    if not os.path.exists(py):
+        return py, "", f"no interpreter at {py} (HPS_PEER_PYTHON): torchft is not installed here"
+    try:
+        probe = ("import importlib.metadata as m, torch, torchft.local_sgd, torchft.manager, torchft.process_group, "
+                 "torchft.coordination; print(m.version('torchft'), torch.__version__)")
+        out = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return py, "", f"{py} took over 180 s to import torchft"
+    if out.returncode != 0:
+        err = out.stderr.strip().splitlines()
+        return py, "", f"torchft cannot be imported by {py}: {err[-1] if err else out.returncode}"
+    version = out.stdout.split()[0]
+    return py, version, ""
+
+
+def _read(proc: subprocess.Popen, q: queue.Queue, worker: str) -> None:
+    for line in proc.stdout:
+        try:
+            q.put(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # gloo's "[Gloo] Rank ... connected" lines
+    q.put({"event": "exit", "worker": worker, "rc": proc.wait()})
+
+
+def run_diloco(H: int, steps: int, batch: int, latency_ms: float, bandwidth_mbit: float, logdir: str,
+               timeout_s: float = 1200.0) -> dict:
+    """Train the demo model with torchft's DiLoCo (sync every ``H`` inner steps) for ``steps``
+    steps on 4 workers in 2 regions across the emulated WAN; the same keys as wan_loss.run()."""
+    label = (f"torchft DiLoCo H={H}: AdamW inner, Nesterov outer lr 0.7, fp32 bucketized gloo all-reduce")
+    base = dict(label=label, H=H, steps=steps, batch=batch,
+                link=dict(latency_ms=latency_ms, bandwidth_mbit=bandwidth_mbit))
+    py, version, why = _peer_python()
+    base.update(peer_python=py, torchft_version=version)
+    if why:
+        return dict(base, status=why)
+    os.makedirs(logdir, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RUST_LOG": "warn"}
+    relay_log = os.path.join(logdir, "relay.log")
+    open(relay_log, "w").close()
+    procs: list[subprocess.Popen] = []
+    names: list[tuple[str, str]] = []
+    workers: list[subprocess.Popen] = []
+    q: queue.Queue = queue.Queue()
+    events: list[dict] = []
+    status = ""
+    try:
+        relay = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--relay", "--log", relay_log,
+                                  "--latency-ms", str(latency_ms), "--bandwidth-mbit", str(bandwidth_mbit),
+                                  "--max-s", str(timeout_s + 120)],
+                                 stdout=subprocess.PIPE, stderr=open(os.path.join(logdir, "relay.err"), "wb"),
+                                 text=True, env=env, cwd=ROOT)
+        procs.append(relay)
+        control = _wait_line(relay, r"relay: control (\S+)", 60).group(1)
+        lighthouse = subprocess.Popen([py, WORKER, "--lighthouse", "--min-replicas", str(sum(n for _, n in REGIONS)),
+                                       "--max-s", str(timeout_s + 120)],
+                                      stdout=subprocess.PIPE, stderr=open(os.path.join(logdir, "lighthouse.log"), "wb"),
+                                      text=True, env=env, cwd=ROOT)
+        procs.append(lighthouse)
+        lh = _wait_line(lighthouse, r"lighthouse: serving (\S+)", 120).group(1)
+        host, port = control.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as s:  # the Lighthouse: at the root
+            s.sendall(f"OWN root {lh}\n".encode())
+            s.recv(64)
+        for r, n in REGIONS:  # eu_0 eu_1 us_2 us_3: replica ranks (sorted ids) keep regions contiguous
+            for _ in range(n):
+                names.append((f"{r}_{len(names)}", r))
+        for i, (name, region) in enumerate(names):
+            err = open(os.path.join(logdir, f"{name}.log"), "wb")
+            p = subprocess.Popen([py, WORKER, "--replica-id", name, "--region", region, "--seed", str(i),
+                                  "--replicas", str(len(names)), "--steps", str(steps), "--batch", str(batch),
+                                  "--sync-every", str(H), "--lighthouse-addr", lh, "--relay", control],
+                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
+            procs.append(p)
+            workers.append(p)
+            threading.Thread(target=_read, args=(p, q, name), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        exited, started, rcs = 0, 0, {}
+        while exited < len(workers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                status = f"timed out after {timeout_s:.0f}s with {exited} of {len(workers)} workers done"
+                break
+            try:
+                ev = q.get(timeout=min(left, 5))
+            except queue.Empty:
+                continue
+            if ev["event"] == "exit":
+                exited += 1
+                rcs[ev["worker"]] = ev["rc"]
+                continue
+            events.append(ev)
+            if ev["event"] == "start":
+                started += 1
+                if started == len(workers):  # every Manager up (heartbeating); no quorum yet
+                    relay.send_signal(signal.SIGUSR1)
+    finally:
+        _stop(workers)
+        _stop([p for p in procs if p not in workers])
+    done = [e for e in events if e["event"] == "done"]
+    if len(done) != len(workers):
+        tails = []
+        for name, _ in names:
+            text = open(os.path.join(logdir, f"{name}.log"), errors="replace").read()
+            tails.append(f"{name}: {text.strip().splitlines()[-1] if text.strip() else '(no stderr)'}")
+        return dict(base, status=(status or f"{len(done)} of {len(workers)} workers finished") + "; " +
+                    " | ".join(tails), logdir=logdir)
+    text = open(relay_log).read()
+    up = down = up0 = down0 = 0
+    per_link = {}
+    for r, _ in REGIONS:
+        marks = re.findall(rf"wanem {r}-wan: (\d+) bytes up, (\d+) bytes down so far", text)
+        if marks:
+            up0, down0 = up0 + int(marks[0][0]), down0 + int(marks[0][1])
+        m = re.search(rf"wanem {r}-wan: stopped .*?(\d+) connections, (\d+) bytes up, (\d+) bytes down$", text, re.M)
+        if m:
+            up, down = up + int(m.group(2)), down + int(m.group(3))
+            per_link[r] = dict(connections=int(m.group(1)), up=int(m.group(2)), down=int(m.group(3)))
+    t0 = min(e["t"] for e in events if e["event"] == "start")
+    per_step: dict[int, list] = {}
+    for e in events:
+        if e["event"] == "step":
+            per_step.setdefault(e["step"], []).append(e)
+    curve = []  # (seconds since the first worker started, mean loss over workers at this step)
+    for s in sorted(per_step):
+        es = per_step[s]
+        curve.append((max(e["t"] for e in es) - t0, sum(e["loss"] for e in es) / len(es)))
+    smooth = [(t, sum(v for _, v in curve[max(0, i - 9):i + 1]) / len(curve[max(0, i - 9):i + 1]))
+              for i, (t, _) in enumerate(curve)]
+    wall = max(e["t"] for e in done) - t0
+    vals = [e["val_loss"] for e in done]
+    errored = [e["errored"] for e in done if e.get("errored")]
+    if errored:
+        status = f"torchft reported errors (a sync was discarded): {errored[0][:300]}"
+    elif not done[0].get("final_params_synced"):
+        status = f"steps ({steps}) is not a multiple of H ({H}): val_loss is on each worker's unsynchronised parameters"
+    return dict(base, wall_s=wall, curve=curve, smoothed=smooth, final_train_loss=smooth[-1][1],
+                val_loss=(sum(vals) / len(vals)) if None not in vals else None,
+                outer_steps=max(e["outer_steps"] for e in done),
+                wan_bytes=dict(up=up, down=down, start_up=up0 + down0, per_link=per_link),
+                # per step, both directions of both regions' links, all workers together: after
+                # start-up (the Managers' first heartbeats), and with it
+                wan_bytes_per_step=(up + down - up0 - down0) / steps,
+                wan_bytes_per_step_with_start_up=(up + down) / steps,
+                wan_emulation=("each region one link to the root site (wanem's model, in one relay); eu<->us "
+                               "connections cross both links (2x latency RTT, bytes counted on both); "
+                               "the Lighthouse at the root"),
+                status=status)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--inner-steps", type=int, default=50, help="H: inner steps between outer syncs")
+    p.add_argument("--steps", type=int, default=200, help="inner steps per worker")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--latency-ms", type=float, default=100.0, help="each region's link: round trip")
+    p.add_argument("--bandwidth-mbit", type=float, default=100.0, help="each region's link: each way")
+    p.add_argument("--logdir", default="", help="keep the logs here (default: a temporary folder)")
+    p.add_argument("--timeout-s", type=float, default=1200.0)
+    p.add_argument("--out", default="", help="also write the JSON here")
+    # the relay (started by run_diloco)
+    p.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--log", default="", help=argparse.SUPPRESS)
+    p.add_argument("--max-s", type=float, default=3600.0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.relay:
+        return _relay_main(args)
+    if args.logdir:
+        result = run_diloco(args.inner_steps, args.steps, args.batch, args.latency_ms, args.bandwidth_mbit,
+                            args.logdir, args.timeout_s)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = run_diloco(args.inner_steps, args.steps, args.batch, args.latency_ms, args.bandwidth_mbit,
+                                tmp, args.timeout_s)
+    text = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
