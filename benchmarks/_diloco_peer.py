@@ -59,7 +59,7 @@ def _relay_main(args) -> int:
     links = {r: (_Direction(link, rng), _Direction(link, rng)) for r, _ in REGIONS}  # (up, down)
     conns = {r: 0 for r in links}
     owner: dict[str, str] = {}            # "host:port" -> region ("root": the Lighthouse's site)
-    proxies: dict[tuple[str, str], str] = {}
+    proxies: dict[tuple[str, str, bool], str] = {}
     servers = []
     writers: set = set()
     log = open(args.log, "a", buffering=1)
@@ -82,10 +82,15 @@ def _relay_main(args) -> int:
         host, port = addr.rsplit(":", 1)
         return host.strip("[]"), int(port)
 
-    async def proxy_for(src: str, target: str) -> str:
-        key = (src, target)
-        if key in proxies:
-            return proxies[key]
+    lock = asyncio.Lock()
+
+    async def proxy_for(src: str, target: str, low: bool) -> str:
+        async with lock:
+            if (src, target, low) not in proxies:
+                proxies[src, target, low] = await new_proxy(src, target, low)
+            return proxies[src, target, low]
+
+    async def new_proxy(src: str, target: str, low: bool) -> str:
         dst = owner[target]
         up, down = Path(src, dst), Path(dst, src)
         host, port = split(target)
@@ -112,10 +117,10 @@ def _relay_main(args) -> int:
                         w.close()
                         writers.discard(w)
 
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        listen = "127.0.0.0" if low else "127.0.0.1"  # low: see RoutingStore in _diloco_worker.py
+        server = await asyncio.start_server(handle, listen, 0)
         servers.append(server)
-        addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        proxies[key] = addr
+        addr = f"{listen}:{server.sockets[0].getsockname()[1]}"
         print(f"relay: {src} -> {target} ({dst}) via {addr}", file=log)
         return addr
 
@@ -125,14 +130,14 @@ def _relay_main(args) -> int:
             if len(words) == 3 and words[0] == "OWN":
                 owner[words[2]] = words[1]
                 reply = "OK"
-            elif len(words) == 3 and words[0] == "ROUTE":
-                src, target = words[1], words[2]
+            elif len(words) in (3, 4) and words[0] == "ROUTE":
+                src, target, low = words[1], words[2], words[3:] == ["low"]
                 if target not in owner:
                     reply = f"ERR {target} was never declared (OWN)"
                 elif owner[target] == src:
                     reply = target  # same region: no WAN
                 else:
-                    reply = await proxy_for(src, target)
+                    reply = await proxy_for(src, target, low)
             else:
                 reply = f"ERR bad request {words!r}"
             writer.write(reply.encode() + b"\n")
@@ -285,6 +290,7 @@ def run_diloco(H: int, steps: int, batch: int, latency_ms: float, bandwidth_mbit
             threading.Thread(target=_read, args=(p, q, name), daemon=True).start()
         deadline = time.monotonic() + timeout_s
         exited, started, rcs = 0, 0, {}
+        trace = open(os.path.join(logdir, "events.jsonl"), "w", buffering=1)
         while exited < len(workers):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -299,6 +305,7 @@ def run_diloco(H: int, steps: int, batch: int, latency_ms: float, bandwidth_mbit
                 rcs[ev["worker"]] = ev["rc"]
                 continue
             events.append(ev)
+            trace.write(json.dumps(ev) + "\n")
             if ev["event"] == "start":
                 started += 1
                 if started == len(workers):  # every Manager up (heartbeating); no quorum yet

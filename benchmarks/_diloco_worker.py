@@ -54,7 +54,7 @@ class Relay:
     def __init__(self, address: str, region: str) -> None:
         self.address, self.region = address, region
         self._lock = threading.Lock()
-        self._routes: dict[str, str] = {}
+        self._routes: dict[tuple[str, bool], str] = {}
 
     def _ask(self, line: str) -> str:
         host, port = self.address.rsplit(":", 1)
@@ -74,11 +74,12 @@ class Relay:
     def own(self, addr: str) -> None:
         self._ask(f"OWN {self.region} {addr}")
 
-    def route(self, addr: str) -> str:
+    def route(self, addr: str, low: bool = False) -> str:
+        """Where to reach ``addr`` from this region (``low``: a listener on 127.0.0.0)."""
         with self._lock:
-            if addr not in self._routes:
-                self._routes[addr] = self._ask(f"ROUTE {self.region} {addr}")
-            return self._routes[addr]
+            if (addr, low) not in self._routes:
+                self._routes[addr, low] = self._ask(f"ROUTE {self.region} {addr}" + (" low" if low else ""))
+            return self._routes[addr, low]
 
 
 _AF_INET, _AF_INET6 = 2, 10
@@ -107,18 +108,36 @@ def _rank_record(value: bytes) -> tuple[int, str] | None:
     raise RuntimeError(f"gloo rank record with address family {family}: cannot route it through the WAN")
 
 
+def _gloo_key(value: bytes, off: int) -> tuple[bytes, int]:
+    """What gloo's Device::isInitiator compares, for the sockaddr at ``off``: the address bytes,
+    then sin_port as the host reads it (network byte order read as a little-endian int)."""
+    (family,) = struct.unpack_from("<H", value, off)
+    (port,) = struct.unpack_from("<H", value, off + 2)
+    return (value[off + 4:off + 8] if family == _AF_INET else value[off + 8:off + 24]), port
+
+
 class RoutingStore(dist.Store):
-    """The PG's rendezvous store, with peers' gloo addresses swapped for their relay path."""
+    """The PG's rendezvous store, with a peer's gloo address swapped for its relay path.
+
+    Of the two ends of a gloo pair, the one whose own address compares higher connects (gloo's
+    Device::isInitiator). The connecting end reads the relay's listener instead of the peer:
+    one on 127.0.0.0, below every worker's 127.0.0.1, so it still decides to connect; the
+    listening end reads the real address, so it still decides to wait."""
 
     def __init__(self, inner: dist.Store, relay: Relay) -> None:
         super().__init__()
         self.inner, self.relay = inner, relay
+        self.own: tuple[bytes, int] | None = None
 
     def set(self, key, value):
         raw = value.encode() if isinstance(value, str) else bytes(value)
         rec = _rank_record(raw)
         if rec is not None:  # our own gloo listener: declare it before anyone can read it
-            self.relay.own(rec[1])
+            off, addr = rec
+            if not addr.startswith("127.0.0.1:"):
+                raise RuntimeError(f"gloo listens on {addr}; the WAN emulation needs it on 127.0.0.1")
+            self.own = _gloo_key(raw, off)
+            self.relay.own(addr)
         return self.inner.set(key, value)
 
     def get(self, key):
@@ -127,15 +146,21 @@ class RoutingStore(dist.Store):
         if rec is None:
             return raw
         off, addr = rec
-        routed = self.relay.route(addr)
+        if self.own is None:
+            raise RuntimeError(f"read gloo record {key!r} before writing ours")
+        if not self.own > _gloo_key(raw, off):
+            return raw  # we listen: the peer connects to us (through its own route)
+        routed = self.relay.route(addr, low=True)
         if routed == addr:
-            return raw
+            return raw  # same region
         host, port = routed.rsplit(":", 1)
         out = bytearray(raw)
-        out[off:off + 28] = bytes(28)  # an IPv4 sockaddr_in where the peer's was (v4 or v6)
+        out[off:off + 28] = bytes(28)  # an IPv4 sockaddr_in where the peer's was
         struct.pack_into("<H", out, off, _AF_INET)
         struct.pack_into(">H", out, off + 2, int(port))
         out[off + 4:off + 8] = socket.inet_aton(host)
+        if not self.own > _gloo_key(bytes(out), off):
+            raise RuntimeError(f"relay address {routed} would not keep us the connecting end of the pair")
         return bytes(out)
 
     def add(self, key, n):

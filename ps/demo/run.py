@@ -248,9 +248,9 @@ def _report(args, out, series, step_s, ups, done, placement, tiers, wall, train)
     groups = _view_groups(tiers, done, placement)
     agree = bool(groups) and all(len(g) == 1 for g in groups.values()) and len(done) == len(placement)
     per_worker = " ".join(f"{r['worker']}:{r['steps']}" for r in rows)
-    what = ("each region's replicas agree with its regional master, and the regions' outer views with the root"
+    what = ("each region's replicas agree with its regional master and the regions' outer views with the root"
             if args.mode == "outer" else "replicas agree with the root")
-    print(f"\n{what}, bit for bit: {'yes' if agree else 'NO'}; "
+    print(f"\n{what} bit for bit: {'yes' if agree else 'NO'}; "
           f"{sum(r['steps'] for r in rows)} steps ({per_worker}) in {train:.1f}s of training, "
           f"{wall:.1f}s with start-up")
     mode = _mode_label(args)
