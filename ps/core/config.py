@@ -238,8 +238,6 @@ class OuterConfig:
                  f"outer inner_tier must be 'regional' or 'zone' (the root's would be flat bsp), "
                  f"got {self.inner_tier!r}")
         # Said plainly rather than accepted and ignored (issue 17).
-        _require(not self.overlap, "outer overlap (training on while a fragment's sync is in flight) is "
-                 "not built yet; leave overlap off")
         _require(not self.asynchronous, "asynchronous outer steps (a fast region not waiting for a slow one) "
                  "are not built yet; leave asynchronous off")
 

@@ -127,12 +127,20 @@ class OuterPlan:
                 out[sl] *= w
         return out
 
-    def rebase(self, params: np.ndarray, base: np.ndarray, outer: np.ndarray, fragment: int) -> None:
+    def rebase(self, params: np.ndarray, base: np.ndarray, outer: np.ndarray, fragment: int,
+               sent: np.ndarray | None = None) -> None:
         """Take the outer values of ``fragment`` as the region's parameters and new base (in
-        place: the inner optimizer's tensors are views of ``params``)."""
+        place: the inner optimizer's tensors are views of ``params``). ``sent``: the parameters
+        when the pseudo-gradient left (overlap); what the region trained since is kept on top,
+        and goes with the next pseudo-gradient (``base - params`` holds it)."""
         for off, n in self._spans[fragment]:
-            params[off:off + n] = outer[off:off + n]
-            base[off:off + n] = outer[off:off + n]
+            sl = slice(off, off + n)
+            if sent is not None:
+                params[sl] -= sent[sl]
+                params[sl] += outer[sl]
+            else:
+                params[sl] = outer[sl]
+            base[sl] = outer[sl]
 
     def norm(self, delta: np.ndarray, fragment: int, workers: int) -> float:
         """The L2 norm of the pseudo-gradient (per worker: ``delta`` is scaled by ``workers``)."""

@@ -22,10 +22,13 @@ For those it holds two things:
   bit for bit, exactly-once, epochs). A zone below cannot tell it from the global root.
 
 Every ``period = inner_steps / fragments`` inner versions the inner root, before acknowledging
-the round (the region waits: overlap is not built yet), sends the root the next fragment's
-pseudo-gradient (``ps.core.outer``) as a push of the region's workers, waits for the outer
-version that applied it, takes the fragment's outer values as its parameters and publishes
-that as one more inner version (the rebase), whose number the round's acknowledgement carries.
+the round, sends the root the next fragment's pseudo-gradient (``ps.core.outer``) as a push of
+the region's workers, waits for the outer version that applied it, takes the fragment's outer
+values as its parameters and publishes that as one more inner version (the rebase), whose
+number the round's acknowledgement carries. With ``overlap`` it does not wait: the region
+trains on, and the outer result is merged at the first inner version after it lands, keeping
+what was trained meanwhile (which goes up with the next pseudo-gradient). The result of a sync
+sent at the job's last step stays at the root (it is in the outer view a checkpoint exports).
 
 The inner state is in memory only. A restarted region starts a new lineage from the outer view;
 the inner steps its old lineage held beyond its last sync are counted (``inner_steps_lost``,
@@ -75,6 +78,19 @@ def runs_inner(cfg: JobConfig, role: str) -> bool:
 
 
 @dataclass
+class Pending:
+    """A sync in flight: what was sent, and when."""
+
+    fragment: int
+    outer_version: int          # the outer version its pseudo-gradient is based on
+    t0: float
+    bytes_before: int           # the WAN edge's push bytes before it
+    norm: float
+    steps: int                  # the inner steps it carries
+    params: np.ndarray | None   # overlap: the parameters when it was sent (the region trains on)
+
+
+@dataclass
 class OuterState:
     """A region's side of one outer job: where its fragments stand."""
 
@@ -83,6 +99,8 @@ class OuterState:
     workers: int = 1            # contributors of the last inner round (the pseudo-gradient's weight)
     scratch: np.ndarray | None = None
     detached: bool = False      # every child left: not in the root's rounds until one is back
+    inflight: asyncio.Task | None = None  # the sync in flight
+    pending: Pending | None = None
     reported: set[int] = dataclasses.field(default_factory=set)  # old lineages whose loss is counted
 
 
@@ -140,6 +158,9 @@ class OuterRelay(Relay):
         self._inner_made = asyncio.Lock()
 
     async def stop(self) -> None:
+        for st in self.outer.values():  # a sync retrying towards a gone root must not hold the stop
+            if st.inflight is not None:
+                st.inflight.cancel()
         if self.inner is not None:
             await self.inner.stop()
         await super().stop()
@@ -218,6 +239,9 @@ class OuterRelay(Relay):
         if st is None or ijs is None or not st.detached:
             return
         async with ijs.apply_lock:
+            if st.inflight is not None:  # sent before every child left: the whole outer view covers it
+                st.inflight.cancel()
+                st.inflight, st.pending = None, None
             lost = ijs.stats.inner_steps_since_sync
             for f in range(st.plan.fragments):
                 st.plan.rebase(ijs.params, st.base, ojs.view.values, f)
@@ -249,7 +273,11 @@ class OuterRelay(Relay):
 
     # -- the sync ---------------------------------------------------------------------------
     async def after_inner_version(self, ijs: RootJob, contributors: int) -> None:
-        """The inner root published a version (its apply lock held): sync a fragment when due."""
+        """The inner root published a version (its apply lock held): take in a sync that has
+        landed, and send the next fragment's pseudo-gradient when due. Without overlap the
+        region waits for that sync here; with it, training goes on and the outer result is
+        merged at the first inner version after it lands (one step delayed, as in Streaming
+        DiLoCo's overlap). At most one sync is in flight: a due sync waits for the last one."""
         name = ijs.config.name
         st = self.outer.get(name)
         if st is None or self.inner is None:
@@ -257,54 +285,79 @@ class OuterRelay(Relay):
         if contributors:
             st.workers = contributors
             ijs.stats.inner_steps_since_sync += 1
+        if st.inflight is not None and st.inflight.done():
+            self._merge(ijs, st)
         if ijs.stats.inner_steps_since_sync < st.plan.period:
             return
-        await self.sync(ijs, st)
+        if st.inflight is not None:
+            await asyncio.wait([st.inflight])
+            self._merge(ijs, st)
+        self._send(ijs, st)
+        outer = ijs.config.outer
+        if st.inflight is not None and (outer is None or not outer.overlap):
+            await asyncio.wait([st.inflight])
+            self._merge(ijs, st)
 
-    async def sync(self, ijs: RootJob, st: OuterState) -> None:
-        """Send the due fragment's pseudo-gradient, take the outer version that applied it as
-        the fragment's parameters, and publish that as an inner version. A failure is logged
-        and counted; the steps go with the next sync (tried after the next inner version)."""
+    def _send(self, ijs: RootJob, st: OuterState) -> None:
+        """Start the sync of the due fragment: its pseudo-gradient up, then the outer version
+        that applied it (``st.inflight``)."""
         name = ijs.config.name
         ojs = self.jobs.get(name)
         if not isinstance(ojs, RelayJob) or not ojs.view.ready:
             ijs.stats.outer_sync_failures += 1
             log.warning("%s: job %s: no outer view to sync with; training on", self.role, name)
             return
-        t0 = time.perf_counter()
         u = ojs.view.version
         f = st.plan.fragment(u)
         st.scratch = st.plan.pseudo_gradient(st.base, ijs.params, f, st.workers, out=st.scratch)
-        norm = st.plan.norm(st.scratch, f, st.workers)
         step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0)
         agg = Aggregate(round=u, grad=st.scratch, contributors=st.workers, clock_min=u, clock_max=u,
                         members=(), step=step)
+        overlap = ijs.config.outer is not None and ijs.config.outer.overlap
+        st.pending = Pending(f, u, time.perf_counter(), ojs.stats.bytes_pushed_up,
+                             st.plan.norm(st.scratch, f, st.workers), ijs.stats.inner_steps_since_sync,
+                             ijs.params.copy() if overlap else None)
+        ijs.stats.inner_steps_since_sync = 0
+        st.inflight = asyncio.create_task(self._round_trip(ojs, agg), name=f"outer-sync-{name}")
+
+    async def _round_trip(self, ojs: RelayJob, agg: Aggregate) -> Ack:
         fut = asyncio.get_running_loop().create_future()
-        sent = ojs.stats.bytes_pushed_up
-        await self._forward(ojs, agg, (), u, fut)  # retries within round_timeout_s; never raises
-        try:
-            ack: Ack = fut.result()
-            await self._hold_outer(ojs, ack)
-        except (HpsError, asyncio.TimeoutError) as exc:
-            ijs.stats.outer_sync_failures += 1
-            log.warning("%s: job %s: the sync of fragment %d (outer version %d) failed: %s; training on, "
-                        "its steps go with the next sync", self.role, name, f, u, short(str(exc), 200),
-                        extra=event("outer.sync_failed", job=name, version=u))
+        await self._forward(ojs, agg, (), agg.round, fut)  # retries within round_timeout_s; never raises
+        ack: Ack = fut.result()
+        await self._hold_outer(ojs, ack)
+        return ack
+
+    def _merge(self, ijs: RootJob, st: OuterState) -> None:
+        """A sync ended: rebase its fragment on the outer version and publish that as an inner
+        version (keeping what the region trained since it was sent), or count its failure (its
+        steps go with the next sync: the base did not move)."""
+        task, p = st.inflight, st.pending
+        st.inflight, st.pending = None, None
+        if task is None or p is None:
             return
-        st.plan.rebase(ijs.params, st.base, ojs.view.values, f)
+        name = ijs.config.name
+        exc = task.exception() if not task.cancelled() else asyncio.CancelledError()
+        ojs = self.jobs.get(name)
+        if exc is not None or not isinstance(ojs, RelayJob):
+            ijs.stats.outer_sync_failures += 1
+            ijs.stats.inner_steps_since_sync += p.steps
+            log.warning("%s: job %s: the sync of fragment %d (outer version %d) failed: %s; training on, "
+                        "its steps go with the next sync", self.role, name, p.fragment, p.outer_version,
+                        short(str(exc), 200), extra=event("outer.sync_failed", job=name, version=p.outer_version))
+            return
+        st.plan.rebase(ijs.params, st.base, ojs.view.values, p.fragment, sent=p.params)
         assert self.inner is not None
         self.inner._publish(ijs, ijs.view.clock_min, 0)
         ijs.reset_round(ijs.view.version, "the region synced with the root")
         s = ijs.stats
         s.outer_syncs += 1
         s.outer_version, s.outer_checksum = ojs.view.version, ojs.view.checksum
-        s.outer_bytes_up += ojs.stats.bytes_pushed_up - sent
+        s.outer_bytes_up += ojs.stats.bytes_pushed_up - p.bytes_before
         s.outer_bytes_down = ojs.stats.bytes_pulled_in
-        s.pseudo_grad_norm = norm
-        s.outer_sync_seconds_sum += time.perf_counter() - t0
-        s.inner_steps_since_sync = 0
+        s.pseudo_grad_norm = p.norm
+        s.outer_sync_seconds_sum += time.perf_counter() - p.t0
         log.debug("%s: job %s: fragment %d synced: outer version %d, inner version %d, %.3fs", self.role,
-                  name, f, ojs.view.version, ijs.view.version, time.perf_counter() - t0)
+                  name, p.fragment, ojs.view.version, ijs.view.version, time.perf_counter() - p.t0)
 
     async def _hold_outer(self, ojs: RelayJob, ack: Ack) -> None:
         """Wait until the followed outer view holds the version that applied our push."""

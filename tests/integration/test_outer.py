@@ -239,3 +239,20 @@ def test_a_zone_straight_under_the_root_is_refused_with_a_sentence(tree):
         assert tree.lt.call(lambda: len(tree.tier("root").jobs["misplaced"].members)) == 0
     finally:
         w.close()
+
+
+def test_overlap_trains_on_while_a_sync_is_in_flight(tree):
+    """With overlap the region does not wait for the root: every fragment still goes up once
+    per H inner steps, the outer results are merged as they land, replicas agree."""
+    zones = _two_regions(tree)
+    job = JobConfig(name="ov", mode="outer", optimizer=OptimizerConfig(kind="adamw", lr=0.01),
+                    outer=OuterConfig(inner_steps=2, codec="int8", overlap=True), min_workers=WORKERS)
+    _train(zones, job, steps=8)
+    root = tree.view("root", "ov")
+    assert root[1] == 4  # syncs sent at inner steps 2, 4, 6, 8: each applied once
+    for region, zone in (("eu", "eu-a"), ("us", "us-a")):
+        st = tree.lt.call(lambda r=region: tree.tier(r).inner.jobs["ov"].stats)
+        # merged at the first inner version after each landed (the last one after training ended, if at all)
+        assert 3 <= st.outer_syncs <= 4 and st.outer_sync_failures == 0
+        inner = tree.lt.call(lambda r=region: (lambda v: (v.version, v.checksum))(tree.tier(r).inner.jobs["ov"].view))
+        assert inner == tree.view(zone, "ov")[1:3]
