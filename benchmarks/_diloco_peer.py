@@ -43,6 +43,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_diloco_worker.py")
 PEER_PYTHON = "/tmp/peervenv/bin/python"
 REGIONS = (("eu", 2), ("us", 2))
+WAN_SHAPES = {
+    "via-root": ("each region one link to the root site (ps.tools.wanem's model, all in one relay); eu<->us "
+                 "connections cross both links (2x the latency round trip; their bytes counted on both, as the "
+                 "hierarchy's eu -> root -> us); the Lighthouse at the root, reached over the region's link"),
+    "direct": ("one link between the two regions (ps.tools.wanem's model, in one relay), every eu<->us connection "
+               "crossing it; the Lighthouse in eu, us reaching it over the link"),
+}
 
 
 # --- the relay: both regions' links, in front of whatever a worker reaches in another region ---
@@ -56,8 +63,24 @@ def _relay_main(args) -> int:
 
     link = Link(latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit)
     rng = random.Random(0)
-    links = {r: (_Direction(link, rng), _Direction(link, rng)) for r, _ in REGIONS}  # (up, down)
+    # name -> (up, down). via-root: one link per region, "up" towards the root; direct: one
+    # link between the regions, "up" from the first region to the second.
+    if args.wan == "direct":
+        a, b = (r for r, _ in REGIONS)
+        links = {f"{a}-{b}": (_Direction(link, rng), _Direction(link, rng))}
+    else:
+        links = {f"{r}-wan": (_Direction(link, rng), _Direction(link, rng)) for r, _ in REGIONS}
     conns = {r: 0 for r in links}
+
+    def hops(src: str, dst: str) -> list[tuple[str, object]]:
+        """The links (name, direction) that src -> dst bytes cross, in order."""
+        if args.wan == "direct":
+            if src == dst or "root" in (src, dst):
+                return []
+            name = next(iter(links))
+            return [(name, links[name][0 if src == a else 1])]
+        out = [(f"{src}-wan", links[f"{src}-wan"][0])] if f"{src}-wan" in links else []
+        return out + ([(f"{dst}-wan", links[f"{dst}-wan"][1])] if f"{dst}-wan" in links else [])
     owner: dict[str, str] = {}            # "host:port" -> region ("root": the Lighthouse's site)
     proxies: dict[tuple[str, str, bool], str] = {}
     servers = []
@@ -65,15 +88,18 @@ def _relay_main(args) -> int:
     log = open(args.log, "a", buffering=1)
 
     class Path:
-        """src -> dst: src's link up, then dst's link down (either may be the root: no link)."""
+        """src -> dst: via-root, src's link up, then dst's link down (the root has no link)."""
 
         def __init__(self, src: str, dst: str) -> None:
-            self.dirs = ([links[src][0]] if src in links else []) + ([links[dst][1]] if dst in links else [])
+            self.names = [n for n, _ in hops(src, dst)]
+            self.dirs = [d for _, d in hops(src, dst)]
             self.link = Link(latency_ms=sum(d.link.latency_ms for d in self.dirs),
                              bandwidth_mbit=link.bandwidth_mbit,
                              buffer_bytes=sum(d.link.buffer for d in self.dirs))
 
         def schedule(self, n: int, now: float, after: float) -> float:
+            if not self.dirs:
+                return max(now, after)
             for d in self.dirs[:-1]:
                 now = d.schedule(n, now, 0.0)  # arrives at the root; forwarded from then
             return self.dirs[-1].schedule(n, now, after)
@@ -96,8 +122,8 @@ def _relay_main(args) -> int:
         host, port = split(target)
 
         async def handle(c_reader, c_writer):
-            for r in {src, dst} & set(conns):
-                conns[r] += 1
+            for name in set(up.names):
+                conns[name] += 1
             t_writer = None
             writers.add(c_writer)
             try:
@@ -148,10 +174,10 @@ def _relay_main(args) -> int:
     def report(final: bool, t0: float) -> None:
         for r, (up, down) in links.items():
             if final:
-                print(f"wanem {r}-wan: stopped after {time.monotonic() - t0:.1f}s; {conns[r]} connections, "
+                print(f"wanem {r}: stopped after {time.monotonic() - t0:.1f}s; {conns[r]} connections, "
                       f"{up.bytes} bytes up, {down.bytes} bytes down", file=log)
             else:
-                print(f"wanem {r}-wan: {up.bytes} bytes up, {down.bytes} bytes down so far", file=log)
+                print(f"wanem {r}: {up.bytes} bytes up, {down.bytes} bytes down so far", file=log)
 
     async def serve() -> None:
         t0 = time.monotonic()
@@ -161,8 +187,8 @@ def _relay_main(args) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGUSR1, lambda: report(False, t0))
-        print(f"relay: control 127.0.0.1:{ctl.sockets[0].getsockname()[1]} ({link.describe()} per region)",
-              flush=True)
+        port = ctl.sockets[0].getsockname()[1]
+        print(f"relay: control 127.0.0.1:{port} ({link.describe()}, {args.wan}: {', '.join(links)})", flush=True)
         try:
             await asyncio.wait_for(stop.wait(), args.max_s)
         except asyncio.TimeoutError:
@@ -238,12 +264,19 @@ def _read(proc: subprocess.Popen, q: queue.Queue, worker: str) -> None:
 
 
 def run_diloco(H: int, steps: int, batch: int, latency_ms: float, bandwidth_mbit: float, logdir: str,
-               timeout_s: float = 1200.0) -> dict:
+               timeout_s: float = 1200.0, wan: str = "via-root") -> dict:
     """Train the demo model with torchft's DiLoCo (sync every ``H`` inner steps) for ``steps``
-    steps on 4 workers in 2 regions across the emulated WAN; the same keys as wan_loss.run()."""
-    label = (f"torchft DiLoCo H={H}: AdamW inner, Nesterov outer lr 0.7, fp32 bucketized gloo all-reduce")
+    steps on 4 workers in 2 regions across the emulated WAN; the same keys as wan_loss.run().
+
+    ``wan``: "via-root" (wan_loss.py's links: each region one link to the root site, where the
+    Lighthouse runs; eu <-> us crosses both) or "direct" (one link between the two regions,
+    the Lighthouse in the first region)."""
+    if wan not in WAN_SHAPES:
+        raise ValueError(f"wan must be one of {', '.join(WAN_SHAPES)}, got {wan!r}")
+    label = f"torchft DiLoCo H={H}: AdamW inner, Nesterov outer lr 0.7, fp32 bucketized gloo all-reduce"
     base = dict(label=label, H=H, steps=steps, batch=batch,
-                link=dict(latency_ms=latency_ms, bandwidth_mbit=bandwidth_mbit))
+                link=dict(latency_ms=latency_ms, bandwidth_mbit=bandwidth_mbit), wan=wan,
+                wan_emulation=WAN_SHAPES[wan])
     py, version, why = _peer_python()
     base.update(peer_python=py, torchft_version=version)
     if why:
@@ -261,7 +294,7 @@ def run_diloco(H: int, steps: int, batch: int, latency_ms: float, bandwidth_mbit
     try:
         relay = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--relay", "--log", relay_log,
                                   "--latency-ms", str(latency_ms), "--bandwidth-mbit", str(bandwidth_mbit),
-                                  "--max-s", str(timeout_s + 120)],
+                                  "--max-s", str(timeout_s + 120), "--wan", wan],
                                  stdout=subprocess.PIPE, stderr=open(os.path.join(logdir, "relay.err"), "wb"),
                                  text=True, env=env, cwd=ROOT)
         procs.append(relay)
@@ -273,8 +306,8 @@ def run_diloco(H: int, steps: int, batch: int, latency_ms: float, bandwidth_mbit
         procs.append(lighthouse)
         lh = _wait_line(lighthouse, r"lighthouse: serving (\S+)", 120).group(1)
         host, port = control.rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=30) as s:  # the Lighthouse: at the root
-            s.sendall(f"OWN root {lh}\n".encode())
+        with socket.create_connection((host, int(port)), timeout=30) as s:  # where the Lighthouse is
+            s.sendall(f"OWN {'root' if wan == 'via-root' else REGIONS[0][0]} {lh}\n".encode())
             s.recv(64)
         for r, n in REGIONS:  # eu_0 eu_1 us_2 us_3: replica ranks (sorted ids) keep regions contiguous
             for _ in range(n):
@@ -324,14 +357,15 @@ def run_diloco(H: int, steps: int, batch: int, latency_ms: float, bandwidth_mbit
     text = open(relay_log).read()
     up = down = up0 = down0 = 0
     per_link = {}
-    for r, _ in REGIONS:
-        marks = re.findall(rf"wanem {r}-wan: (\d+) bytes up, (\d+) bytes down so far", text)
-        if marks:
-            up0, down0 = up0 + int(marks[0][0]), down0 + int(marks[0][1])
-        m = re.search(rf"wanem {r}-wan: stopped .*?(\d+) connections, (\d+) bytes up, (\d+) bytes down$", text, re.M)
-        if m:
-            up, down = up + int(m.group(2)), down + int(m.group(3))
-            per_link[r] = dict(connections=int(m.group(1)), up=int(m.group(2)), down=int(m.group(3)))
+    marks: dict[str, tuple[str, str]] = {}  # each link's first mark: when every worker had started
+    for name, u, d in re.findall(r"^wanem (\S+): (\d+) bytes up, (\d+) bytes down so far$", text, re.M):
+        marks.setdefault(name, (u, d))
+    for u, d in marks.values():
+        up0, down0 = up0 + int(u), down0 + int(d)
+    for name, c, u, d in re.findall(r"^wanem (\S+): stopped .*?(\d+) connections, (\d+) bytes up, (\d+) bytes down$",
+                                    text, re.M):
+        up, down = up + int(u), down + int(d)
+        per_link[name] = dict(connections=int(c), up=int(u), down=int(d))
     t0 = min(e["t"] for e in events if e["event"] == "start")
     per_step: dict[int, list] = {}
     for e in events:
@@ -358,9 +392,6 @@ def run_diloco(H: int, steps: int, batch: int, latency_ms: float, bandwidth_mbit
                 # start-up (the Managers' first heartbeats), and with it
                 wan_bytes_per_step=(up + down - up0 - down0) / steps,
                 wan_bytes_per_step_with_start_up=(up + down) / steps,
-                wan_emulation=("each region one link to the root site (wanem's model, in one relay); eu<->us "
-                               "connections cross both links (2x latency RTT, bytes counted on both); "
-                               "the Lighthouse at the root"),
                 status=status)
 
 
@@ -371,6 +402,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--latency-ms", type=float, default=100.0, help="each region's link: round trip")
     p.add_argument("--bandwidth-mbit", type=float, default=100.0, help="each region's link: each way")
+    p.add_argument("--wan", choices=sorted(WAN_SHAPES), default="via-root",
+                   help="via-root: wan_loss.py's links (each region to the root); direct: one eu<->us link")
     p.add_argument("--logdir", default="", help="keep the logs here (default: a temporary folder)")
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--out", default="", help="also write the JSON here")
@@ -383,11 +416,11 @@ def main() -> int:
         return _relay_main(args)
     if args.logdir:
         result = run_diloco(args.inner_steps, args.steps, args.batch, args.latency_ms, args.bandwidth_mbit,
-                            args.logdir, args.timeout_s)
+                            args.logdir, args.timeout_s, args.wan)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             result = run_diloco(args.inner_steps, args.steps, args.batch, args.latency_ms, args.bandwidth_mbit,
-                                tmp, args.timeout_s)
+                                tmp, args.timeout_s, args.wan)
     text = json.dumps(result)
     if args.out:
         with open(args.out, "w") as f:

@@ -28,8 +28,9 @@ steps one worker takes (earlier results labelled it "per worker"; it never was).
 Outer jobs (issue 17; --outer, one run per variant H/F/codec): each regional master runs its
 region's bsp inner loop (AdamW 3e-3, warm-up 20) and syncs a fragment's pseudo-gradient every
 H/F inner steps (outer SGD, Nesterov 0.9, lr 0.7); the variant names the codecs across the WAN
-(pseudo-gradients up, outer deltas down); inside a region everything is fp32. Overlap and
-asynchronous outer steps are not built yet: the region waits for each sync. --peer adds
+(pseudo-gradients up, outer deltas down; inside a region everything is fp32) and whether the
+region trains on while a sync is in flight (overlap). Asynchronous outer steps (regions of
+unequal speed) are not built yet. --peer adds
 torchft's DiLoCo on the same model, data and links (benchmarks/_diloco_peer.py), or says why
 it could not run.
 """
@@ -182,12 +183,13 @@ def tree_job_for(mode: str, args) -> dict:
     return job
 
 
-def outer_job(h: int, f: int, codec: str, down: str, args) -> dict:
+def outer_job(h: int, f: int, codec: str, down: str, overlap: bool, args) -> dict:
     """An outer job: lossless pushes and deltas inside each region (LAN); across the WAN ``codec``
     pseudo-gradients up and ``down`` outer deltas down, each with error feedback."""
-    return dict(name=f"outer-h{h}-f{f}-{codec}-{down}", mode="outer", push_codec="fp32", relay_codec="fp32",
-                delta_codec="fp32", topk=args.topk, optimizer=dict(kind="adamw", lr=3e-3, warmup_steps=20),
-                outer=dict(inner_steps=h, fragments=f, codec=codec, delta_codec=down))
+    return dict(name=f"outer-h{h}-f{f}-{codec}-{down}" + ("-overlap" if overlap else ""), mode="outer",
+                push_codec="fp32", relay_codec="fp32", delta_codec="fp32", topk=args.topk,
+                optimizer=dict(kind="adamw", lr=3e-3, warmup_steps=20),
+                outer=dict(inner_steps=h, fragments=f, codec=codec, delta_codec=down, overlap=overlap))
 
 
 def compare(flat: dict, tree: dict, target: float, goal_speedup: float = GOAL_SPEEDUP,
@@ -240,9 +242,10 @@ def main() -> int:
     p.add_argument("--bandwidth-mbit", type=float, default=100.0, help="each region's link: each way")
     p.add_argument("--only-hierarchy", action="store_true", help="skip the flat run (needs --target-loss)")
     p.add_argument("--target-loss", type=float, default=0.0, help="instead of flat BSP's final + 1%%")
-    p.add_argument("--outer", default="10/1/int8/int8,50/1/int8/int8,10/4/int8/int8,50/1/topk/int8,50/1/sign/sign",
-                   help="outer-job variants H/F/pseudo-gradient codec/outer delta codec, comma-separated "
-                   "('': none)")
+    p.add_argument("--outer", default="10/1/int8/int8,50/1/int8/int8,10/4/int8/int8,50/1/topk/int8,"
+                   "50/1/sign/sign,10/1/int8/int8/overlap,50/4/int8/int8/overlap",
+                   help="outer-job variants H/F/pseudo-gradient codec/outer delta codec[/overlap], "
+                   "comma-separated ('': none)")
     p.add_argument("--peer", default="10,50", help="torchft DiLoCo runs at these H ('': none)")
     p.add_argument("--out")
     args = p.parse_args()
@@ -287,10 +290,12 @@ def main() -> int:
                   f"val {tree['val_loss']:.4f}  WAN {tree['wan_bytes_per_step'] / 1e6:.4f} MB/step", flush=True)
 
         for variant in filter(None, args.outer.split(",")):
-            h, f, codec, down = variant.split("/")
-            job = outer_job(int(h), int(f), codec, down, args)
+            h, f, codec, down, *rest = variant.split("/")
+            overlap = rest == ["overlap"]
+            job = outer_job(int(h), int(f), codec, down, overlap, args)
             os.makedirs(f"{tmp}/{job['name']}")
-            label = f"outer: H={h}, F={f}, {codec} pseudo-gradients, {down} outer deltas, no overlap"
+            label = (f"outer: H={h}, F={f}, {codec} pseudo-gradients, {down} outer deltas, "
+                     f"{'overlap' if overlap else 'no overlap'}")
             tree = trees[job["name"]] = run(label, tree_topo, ["eu-a", "eu-b", "us-a", "us-b"], job, tree_steps,
                                             args.batch, f"{tmp}/{job['name']}")
             tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps) - 1][1]
