@@ -180,12 +180,19 @@ class OuterRelay(Relay):
     # -- the region's own job --------------------------------------------------------------
     async def register(self, job: str, member: str, role: str, address: str, last_seq: int,
                        incarnation: int) -> Registration:
+        self.check_register(job, member, incarnation)
         js = await self._job_for_register(job)
         if not runs_inner(js.config, self.role):
             return await super().register(job, member, role, address, last_seq, incarnation)
         inner = await self._ensure_inner(js)
         await self._rejoin(js, inner)
-        return await inner.register(job, member, role, address, last_seq, incarnation)
+        try:
+            return await inner.register(job, member, role, address, last_seq, incarnation)
+        except HpsError:
+            ijs = inner.jobs.get(job)
+            if ijs is not None and len(ijs.members) == 0:  # nobody here: do not hold the root's rounds
+                await self.inner_empty(job)
+            raise
 
     async def _ensure_inner(self, ojs: RelayJob) -> InnerRoot:
         """Make the region's inner job from the outer view (its first child, or after a restart)."""

@@ -64,7 +64,7 @@ from ps.core.logs import event
 from ps.core.ranks import RankInfo
 from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes
-from ps.core.types import Ack, PullMeta, PushKey, PushMeta
+from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration
 from ps.core.view import Layout
 from ps.net.tls import TlsFiles
 from ps.net.upstream import Upstream
@@ -158,6 +158,16 @@ class Relay(Tier):
         log.info("%s: attached to job %s at parent %s, round %d", self.role, job,
                  self.up.current, reg.start_version)
         return js
+
+    async def register(self, job: str, member: str, role: str, address: str, last_seq: int,
+                       incarnation: int) -> Registration:
+        try:
+            return await super().register(job, member, role, address, last_seq, incarnation)
+        except HpsError:
+            js = self.jobs.get(job)
+            if js is not None and len(js.members) == 0:  # joined the parent for a child refused here
+                await self._members_changed(js)
+            raise
 
     async def _members_changed(self, js: RelayJob) -> None:
         await super()._members_changed(js)

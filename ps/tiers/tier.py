@@ -173,10 +173,7 @@ class Tier:
     # -- membership ------------------------------------------------------------------------
     async def register(self, job: str, member: str, role: str, address: str, last_seq: int,
                        incarnation: int) -> Registration:
-        check_name(job)
-        check_member(member)
-        if not incarnation:
-            raise BadInput("register needs the caller's incarnation (a non-zero random id per process)")
+        self.check_register(job, member, incarnation)
         js = await self._job_for_register(job)
         check_outer_member(js.config, self.role, member, role)
         old = js.members.find(member)
@@ -206,6 +203,15 @@ class Tier:
                  extra=event("member.joined", job=job, member=member, role=role, version=js.view.version))
         return Registration(js.config, js.layout, max(m.first_round, js.round.round), self.epoch,
                             start_clock)
+
+    @staticmethod
+    def check_register(job: str, member: str, incarnation: int) -> None:
+        """A registration's own fields, checked before anything is joined (a relay joins its
+        parent for the job first: a bad request must not leave it holding the parent's rounds)."""
+        check_name(job)
+        check_member(member)
+        if not incarnation:
+            raise BadInput("register needs the caller's incarnation (a non-zero random id per process)")
 
     async def _job_for_register(self, job: str) -> JobState:
         return self.job(job)

@@ -256,3 +256,23 @@ def test_overlap_trains_on_while_a_sync_is_in_flight(tree):
         assert 3 <= st.outer_syncs <= 4 and st.outer_sync_failures == 0
         inner = tree.lt.call(lambda r=region: (lambda v: (v.version, v.checksum))(tree.tier(r).inner.jobs["ov"].view))
         assert inner == tree.view(zone, "ov")[1:3]
+
+
+def test_a_relay_that_refuses_a_misplaced_child_does_not_hold_the_roots_rounds(tree):
+    """inner_tier zone: a worker straight under a regional master is refused there; the regional
+    master, which joined the root's job to ask, leaves it again (else every round waits for it)."""
+    tree.add("root", "global")
+    region = tree.add("eu", "regional", parent="root")
+    layout = Layout([KeySpec("w", (8,))])
+    job = JobConfig(name="zoned", mode="outer", outer=OuterConfig(inner_steps=2, inner_tier="zone"))
+    w = ParameterClient(region, "zoned", "w0", timeout_s=10)
+    try:
+        w.create_job(job, layout, np.zeros(8, np.float32))
+        with pytest.raises(BadInput, match="put it below a zone"):
+            w.register()
+        deadline = time.monotonic() + 5
+        while tree.lt.call(lambda: len(tree.tier("root").jobs["zoned"].members)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tree.lt.call(lambda: len(tree.tier("root").jobs["zoned"].members)) == 0
+    finally:
+        w.close()
