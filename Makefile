@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PB     := ps/net/proto/hps_pb2.py
 TORCH  := torch==2.13.0
 
-.PHONY: install proto tools test lint demo bench chaos clean
+.PHONY: install proto tools test lint demo bench chaos peer clean
 
 install: $(STAMP) $(PB)
 
@@ -81,5 +81,18 @@ bench: install
 chaos: install
 	$(BIN)/python benchmarks/chaos.py $(CHAOS_FLAGS)
 
+# The peer a user would pick instead of the outer mode (benchmarks/wan_loss.py --peer):
+# torchft 0.2.0's DiLoCo in a venv of its own, seeing this venv's torch (never a CUDA one: the
+# wheel goes in without its dependencies; its telemetry imports are pure Python).
+PEER := .peervenv
+peer: install
+	$(BIN)/python -m venv $(PEER)
+	$(BIN)/python -c "import site; print(site.getsitepackages()[0])" > \
+	    "$$($(PEER)/bin/python -c 'import site; print(site.getsitepackages()[0])')/hps-project.pth"
+	$(PEER)/bin/pip install -q --no-deps torchft==0.2.0
+	$(PEER)/bin/pip install -q opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+	    opentelemetry-exporter-otlp-proto-http==1.45.2
+	$(PEER)/bin/python -c "import torch, torchft; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+
 clean:
-	rm -rf $(VENV) ps/net/proto/hps_pb2*.py ps/net/proto/hps_pb2*.pyi *.egg-info
+	rm -rf $(VENV) $(PEER) ps/net/proto/hps_pb2*.py ps/net/proto/hps_pb2*.pyi *.egg-info

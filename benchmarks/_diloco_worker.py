@@ -8,19 +8,20 @@ its outer all-reduce (gloo) across the emulated WAN. Runs under torchft's interp
 
 A worker is one torchft replica group (group world size 1): its own TCPStore and Manager,
 DiLoCo over the whole model (one fragment) with AdamW inside (3e-3, 20 warm-up steps, as the
-demo's Adam) and SGD outside (lr 0.7, momentum 0.9, Nesterov), fp32 pseudo-gradients in one
-bucketized all-reduce. Same model, data and batches as benchmarks/_wan_worker.py (TinyLM seed
-0, BatchSampler seed 1000 + --seed). Prints one JSON line per step (absolute time, loss) and a
-final line (validation loss on the final, synchronised parameters).
+demo's Adam; torch's other defaults: betas 0.9/0.999, weight decay 0.01) and SGD outside (lr
+0.7, momentum 0.9, Nesterov), fp32 pseudo-gradients in one bucketized all-reduce. Same model,
+data and batches as benchmarks/_wan_worker.py (TinyLM seed 0, BatchSampler seed 1000 +
+--seed). Prints one JSON line per step (absolute time, loss) and a final line (validation loss
+on the final, synchronised parameters).
 
 How its traffic crosses the WAN (the relay in _diloco_peer.py, one shared link per region): every
 address this process reaches in another region (the Lighthouse, a peer's TCPStore, a peer's gloo
 listener) is swapped for the relay's listener on the emulated path, asked of the relay's control
 port ("ROUTE <region> <host:port>"); what this process listens on is declared first ("OWN").
-The swaps are done on the only two places torchft learns those addresses: the store address in
-the quorum (``RoutedGloo.configure``) and gloo's rendezvous records in that store (the
-``RoutingStore`` rewrites a peer's sockaddr in its "<device>/<rank>" record). torchft itself is
-not changed.
+The Manager is given the Lighthouse's route; the other swaps are done where torchft learns
+those addresses: the store address in the quorum (``RoutedGloo.configure``) and gloo's
+rendezvous records in that store (``RoutingStore`` rewrites a peer's sockaddr in its
+"<device>/<rank>" record, on the end that connects). torchft itself is not changed.
 """
 
 from __future__ import annotations
@@ -261,6 +262,20 @@ def train(args) -> int:
         replica_id=args.replica_id, hostname="127.0.0.1",
         # Every replica builds TinyLM from seed 0: identical, nothing to copy at step 0.
         init_sync=False)
+    # Timing only: how long each sync waits for its quorum (the Lighthouse round, and at the
+    # first sync the process group's rendezvous) within the optimizer step that syncs.
+    quorum_s = [0.0]
+    start_quorum = manager.start_quorum
+
+    def timed_start_quorum(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return start_quorum(*a, **kw)
+        finally:
+            quorum_s[0] += time.perf_counter() - t
+
+    manager.start_quorum = timed_start_quorum
+    syncs = []  # per sync: (seconds in the optimizer step, of which waiting for the quorum)
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, use_bucketization=True):
             _emit(event="start", worker=args.replica_id, t=time.time())
@@ -269,7 +284,10 @@ def train(args) -> int:
                 inner.zero_grad()
                 loss = model(x, y)[1]
                 loss.backward()
+                quorum_s[0], t = 0.0, time.perf_counter()
                 inner.step()  # DiLoCo's hook: every sync_every steps, the outer step (all-reduce)
+                if (step + 1) % args.sync_every == 0:
+                    syncs.append((time.perf_counter() - t, quorum_s[0]))
                 warmup.step()
                 _emit(event="step", worker=args.replica_id, step=step, t=time.time(), loss=loss.item(),
                       outer_steps=manager.current_step())
@@ -277,7 +295,7 @@ def train(args) -> int:
         val = _val_loss(model, data, cfg.context)
         _emit(event="done", worker=args.replica_id, t=time.time(), outer_steps=manager.current_step(),
               val_loss=val if math.isfinite(val) else None, final_params_synced=synced,
-              errored=str(manager.errored()) if manager.errored() else "")
+              errored=str(manager.errored()) if manager.errored() else "", syncs=syncs)
     finally:
         manager.shutdown(wait=False)
     return 0
