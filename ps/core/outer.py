@@ -5,7 +5,7 @@
 >>> plan = OuterPlan(layout, inner_steps=4, fragments=2)
 >>> plan.keys                                   # each fragment's keys, balanced by elements
 ((0,), (1, 2))
->>> plan.fragment(outer_version=5), plan.period  # fragments in turn, one every H/F inner steps
+>>> plan.fragment(outer_version=5), plan.period  # fragments in turn, one every H // F inner steps
 (1, 2)
 >>> base = np.zeros(8, np.float32); params = np.arange(8, dtype=np.float32)
 >>> delta = plan.pseudo_gradient(base, params, 1, workers=2)  # (base - params) * workers
@@ -20,8 +20,8 @@ DiLoCo (Douillard et al. 2023): a region trains H inner steps from the outer par
 ``base``; its pseudo-gradient is ``base - params``; the root averages the regions' (by workers,
 as bsp averages by workers) and takes one outer optimizer step on it, whose result every
 region takes as its new ``params`` and ``base``. Streaming DiLoCo (2501.18512) syncs the
-parameters in F fragments, one every H/F inner steps, so each fragment still syncs once
-every H steps and the WAN carries a 1/F share at a time.
+parameters in F fragments, one every H // F inner steps, so each fragment syncs once every
+F * (H // F) <= H steps and the WAN carries a 1/F share at a time.
 
 Inner version numbers follow the outer ones: a region's inner lineage starts at
 ``outer_version * stride`` and every sync publishes one version (the rebase), so the inner

@@ -223,13 +223,36 @@ class OuterRelay(Relay):
             return inner
 
     async def inner_empty(self, job: str) -> None:
-        """Every child left: leave the root's rounds, which would otherwise wait for this region.
-        The inner job stays (children pulling still get answers); a child registering again
-        rebases it on the outer view first (``_rejoin``)."""
+        """Every child left (the job's end here): send the steps since the last sync, so the
+        outer model holds every inner step, then leave the root's rounds, which would otherwise
+        wait for this region. The inner job stays (children pulling still get answers); a child
+        registering again rebases it on the outer view first (``_rejoin``)."""
         st = self.outer.get(job)
+        ijs = self.inner.jobs.get(job) if self.inner is not None else None
         if st is None or st.detached:
             return
         st.detached = True
+        if ijs is not None and st.inflight is None and ijs.stats.inner_steps_since_sync > 0:
+            async with ijs.apply_lock:
+                self._send(ijs, st)
+        if st.inflight is not None:  # the last pseudo-gradient lands first
+            task = asyncio.create_task(self._leave_after(job, st, st.inflight), name=f"outer-leave-{job}")
+            self._tasks.append(task)
+            task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+            return
+        await self._leave_root(job)
+
+    async def _leave_after(self, job: str, st: OuterState, sync: asyncio.Task) -> None:
+        await asyncio.wait([sync])
+        ijs = self.inner.jobs.get(job) if self.inner is not None else None
+        if ijs is not None and st.inflight is sync:
+            async with ijs.apply_lock:
+                if st.inflight is sync:
+                    self._merge(ijs, st)
+        if st.detached and self.outer.get(job) is st:
+            await self._leave_root(job)
+
+    async def _leave_root(self, job: str) -> None:
         if job in self.attached:
             self.attached.discard(job)
             try:

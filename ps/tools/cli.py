@@ -519,7 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--staleness", default="0", help="s for --mode ssp")
     s.add_argument("--damping", action="store_true", help="ssp/async: lr / (1 + staleness)")
     s.add_argument("--inner-steps", default="50", help="--mode outer: H, inner steps between a fragment's syncs")
-    s.add_argument("--fragments", default="1", help="--mode outer: parameter fragments synced in turn (divides H)")
+    s.add_argument("--fragments", default="1",
+                   help="--mode outer: parameter fragments synced in turn, one every H // F steps")
     s.add_argument("--outer-codec", default="int8", help="--mode outer: the pseudo-gradients' codec (up the WAN)")
     s.add_argument("--outer-delta-codec", default="int8", help="--mode outer: the outer versions' codec (down)")
     s.add_argument("--outer-optimizer", default="sgd", help="--mode outer: the root's outer optimizer class")

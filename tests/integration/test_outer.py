@@ -248,6 +248,10 @@ def test_overlap_trains_on_while_a_sync_is_in_flight(tree):
     job = JobConfig(name="ov", mode="outer", optimizer=OptimizerConfig(kind="adamw", lr=0.01),
                     outer=OuterConfig(inner_steps=2, codec="int8", overlap=True), min_workers=WORKERS)
     _train(zones, job, steps=8)
+    deadline = time.monotonic() + 20  # the last sync may still be in flight when the workers finish
+    while tree.view("root", "ov")[1] < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # (and nothing more arrives)
     root = tree.view("root", "ov")
     assert root[1] == 4  # syncs sent at inner steps 2, 4, 6, 8: each applied once
     for region, zone in (("eu", "eu-a"), ("us", "us-a")):
@@ -276,3 +280,51 @@ def test_a_relay_that_refuses_a_misplaced_child_does_not_hold_the_roots_rounds(t
         assert tree.lt.call(lambda: len(tree.tier("root").jobs["zoned"].members)) == 0
     finally:
         w.close()
+
+
+def test_training_goes_on_across_a_root_restart(tree, tmp_path):
+    """The root restarts (its checkpoint and log hold the outer state): the regions' syncs retry
+    and resume on the new lineage, and every region ends on the root's outer view."""
+    tree.add("root", "global", checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3)
+    tree.add("eu", "regional", parent="root")
+    tree.add("us", "regional", parent="root")
+    zones = [tree.add("eu-a", "zone", parent="eu"), tree.add("us-a", "zone", parent="us")]
+    job = JobConfig(name="rr", mode="outer", optimizer=OptimizerConfig(kind="adamw", lr=0.01),
+                    outer=OuterConfig(inner_steps=2, codec="int8"), min_workers=WORKERS)
+    done = threading.Event()
+    outcome: dict = {}
+
+    def train() -> None:
+        try:
+            outcome["results"] = _train(zones, job, steps=STEPS)
+        except BaseException as exc:  # surfaced below
+            outcome["error"] = exc
+        done.set()
+
+    t = threading.Thread(target=train)
+    t.start()
+    deadline = time.monotonic() + 60
+    def root_version() -> int:
+        js = tree.tier("root").jobs.get("rr")
+        return js.view.version if js is not None else 0
+
+    while tree.lt.call(root_version) < 2:
+        assert time.monotonic() < deadline and not done.is_set(), outcome
+        time.sleep(0.05)
+    port = tree.servers["root"][1]
+    before = tree.view("root", "rr")[1]
+    tree.stop("root")
+    tree.add("root", "global", checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3,
+             listen=f"127.0.0.1:{port}")
+    assert tree.view("root", "rr")[1] >= before  # no applied outer version lost
+    assert done.wait(120), "training did not finish after the root restarted"
+    t.join(10)
+    assert "error" not in outcome, outcome.get("error")
+    root = tree.view("root", "rr")
+    for region in ("eu", "us"):
+        held = tree.view(region, "rr")  # the relay side: the outer view
+        assert (held[1], held[2]) == root[1:3] and same_bits(held[3], root[3])
+        # a sync every 2 inner steps; one that failed across the restart went with the next
+        st = tree.lt.call(lambda r=region: tree.tier(r).inner.jobs["rr"].stats)
+        assert st.outer_syncs + st.outer_sync_failures >= STEPS // 2 and st.outer_syncs >= 2
+        assert st.inner_steps_since_sync == 0  # every inner step is in an outer version (the last at leave)

@@ -214,3 +214,25 @@ def test_a_root_of_a_standby_pair_exports_its_state_term_and_whether_its_standby
     assert series(dict(state="primary", term=2, in_sync=True))["hps_root_standby_in_sync"] == 1
     assert series(dict(state="standby", term=2, in_sync=False)) == {"hps_root_primary": 0, "hps_root_term": 2}
     assert series(None) == {}  # a root without a standby: no series, no alert
+
+
+def test_an_outer_jobs_inner_tier_exports_its_wan_side_and_the_steps_it_lost():
+    """Only where the region's inner loop runs: a zone below it has no outer side to show."""
+    import dataclasses
+
+    outer = dataclasses.replace(_job().stats, outer_version=7, outer_syncs=6, outer_sync_failures=1,
+                                outer_sync_seconds_sum=1.5, outer_bytes_up=3000, outer_bytes_down=5000,
+                                pseudo_grad_norm=0.25, inner_steps_since_sync=3, inner_steps_lost=2)
+    labels = {"tier": "regional", "region": "eu"}
+    text = _render(_families(_snap("regional", _UP, mode="outer", staleness=0, inner_loop=True, stats=outer), labels))
+    assert _value(text, "hps_outer_version", job="lm") == 7
+    assert _value(text, "hps_outer_syncs_total", job="lm") == 6
+    assert _value(text, "hps_outer_sync_failures_total", job="lm") == 1
+    assert _value(text, "hps_outer_sync_seconds_sum", job="lm") == 1.5
+    assert _value(text, "hps_outer_wan_bytes_total", job="lm", direction="up") == 3000
+    assert _value(text, "hps_outer_wan_bytes_total", job="lm", direction="down") == 5000
+    assert _value(text, "hps_outer_pseudo_gradient_norm", job="lm") == 0.25
+    assert _value(text, "hps_outer_inner_steps_since_sync", job="lm") == 3
+    assert _value(text, "hps_outer_inner_steps_lost_total", job="lm") == 2
+    below = _render(_families(_snap("zone", _UP, mode="outer", staleness=0, stats=outer), {"tier": "zone"}))
+    assert "hps_outer_syncs_total{" not in below
