@@ -73,7 +73,9 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
             p = subprocess.Popen([sys.executable, WORKER, "--address", addr, "--worker-id", f"w{i}", "--seed", str(i),
                                   "--steps", str(steps), "--batch", str(batch), "--job", json.dumps(job)],
                                  stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+                                 # one run: a worker starting late joins a job its peers began
+                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                      "HPS_RUN_ID": f"wan-loss-{job['name']}"})
             procs.append(p)
             threading.Thread(target=read_events, args=(p, q), daemon=True).start()
         events, exited, started = [], 0, 0
@@ -185,9 +187,11 @@ def tree_job_for(mode: str, args) -> dict:
 
 def outer_job(h: int, f: int, codec: str, down: str, overlap: bool, args) -> dict:
     """An outer job: lossless pushes and deltas inside each region (LAN); across the WAN ``codec``
-    pseudo-gradients up and ``down`` outer deltas down, each with error feedback."""
+    pseudo-gradients up and ``down`` outer deltas down, each with error feedback. The regions
+    start together (min_workers): a region whose workers start first would otherwise sync
+    alone until the other's arrive."""
     return dict(name=f"outer-h{h}-f{f}-{codec}-{down}" + ("-overlap" if overlap else ""), mode="outer",
-                push_codec="fp32", relay_codec="fp32", delta_codec="fp32", topk=args.topk,
+                push_codec="fp32", relay_codec="fp32", delta_codec="fp32", topk=args.topk, min_workers=4,
                 optimizer=dict(kind="adamw", lr=3e-3, warmup_steps=20),
                 outer=dict(inner_steps=h, fragments=f, codec=codec, delta_codec=down, overlap=overlap))
 
