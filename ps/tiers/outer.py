@@ -123,6 +123,10 @@ class InnerRoot(Root):
     def _delta_codec(cfg: JobConfig) -> str:
         return cfg.delta_codec  # the inner versions, to the region's zones
 
+    @staticmethod
+    def _published_keys(js: RootJob, step: StepInfo) -> frozenset[str] | None:
+        return None  # inner versions: every key trains every step
+
     async def _after_version(self, js: RootJob, rec: WalRecord) -> None:
         await self.relay.after_inner_version(js, rec.contributors)
 

@@ -144,6 +144,12 @@ def test_fragments_sync_in_turn_and_replicas_agree(tree, fragments):
     assert eu[1] == us[1] == syncs and same_bits(eu[3], us[3])
     root = tree.view("root", job.name)
     assert root[1] == syncs and root[2] == eu[2]
+    # Each outer version's delta carries its fragment's keys alone (the others did not move).
+    entries = tree.lt.call(lambda: list(tree.tier("root").jobs[job.name].log.since(0, syncs) or ()))
+    assert [e.version for e in entries] == list(range(1, syncs + 1))
+    plan_names = OuterPlan(tree.lt.call(lambda: tree.tier("root").jobs[job.name].layout), 4, fragments).names
+    for e in entries:
+        assert {c.key for c in e.chunks} <= plan_names[(e.version - 1) % fragments], e.version
     # The fragment synced last holds the outer values; any other has trained on since its turn.
     plan = OuterPlan(tree.lt.call(lambda: tree.tier("root").jobs[job.name].layout), 4, fragments)
     params = tree.lt.call(lambda: tree.tier("eu").inner.jobs[job.name].params.copy())
