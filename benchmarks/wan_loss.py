@@ -276,7 +276,7 @@ def main() -> int:
                        ["eu-wan", "eu-wan", "us-wan", "us-wan"], flat_job, args.steps, args.batch, f"{tmp}/flat")
         print(f"flat      wall {flat['wall_s']:7.1f}s  final loss {flat['final_train_loss']:.4f}  "
               f"val {flat['val_loss']:.4f}  WAN {flat['wan_bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
-        for mode in args.modes.split(","):
+        for mode in filter(None, args.modes.split(",")):
             job = tree_job_for(mode, args)
             missing = _codec_status(job)
             if missing:
@@ -343,7 +343,7 @@ def main() -> int:
                      fontsize=9)
         ax.legend(fontsize=7)
 
-    plot(RESULTS / "wan_loss.png" if not args.out else ROOT / (args.out + ".png"), draw)
+    plot(RESULTS / "wan_loss.png" if not args.out else (ROOT / args.out).with_suffix(".png"), draw)
     return 0
 
 
