@@ -104,6 +104,10 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
                     tiers[name] = dict(role=t.role, version=j.version, push_in=j.stats.bytes_pushed_in,
                                        push_up=j.stats.bytes_pushed_up, pull_in=j.stats.bytes_pulled_in,
                                        pull_out=j.stats.bytes_pulled_out)
+                    if j.inner_loop:  # an outer job's region: its syncs with the root
+                        s = j.stats
+                        tiers[name].update(outer_syncs=s.outer_syncs, outer_sync_failures=s.outer_sync_failures,
+                                           outer_sync_s_mean=s.outer_sync_seconds_sum / max(1, s.outer_syncs))
         finally:
             for p in procs:
                 if p.poll() is None:
