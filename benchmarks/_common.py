@@ -61,6 +61,24 @@ def plot(path: Path, draw) -> Path | None:
     return path
 
 
+def loss_curve(events: list[dict]) -> tuple[float, list, list]:
+    """(t0, curve, smoothed) from workers' "start" and "step" events: t0 the first start; the
+    curve (seconds since t0, mean loss over workers) at each step, stamped when its last
+    worker finished it; smoothed over 10 steps."""
+    t0 = min(e["t"] for e in events if e["event"] == "start")
+    per_step: dict[int, list] = {}
+    for e in events:
+        if e["event"] == "step":
+            per_step.setdefault(e["step"], []).append(e)
+    curve = []
+    for s in sorted(per_step):
+        es = per_step[s]
+        curve.append((max(e["t"] for e in es) - t0, sum(e["loss"] for e in es) / len(es)))
+    smooth = [(t, sum(v for _, v in curve[max(0, i - 9):i + 1]) / len(curve[max(0, i - 9):i + 1]))
+              for i, (t, _) in enumerate(curve)]
+    return t0, curve, smooth
+
+
 def met(value: float, goal: float, higher_is_better: bool = True) -> str:
     ok = value >= goal if higher_is_better else value <= goal
     return "met" if ok else "NOT met"

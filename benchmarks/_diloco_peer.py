@@ -379,17 +379,9 @@ def run_diloco(H: int, steps: int, batch: int, latency_ms: float, bandwidth_mbit
                                     text, re.M):
         up, down = up + int(u), down + int(d)
         per_link[name] = dict(connections=int(c), up=int(u), down=int(d))
-    t0 = min(e["t"] for e in events if e["event"] == "start")
-    per_step: dict[int, list] = {}
-    for e in events:
-        if e["event"] == "step":
-            per_step.setdefault(e["step"], []).append(e)
-    curve = []  # (seconds since the first worker started, mean loss over workers at this step)
-    for s in sorted(per_step):
-        es = per_step[s]
-        curve.append((max(e["t"] for e in es) - t0, sum(e["loss"] for e in es) / len(es)))
-    smooth = [(t, sum(v for _, v in curve[max(0, i - 9):i + 1]) / len(curve[max(0, i - 9):i + 1]))
-              for i, (t, _) in enumerate(curve)]
+    from _common import loss_curve  # here: the relay process (this file, --relay) needs none of it
+
+    t0, curve, smooth = loss_curve(events)
     wall = max(e["t"] for e in done) - t0
     vals = [e["val_loss"] for e in done]
     errored = [e["errored"] for e in done if e.get("errored")]

@@ -48,7 +48,7 @@ import sys
 import tempfile
 import threading
 
-from _common import RESULTS, ROOT, met, plot, write
+from _common import RESULTS, ROOT, loss_curve, met, plot, write
 
 from ps.demo.run import read_events
 
@@ -129,17 +129,7 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
     if len(done) != len(where):
         tail = "".join(open(os.path.join(logdir, f"w{i}.log")).read()[-1500:] for i in range(len(where)))
         raise RuntimeError(f"{label}: {len(done)} of {len(where)} workers finished:\n{tail}")
-    t0 = min(e["t"] for e in events if e["event"] == "start")
-    per_step: dict[int, list] = {}
-    for e in events:
-        if e["event"] == "step":
-            per_step.setdefault(e["step"], []).append(e)
-    curve = []  # (seconds since the first worker started, mean loss over workers at this step)
-    for s in sorted(per_step):
-        es = per_step[s]
-        curve.append((max(e["t"] for e in es) - t0, sum(e["loss"] for e in es) / len(es)))
-    smooth = [(t, sum(v for _, v in curve[max(0, i - 9):i + 1]) / len(curve[max(0, i - 9):i + 1]))
-              for i, (t, _) in enumerate(curve)]
+    t0, curve, smooth = loss_curve(events)
     wall = max(e["t"] for e in done) - t0
     return dict(label=label, job=job, wall_s=wall, curve=curve, smoothed=smooth,
                 final_train_loss=smooth[-1][1], val_loss=sum(e["val_loss"] for e in done) / len(done),

@@ -24,7 +24,7 @@ from ps.core.config import ServerConfig
 from ps.server import create_server, shutdown
 
 __all__ = ["FAST", "LoopThread", "Tree", "ServeProcess", "same_bits", "bsp_rounds", "spawn_worker", "step_worker",
-           "json_lines"]
+           "json_lines", "small_mlp", "mlp_batches", "mlp_loss"]
 
 FAST = dict(heartbeat_s=0.1, member_timeout_s=1.0)
 
@@ -190,3 +190,26 @@ class ServeProcess:
 
         with Caller(self.address) as rpc:
             return status_from_pb(rpc.call("Status", pb.StatusRequest(), timeout))
+
+
+def small_mlp():
+    """The equivalence tests' model: 12 -> 32 -> 3, seeded (torch's seed is global: build
+    models before starting threads)."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+
+def mlp_batches(steps: int, batch: int):
+    """(x, y): ``steps`` batches of ``batch`` samples for ``small_mlp``, seeded."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(steps, batch, 12, generator=g), torch.randint(0, 3, (steps, batch), generator=g))
+
+
+def mlp_loss(model, x, y):
+    import torch
+
+    return torch.nn.functional.cross_entropy(model(x), y)  # a mean, as DDP users write it

@@ -9,25 +9,21 @@ import pytest
 import torch
 
 from ps.core.config import JobConfig, OptimizerConfig
+from tests.helpers import mlp_batches, mlp_loss, small_mlp
 from worker import HpsOptimizer
 
 STEPS, WORKERS, PER_WORKER = 20, 4, 8
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    return small_mlp()
 
 
 def _data():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(STEPS, WORKERS * PER_WORKER, 12, generator=g)
-    y = torch.randint(0, 3, (STEPS, WORKERS * PER_WORKER), generator=g)
-    return x, y
+    return mlp_batches(STEPS, WORKERS * PER_WORKER)
 
 
-def _loss(model, x, y):
-    return torch.nn.functional.cross_entropy(model(x), y)  # a mean, as DDP users write it
+_loss = mlp_loss
 
 
 def _reference(opt_cfg: OptimizerConfig) -> list[torch.Tensor]:

@@ -20,26 +20,21 @@ from ps.core.errors import BadInput, HpsError
 from ps.core.outer import OuterPlan
 from ps.core.view import KeySpec, Layout
 from ps.server import create_server
-from tests.helpers import FAST, ServeProcess, same_bits
+from tests.helpers import FAST, ServeProcess, mlp_batches, mlp_loss, same_bits, small_mlp
 from worker import HpsOptimizer, ParameterClient
 
 STEPS, WORKERS, PER_WORKER = 12, 4, 8
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    return small_mlp()
 
 
 def _data():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(STEPS, WORKERS * PER_WORKER, 12, generator=g)
-    y = torch.randint(0, 3, (STEPS, WORKERS * PER_WORKER), generator=g)
-    return x, y
+    return mlp_batches(STEPS, WORKERS * PER_WORKER)
 
 
-def _loss(model, x, y):
-    return torch.nn.functional.cross_entropy(model(x), y)
+_loss = mlp_loss
 
 
 def _two_regions(tree, zones_each: int = 1) -> list[str]:
