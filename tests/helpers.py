@@ -24,7 +24,7 @@ from ps.core.config import ServerConfig
 from ps.server import create_server, shutdown
 
 __all__ = ["FAST", "LoopThread", "Tree", "ServeProcess", "same_bits", "bsp_rounds", "spawn_worker", "step_worker",
-           "json_lines", "small_mlp", "mlp_batches", "mlp_loss"]
+           "json_lines", "small_mlp", "mlp_batches", "mlp_loss", "train_mlp"]
 
 FAST = dict(heartbeat_s=0.1, member_timeout_s=1.0)
 
@@ -213,3 +213,34 @@ def mlp_loss(model, x, y):
     import torch
 
     return torch.nn.functional.cross_entropy(model(x), y)  # a mean, as DDP users write it
+
+
+def train_mlp(zones: list[str], job, steps: int, workers: int, per_worker: int, data_steps: int = 0) -> dict:
+    """``workers`` HpsOptimizer threads on ``small_mlp``, worker i on zone i % len(zones) with
+    slice i of every step's batch (``mlp_batches(data_steps or steps, ...)``); every step must
+    be applied. Returns each worker's final parameters."""
+    from worker import HpsOptimizer
+
+    x, y = mlp_batches(data_steps or steps, workers * per_worker)
+    results, errors = {}, []
+    models = [small_mlp() for _ in range(workers)]  # torch's seed is global: not in the threads
+
+    def run(i: int) -> None:
+        try:
+            model = models[i]
+            with HpsOptimizer(model, zones[i % len(zones)], job, worker_id=f"{job.name}-w{i}") as opt:
+                for s in range(steps):
+                    sl = slice(i * per_worker, (i + 1) * per_worker)
+                    opt.zero_grad()
+                    mlp_loss(model, x[s, sl], y[s, sl]).backward()
+                    assert opt.step().applied
+                results[i] = [p.detach().clone() for p in model.parameters()]
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(workers)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not errors, errors
+    assert len(results) == workers
+    return results

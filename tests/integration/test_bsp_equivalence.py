@@ -3,14 +3,11 @@ process training on the concatenated batch with the same optimizer (lossless cod
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from ps.core.config import JobConfig, OptimizerConfig
-from tests.helpers import mlp_batches, mlp_loss, small_mlp
-from worker import HpsOptimizer
+from tests.helpers import mlp_batches, mlp_loss, small_mlp, train_mlp
 
 STEPS, WORKERS, PER_WORKER = 20, 4, 8
 
@@ -53,27 +50,7 @@ def test_four_workers_through_the_tree_match_one_process(tree, opt_cfg):
     tree.add("eu", "regional", parent="root")
     zones = [tree.add("eu-a", "zone", parent="eu"), tree.add("eu-b", "zone", parent="eu")]
     job = JobConfig(name="eq", optimizer=opt_cfg)
-    x, y = _data()
-    results, errors = {}, []
-    models = [_model() for _ in range(WORKERS)]  # torch's seed is global: not in the threads
-
-    def worker(i: int) -> None:
-        try:
-            model = models[i]
-            with HpsOptimizer(model, zones[i % 2], job, worker_id=f"w{i}") as opt:
-                for s in range(STEPS):
-                    sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
-                    opt.zero_grad()
-                    _loss(model, x[s, sl], y[s, sl]).backward()
-                    assert opt.step().applied
-                results[i] = [p.detach().clone() for p in model.parameters()]
-        except Exception as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(WORKERS)]
-    [t.start() for t in threads]
-    [t.join(120) for t in threads]
-    assert not errors, errors
+    results = train_mlp(zones, job, STEPS, WORKERS, PER_WORKER)
     ref = _reference(opt_cfg)
     start = [p.detach() for p in _model().parameters()]
     for i in range(WORKERS):

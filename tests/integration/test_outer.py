@@ -20,7 +20,7 @@ from ps.core.errors import BadInput, HpsError
 from ps.core.outer import OuterPlan
 from ps.core.view import KeySpec, Layout
 from ps.server import create_server
-from tests.helpers import FAST, ServeProcess, mlp_batches, mlp_loss, same_bits, small_mlp
+from tests.helpers import FAST, ServeProcess, mlp_batches, mlp_loss, same_bits, small_mlp, train_mlp
 from worker import HpsOptimizer, ParameterClient
 
 STEPS, WORKERS, PER_WORKER = 12, 4, 8
@@ -53,30 +53,8 @@ def _zone_under(tree, name: str, parent: str) -> str:
 
 
 def _train(zones: list[str], job: JobConfig, steps: int = STEPS) -> dict[int, list[torch.Tensor]]:
-    """Four workers (two per zone), each on its slice of every step's batch."""
-    x, y = _data()
-    results, errors = {}, []
-    models = [_model() for _ in range(WORKERS)]
-
-    def worker(i: int) -> None:
-        try:
-            model = models[i]
-            with HpsOptimizer(model, zones[i % len(zones)], job, worker_id=f"{job.name}-w{i}") as opt:
-                for s in range(steps):
-                    sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
-                    opt.zero_grad()
-                    _loss(model, x[s, sl], y[s, sl]).backward()
-                    assert opt.step().applied
-                results[i] = [p.detach().clone() for p in model.parameters()]
-        except Exception as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(WORKERS)]
-    [t.start() for t in threads]
-    [t.join(120) for t in threads]
-    assert not errors, errors
-    assert len(results) == WORKERS
-    return results
+    """Four workers, worker i on zone i % len(zones), each on its slice of every step's batch."""
+    return train_mlp(zones, job, steps, WORKERS, PER_WORKER, data_steps=STEPS)
 
 
 def test_outer_with_one_inner_step_equals_bsp(tree):
