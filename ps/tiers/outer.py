@@ -106,7 +106,7 @@ class OuterState:
 
 class InnerRoot(Root):
     """A region's root for its outer jobs: ``Root`` with the job's inner optimizer, no disk, and
-    a sync with the global root every ``period`` versions (``OuterRelay.sync``)."""
+    a sync with the global root every ``period`` versions (``OuterRelay.after_inner_version``)."""
 
     def __init__(self, config: ServerConfig, relay: OuterRelay) -> None:
         super().__init__(dataclasses.replace(config, role="global", parent="", checkpoint_dir="",
