@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
 from _common import RESULTS, ROOT, loss_curve, met, plot, write
 
@@ -246,7 +247,10 @@ def main() -> int:
                    "comma-separated ('': none)")
     p.add_argument("--peer", default="10,50", help="torchft DiLoCo runs at these H ('': none)")
     p.add_argument("--out")
+    p.add_argument("--replot", metavar="RESULT.json", help="only draw a saved result's plots again")
     args = p.parse_args()
+    if args.replot:
+        return replot(args.replot)
 
     tree_steps = args.tree_steps or 2 * args.steps
     link = {"latency_ms": args.latency_ms, "bandwidth_mbit": args.bandwidth_mbit}
@@ -326,18 +330,42 @@ def main() -> int:
         target_loss=target, target_loss_means="flat BSP's final smoothed train loss + 1%",
         flat=flat, hierarchies=trees, comparisons=comparisons), args.out)
 
-    def draw(ax):
-        for r in (flat, *trees.values()):
-            if r.get("smoothed"):
-                ax.plot([t for t, _ in r["smoothed"]], [v for _, v in r["smoothed"]], label=r["label"])
-        ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.3f}")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("train loss (mean of workers, 10-step average)")
-        ax.set_title(f"2 regions x 2 workers, {args.latency_ms:g} ms RTT / {args.bandwidth_mbit:g} Mbit/s to the root",
-                     fontsize=9)
-        ax.legend(fontsize=7)
+    draw_all(dict(flat=flat, hierarchies=trees, target_loss=target, settings=dict(link=link)),
+             RESULTS / "wan_loss.png" if not args.out else (ROOT / args.out).with_suffix(".png"))
+    return 0
 
-    plot(RESULTS / "wan_loss.png" if not args.out else (ROOT / args.out).with_suffix(".png"), draw)
+
+def draw_all(result: dict, png: Path) -> None:
+    """Loss against wall time (``png``) and against WAN bytes (``*_bytes.png``) for every row of a
+    result. The bytes axis is the row's steady WAN rate times its steps (start-up excluded): the
+    links count bytes, not steps, so it is the measured rate spread evenly, not a per-step trace."""
+    rows = [r for r in (result["flat"], *result["hierarchies"].values()) if r.get("smoothed")]
+    target, link = result["target_loss"], result["settings"]["link"]
+    title = f"2 regions x 2 workers, {link['latency_ms']:g} ms RTT / {link['bandwidth_mbit']:g} Mbit/s to the root"
+
+    def draw(ax, bytes_axis: bool):
+        for r in rows:
+            xs = ([(i + 1) * r["wan_bytes_per_step"] / 1e6 for i in range(len(r["smoothed"]))] if bytes_axis
+                  else [t for t, _ in r["smoothed"]])
+            ax.plot(xs, [v for _, v in r["smoothed"]], label=r["label"])
+        ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.3f}")
+        if bytes_axis:
+            ax.set_xscale("log")
+            ax.set_xlabel("MB across the WAN (steady rate x steps, every link, both directions)")
+        else:
+            ax.set_xlabel("seconds")
+        ax.set_ylabel("train loss (mean of workers, 10-step average)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=6)
+
+    plot(png, lambda ax: draw(ax, False))
+    plot(png.with_name(png.stem + "_bytes.png"), lambda ax: draw(ax, True))
+
+
+def replot(path: str) -> int:
+    """Draw a saved result's plots again (``--replot results/wan_loss.json``)."""
+    result = json.loads((ROOT / path).read_text())
+    draw_all(result, (ROOT / path).with_suffix(".png"))
     return 0
 
 
