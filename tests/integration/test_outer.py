@@ -307,3 +307,18 @@ def test_training_goes_on_across_a_root_restart(tree, tmp_path):
         st = tree.lt.call(lambda r=region: tree.tier(r).inner.jobs["rr"].stats)
         assert st.outer_syncs + st.outer_sync_failures >= STEPS // 2 and st.outer_syncs >= 2
         assert st.inner_steps_since_sync == 0  # every inner step is in an outer version (the last at leave)
+
+
+def test_the_inner_loop_can_run_at_the_zones(tree):
+    """inner_tier zone: each zone runs its own inner loop, the regional masters relay the zones'
+    pseudo-gradients (summed, re-encoded with their residuals) and the outer versions."""
+    zones = _two_regions(tree)
+    job = JobConfig(name="zi", mode="outer", optimizer=OptimizerConfig(kind="adamw", lr=0.01),
+                    outer=OuterConfig(inner_steps=2, codec="int8", inner_tier="zone"), min_workers=WORKERS)
+    _train(zones, job, steps=6)
+    root = tree.view("root", "zi")
+    assert root[1] == 3
+    for zone in ("eu-a", "us-a"):
+        st = tree.lt.call(lambda z=zone: tree.tier(z).inner.jobs["zi"].stats)
+        assert st.outer_syncs == 3 and (st.outer_version, st.outer_checksum) == (root[1], root[2])
+    assert tree.lt.call(lambda: tree.tier("eu").inner) is None  # the regional master only relays
