@@ -121,7 +121,7 @@ class Root(Tier):
         peer = await self._peer_status(wait_s=self.config.lease_s)
         if peer is not None and peer.root_state == "primary" and (
                 peer.term > self.term or self.role_state["state"] != "primary"):
-            self._follow(self.peer, f"{self.peer} is the primary (term {peer.term})")
+            self._follow(self.peer, f"{self.peer} is the primary (term {peer.term})", peer.term)
         elif self.role_state["state"] == "primary":
             self.state = "primary"
             self.set_role(state="primary")
@@ -154,15 +154,17 @@ class Root(Tier):
                 continue
             peer = await self._peer_status(wait_s=0)
             if peer is not None and peer.root_state == "primary" and peer.term > self.term:
-                self._follow(self.peer, f"{self.peer} took over with term {peer.term}")
+                self._follow(self.peer, f"{self.peer} took over with term {peer.term}", peer.term)
 
-    def _follow(self, primary: str, why: str) -> None:
+    def _follow(self, primary: str, why: str, term: int = 0) -> None:
         """Become (or stay) the standby of ``primary``: what this root holds is replaced by the
-        primary's checkpoints as they arrive."""
+        primary's checkpoints as they arrive. ``term``: the primary's, when known; a higher one
+        is taken on at once and durably (this root is fenced by it before its stream starts)."""
         if self.state == "primary":
             log.warning("this root is no longer the primary (%s); it rejoins as a standby", why,
                         extra=event("root.deposed", term=self.term))
         self.state = "standby"
+        self.term = max(self.term, term)
         self.set_role(state="standby", synced=self.role_state["synced"] and self.state == "standby")
         if self.replication.follower is not None:
             self.replication.detach(self.replication.follower, "this root is now a standby")
