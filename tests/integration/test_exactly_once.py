@@ -99,3 +99,5 @@ def test_a_sequence_number_older_than_the_acknowledgements_kept_is_refused_not_a
         assert b_push.result(10)[0] == version + 1
     assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
     assert tree.view("root", "j")[3].tobytes() == np.full(10, -LR * 71, np.float32).tobytes()
+    for c in (a, b):
+        c.close()  # their heart-beating threads must not outlive the test

@@ -51,9 +51,10 @@ def test_ranks_are_stable_through_a_zone_restart_included(tree):
     assert late.rank().rank == 0
     asked = _client(zone, "w5")
     assert asked.rank(requested=7).rank == 7          # RANK honoured when free
+    refused = _client(zone, "w6")
     with pytest.raises(Conflict, match="rank 7 of this job is held by worker 'w5'"):
-        _client(zone, "w6").rank(requested=7)
-    for c in (cs[2], again, late, asked):
+        refused.rank(requested=7)
+    for c in (cs[2], again, late, asked, refused):
         c.close()
 
 
