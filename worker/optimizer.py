@@ -49,9 +49,10 @@ from ps.core.optim import flat_hparams, group_defaults, group_index
 from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
 from ps.net.tls import TlsFiles
-from worker.client import ParameterClient, StepResult, env_int
+from worker.client import StepResult, env_int
 from worker.sampler import LeasedSampler
 from worker.sender import Sender
+from worker.sharded import ShardedClient, connect, with_keys
 
 __all__ = ["HpsOptimizer"]
 
@@ -144,8 +145,11 @@ class HpsOptimizer(torch.optim.Optimizer):
         if not any(kind == "param" for _, _, kind in self._keys):
             raise ValueError("HpsOptimizer needs at least one parameter that requires grad")
         name = job.name if isinstance(job, JobConfig) else job
-        self.client = ParameterClient(address, name, worker_id, timeout_s, round_timeout_s, tls=tls, token=token)
+        # One tier, or root shards separated by ";" (worker/sharded.py).
+        self.client = connect(address, name, worker_id, timeout_s, round_timeout_s, tls=tls, token=token)
         self.layout = Layout([KeySpec(n, tuple(t.shape), kind=kind) for n, t, kind in self._keys])
+        if isinstance(job, JobConfig):  # a sharded job records the model's layout (its placement's input)
+            job = with_keys(job, self.layout)
         self.clock = 0
         self.last_step_s = 0.0
         self.last_result: StepResult | None = None
@@ -199,6 +203,9 @@ class HpsOptimizer(torch.optim.Optimizer):
     # -- joining -----------------------------------------------------------------------------
     def _check_join(self, job: JobConfig | str, name: str, created: bool, run_id: str, resume: bool) -> None:
         have = self.client.config
+        if have.sharding is not None and not isinstance(self.client, ShardedClient):
+            raise ValueError(f"job {name!r} is sharded over {have.sharding.shards} root shards: give the worker "
+                             "every shard's address, in shard order, separated by ';' (HPS_ADDRESS)")
         if self.client.layout != self.layout:
             raise ValueError(f"the model's parameters do not match job {name!r}: the job holds "
                              f"{[(s.key, s.shape, s.kind) for s in self.client.layout]}")

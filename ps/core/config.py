@@ -25,7 +25,8 @@ from typing import Any
 
 from ps.core.errors import BadInput, short
 
-__all__ = ["OptimizerConfig", "ParamGroup", "OuterConfig", "JobConfig", "ServerConfig", "MODES", "ROLES", "OPTIMIZERS",
+__all__ = ["OptimizerConfig", "ParamGroup", "OuterConfig", "ShardingConfig", "JobConfig", "ServerConfig", "MODES",
+           "ROLES", "OPTIMIZERS",
            "CODEC_NAMES", "POWERSGD_MAX_RANK", "check_name", "check_member", "address_list"]
 
 MODES = ("bsp", "ssp", "async", "outer")
@@ -58,6 +59,9 @@ def check_member(member: str) -> str:
     _require(bool(_MEMBER.match(member)),
              f"member id {short(member)} must be 1-128 letters, digits, '.', '_', ':', '@' or '-'")
     return member
+
+
+_SHARD = re.compile(r"^(0|[1-9][0-9]{0,3})/([1-9][0-9]{0,3})$")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -247,6 +251,44 @@ class OuterConfig:
         return self.inner_steps // self.fragments
 
 
+SHARD_BLOCK_ELEMS = 1 << 20  # 4 MiB of float32: a frame's worth, and few enough blocks to place quickly
+MAX_SHARDS = 256
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """A job's parameters spread over several root shards (DESIGN.md, "Sharding";
+    ``ps.core.sharding`` places the blocks).
+
+    ``weights``: one per root shard, in shard order (shard ``i`` is the root started with
+    ``--shard i/N``); a shard of weight 2 takes about twice the bytes of one of weight 1.
+    ``block_elems``: tensors larger than this are cut into blocks of this many elements.
+    ``keys``: the whole job's layout, (name, shape, dtype, kind) per tensor, as the creating
+    worker had it: every tier and worker recomputes the placement from it (filled in by the
+    worker that creates the job).
+    """
+
+    weights: tuple[float, ...] = (1.0,)
+    block_elems: int = SHARD_BLOCK_ELEMS
+    keys: tuple[tuple[str, tuple[int, ...], str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
+        object.__setattr__(self, "keys", tuple((str(k[0]), tuple(int(d) for d in k[1]), str(k[2]), str(k[3]))
+                                               for k in self.keys))
+        _require(1 <= len(self.weights) <= MAX_SHARDS,
+                 f"a sharded job has 1 to {MAX_SHARDS} shard weights, got {len(self.weights)}")
+        _require(all(math.isfinite(w) and w > 0 for w in self.weights),
+                 f"shard weights must be positive, got {list(self.weights)}")
+        _require(not isinstance(self.block_elems, bool) and isinstance(self.block_elems, int)
+                 and 1 <= self.block_elems <= 1 << 30,
+                 f"block_elems must be an integer in [1, 2**30], got {self.block_elems!r}")
+
+    @property
+    def shards(self) -> int:
+        return len(self.weights)
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """One training run's configuration, fixed at creation."""
@@ -282,11 +324,23 @@ class JobConfig:
     # mode "outer": the cross-region loop (None for any other mode; mode "outer" alone takes
     # OuterConfig's defaults). ``optimizer`` is then the regions' inner optimizer.
     outer: OuterConfig | None = None
+    # Several root shards, each owning some blocks of the parameters (None: one root).
+    sharding: ShardingConfig | None = None
 
     def __post_init__(self) -> None:
         _finite(self)
         if isinstance(self.outer, dict):
             object.__setattr__(self, "outer", OuterConfig(**self.outer))
+        if isinstance(self.sharding, dict):
+            object.__setattr__(self, "sharding", ShardingConfig(**self.sharding))
+        _require(self.sharding is None or isinstance(self.sharding, ShardingConfig),
+                 "sharding must be a ShardingConfig")
+        # Said plainly rather than half-working (issue 16).
+        _require(self.sharding is None or self.mode != "outer",
+                 "outer jobs over root shards are not built yet; use one root for an outer job")
+        _require(self.sharding is None or not self.optimizer.clip_grad_norm,
+                 "clip_grad_norm with root shards is not built yet (the norm spans every shard's blocks); "
+                 "clip in the training script or use one root")
         if self.mode == "outer" and self.outer is None:
             object.__setattr__(self, "outer", OuterConfig())
         _require(self.outer is None or (self.mode == "outer" and isinstance(self.outer, OuterConfig)),
@@ -379,6 +433,9 @@ class ServerConfig:
     standby_of: str = ""
     standby: str = ""
     lease_s: float = 2.0
+    # A root shard: "I/N", this root owns the blocks the ring places on shard I of N (a sharded
+    # job's weights and placement are in its JobConfig.sharding); "": an unsharded root.
+    shard: str = ""
 
     def __post_init__(self) -> None:
         _finite(self)
@@ -413,6 +470,9 @@ class ServerConfig:
                  f"cert={self.tls_cert!r} key={self.tls_key!r} ca={self.tls_ca!r}")
         _require(not (self.insecure and any(tls)), "--insecure and the --tls-* files exclude each other")
         _require(self.round_timeout_s > 0, f"round timeout must be positive, got {self.round_timeout_s}")
+        _require(not self.shard or (self.role == "global" and bool(_SHARD.match(self.shard))
+                                    and self.shard_index < self.shard_count <= MAX_SHARDS),
+                 f"--shard is I/N with 0 <= I < N <= {MAX_SHARDS}, at the global root only; got {self.shard!r}")
         peers = (self.standby_of, self.standby)
         _require(self.role == "global" or not any(peers),
                  "only the global root has a standby (--standby, --standby-of)")
@@ -427,6 +487,15 @@ class ServerConfig:
     def secure(self) -> bool:
         """Whether this tier serves (and calls its parent) over mutual TLS."""
         return bool(self.tls_cert)
+
+    @property
+    def shard_index(self) -> int:
+        return int(self.shard.split("/")[0]) if self.shard else 0
+
+    @property
+    def shard_count(self) -> int:
+        """Root shards of this root's jobs (0: not a shard)."""
+        return int(self.shard.split("/")[1]) if self.shard else 0
 
     @property
     def parents(self) -> tuple[str, ...]:

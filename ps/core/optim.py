@@ -44,6 +44,7 @@ import torch
 
 from ps.core.config import OptimizerConfig, ParamGroup
 from ps.core.errors import BadInput, short
+from ps.core.sharding import base_key
 from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
 
@@ -248,7 +249,8 @@ class ServerOptimizer:
             elif s.kind == "buffer":
                 self._buffers.append((off, s.numel))
             off += s.numel
-        gi = group_index(cfg, [layout.specs[i].key for i in self._keys])
+        # a root shard's blocks (emb#3) belong to their tensor's group
+        gi = group_index(cfg, [base_key(layout.specs[i].key) for i in self._keys])
         self._group_of = dict(zip(self._keys, gi))
         groups: list[list[torch.Tensor]] = [[] for _ in range(1 + len(cfg.groups))]
         for i, g in zip(self._keys, gi):

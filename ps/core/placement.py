@@ -24,8 +24,9 @@ The result depends only on the blocks (key, index, size) and the shards (name, w
 tier and worker computes the same owners, in any order, with no coordination, and a job records
 (block_elems, shards) in its configuration to recompute them.
 
-Not built yet: anything that uses it (shards serving their blocks, relays and workers splitting
-pushes and merging pulls by shard, resharding a checkpoint); see issue 16.
+``ps.core.sharding`` builds a job's plan on it (each shard's layout, vectors cut and joined),
+which root shards (``--shard I/N``), workers (``worker.sharded``) and ``hps reshard`` use. Not
+built yet: relays that split pushes and merge pulls by shard (issue 16).
 """
 
 from __future__ import annotations

@@ -202,6 +202,9 @@ class JobStats:
     # An outer job at the tier running its region's inner loop (ps.tiers.outer):
     outer_version: int = 0       # the outer version its parameters were last rebased on
     outer_checksum: int = 0      # that outer view's checksum (every region's equals the root's)
+    shard: str = ""              # a root shard's job: "I/N" ("" unsharded)
+    shard_blocks: int = 0        # blocks of the job this shard owns
+    shard_bytes: int = 0         # their bytes
     outer_syncs: int = 0         # pseudo-gradients the root applied
     outer_sync_failures: int = 0  # syncs that failed (the steps go with the next one)
     outer_sync_seconds_sum: float = 0.0  # from sending a pseudo-gradient to holding its outer version

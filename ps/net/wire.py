@@ -36,6 +36,7 @@ from ps.core.config import (
     OptimizerConfig,
     OuterConfig,
     ParamGroup,
+    ShardingConfig,
 )
 from ps.core.errors import BadInput, short
 from ps.core.leases import DONE, GRANTED, RENEWED, WAIT, Dataset, Grant
@@ -322,8 +323,23 @@ def _outer_from_pb(m: pb.JobConfig) -> OuterConfig | None:
                        delta_codec=_name(_CODEC, c.delta_codec, "codec") if c.delta_codec else "int8")
 
 
+def _sharding_to_pb(c: ShardingConfig | None) -> pb.ShardingConfig | None:
+    if c is None:
+        return None
+    return pb.ShardingConfig(weights=c.weights, block_elems=c.block_elems, keys=[
+        pb.KeySpec(key=k[0], dtype=_DTYPE[k[2]], shape=k[1], kind=_KIND[k[3]]) for k in c.keys])
+
+
+def _sharding_from_pb(m: pb.JobConfig) -> ShardingConfig | None:
+    if not m.HasField("sharding"):
+        return None
+    c = m.sharding
+    return ShardingConfig(weights=tuple(c.weights), block_elems=c.block_elems, keys=tuple(
+        (k.key, tuple(k.shape), _name(_DTYPE, k.dtype, "dtype"), _name(_KIND, k.kind, "key kind")) for k in c.keys))
+
+
 def job_to_pb(cfg: JobConfig) -> pb.JobConfig:
-    return pb.JobConfig(
+    return pb.JobConfig(sharding=_sharding_to_pb(cfg.sharding),
         name=cfg.name, mode=_MODE[cfg.mode], staleness=cfg.staleness,
         optimizer=_optimizer_to_pb(cfg.optimizer), outer=_outer_to_pb(cfg.outer),
         push_codec=_CODEC[cfg.push_codec], delta_codec=_CODEC[cfg.delta_codec],
@@ -342,7 +358,7 @@ def job_from_pb(m: pb.JobConfig) -> JobConfig | None:
         return None
     return JobConfig(
         name=m.name, mode=_name(_MODE, m.mode, "mode"), staleness=m.staleness,
-        optimizer=_optimizer_from_pb(m.optimizer), outer=_outer_from_pb(m),
+        optimizer=_optimizer_from_pb(m.optimizer), outer=_outer_from_pb(m), sharding=_sharding_from_pb(m),
         push_codec=_name(_CODEC, m.push_codec, "codec"), delta_codec=_name(_CODEC, m.delta_codec, "codec"),
         delta_log_length=m.delta_log_length, damping=m.damping,
         relay_codec=_name(_CODEC, m.relay_codec, "codec") if m.relay_codec else "",

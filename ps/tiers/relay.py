@@ -148,6 +148,16 @@ class Relay(Tier):
             return js
         reg = await self.up.register(job, last_seq=max(self._up_acked.get(job, 0),
                                                        self._up_issued.get(job, 0)))
+        if reg.config.sharding is not None:
+            # Its parent holds only some blocks: serving them as the job would hand workers a
+            # part of the model. Said plainly (issue 16).
+            try:
+                await self.up.leave(job)
+            except HpsError:
+                pass
+            raise BadInput(f"job {job!r} is sharded over {reg.config.sharding.shards} root shards; relays that "
+                           "split pushes and merge pulls by shard are not built yet: point its workers at the "
+                           "root shards directly (HPS_ADDRESS=SHARD0;SHARD1;... in shard order)")
         if js is None or js.layout != reg.layout:
             js = RelayJob(reg.config, reg.layout, created_at=self.clock())
             self.jobs[job] = js

@@ -52,6 +52,7 @@ from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
 from ps.core.optim import ServerOptimizer, warm_up
 from ps.core.ranks import RankInfo
+from ps.core.sharding import ShardPlan
 from ps.core.tensors import assemble, split
 from ps.core.types import Ack, LogMessage, PushKey, PushMeta, StepInfo, TierStatus
 from ps.core.view import KeySpec, Layout, checksum
@@ -399,6 +400,7 @@ class Root(Tier):
         elif known is not None and known != cfg:
             raise Conflict(f"job {name!r} exists with another configuration ({_describe(known)}); "
                            f"this caller asked for {_describe(cfg)}")
+        self._check_shard(cfg, layout)
         if existing is not None:
             if layout is not None and existing.layout != layout:
                 raise Conflict(f"job {name!r} already exists with other parameters; choose another "
@@ -410,6 +412,25 @@ class Root(Tier):
         if name not in self.declared and len(self.jobs) + len(self.declared) >= self.config.max_jobs:
             raise Exhausted(f"this root holds {self.config.max_jobs} jobs already (--max-jobs); end one first")
         return cfg, name not in self.declared
+
+    def _check_shard(self, cfg: JobConfig, layout: Layout | None) -> None:
+        """A root shard serves the blocks the ring places on it, of jobs sharded over as many
+        roots as it was started among; an unsharded root serves no sharded job."""
+        n, i = self.config.shard_count, self.config.shard_index
+        if cfg.sharding is None:
+            if n:
+                raise BadInput(f"this root is shard {i}/{n}: it serves jobs sharded over {n} roots only "
+                               f"(JobConfig.sharding with {n} weights); job {cfg.name!r} is not sharded")
+            return
+        if not n:
+            raise BadInput(f"job {cfg.name!r} is sharded over {cfg.sharding.shards} roots; this root is not a "
+                           "shard (start each with --shard I/N)")
+        if cfg.sharding.shards != n:
+            raise BadInput(f"job {cfg.name!r} is sharded over {cfg.sharding.shards} roots; this root is "
+                           f"shard {i}/{n}")
+        if layout is not None and ShardPlan.of(cfg).shard_layout(i) != layout:
+            raise BadInput(f"the keys sent to shard {i}/{n} are not the blocks the ring places there "
+                           "(are the worker's shard addresses in shard order?)")
 
     async def list_jobs(self) -> list[dict]:
         out = [dict(config=cfg, state="declared", version=0, members=0, parameters=0)
@@ -473,6 +494,9 @@ class Root(Tier):
         view = params.copy() if view_values is None else np.array(view_values, np.float32)
         js.view.load_snapshot(self.epoch, version, view, checksum(view))
         js.reset_round(version, "job installed")
+        if cfg.sharding is not None:
+            js.stats.shard, js.stats.shard_blocks = self.config.shard, len(layout.specs)
+            js.stats.shard_bytes = 4 * layout.numel
         if register:
             self.jobs[cfg.name] = js
         return js

@@ -109,7 +109,8 @@ def _serve(args) -> int:
             tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
             insecure=_flag(args.insecure),
             admin_token_file=args.admin_token_file or "",
-            standby_of=args.standby_of or "", standby=args.standby or "", lease_s=float(args.lease_s))
+            standby_of=args.standby_of or "", standby=args.standby or "", lease_s=float(args.lease_s),
+            shard=args.shard or "")
         if cfg.admin_token_file:
             from ps.server.auth import read_token_file
 
@@ -401,6 +402,24 @@ def _checkpoint(args) -> int:
     return 0
 
 
+def _reshard(args) -> int:
+    from ps.core.errors import HpsError
+    from ps.tools.reshard import reshard_dirs
+
+    try:
+        weights = tuple(float(w) for w in args.weights.split(",")) if args.weights else None
+        r = reshard_dirs(args.sources, args.targets, args.job, weights, args.block_elems or None)
+    except (HpsError, ValueError, OSError) as exc:
+        print(f"hps reshard: {exc}", file=sys.stderr)
+        return 2
+    from ps.tools.format import human_bytes
+
+    per = ", ".join(human_bytes(b) for b in r.bytes_per_shard)
+    print(f"job {r.job} at version {r.version}: {r.shards_before} -> {r.shards_after} shards; {r.moved} of "
+          f"{r.blocks} blocks moved ({r.moved / max(r.blocks, 1):.0%}); bytes per shard: {per}")
+    return 0
+
+
 def _demo(args) -> int:
     from ps.demo.run import main as demo_main
 
@@ -432,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--standby", action=_EnvDefault, default="",
                    help="root: the HOST:PORT of this primary's standby; versions are acknowledged only once "
                         "it holds them")
+    s.add_argument("--shard", action=_EnvDefault, default="",
+                   help="root: I/N, this root is shard I of N and serves the blocks of sharded jobs the ring "
+                        "places on it (the job's JobConfig.sharding gives the weights; workers list the N "
+                        "shards' addresses separated by ';', in shard order)")
     s.add_argument("--lease-s", action=_EnvDefault, default="2.0",
                    help="root: seconds without its peer before a standby takes over or a primary refuses pushes")
     s.add_argument("--round-timeout-s", action=_EnvDefault, default="600", help="longest BSP barrier wait")
@@ -595,6 +618,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--optimizer-out", default="", help="the optimizer state_dict file to write")
     s.add_argument("--no-wal", action="store_true", help="the checkpoint alone, without replaying the log")
     s.set_defaults(fn=_checkpoint)
+
+    s = sub.add_parser("reshard", help="spread a stopped sharded job over other root shards",
+                       description="Restore a sharded job from each old shard's checkpoint directory "
+                       "(checkpoint plus write-ahead log, in a temporary copy) and write a checkpoint for each "
+                       "new shard: the blocks are placed on the new ring, parameters and optimizer state carried "
+                       "bit for bit, and only the blocks the ring moves change owner. Every old shard must have "
+                       "stopped at the same version (SIGTERM writes a checkpoint). Start new shard i with "
+                       "--shard i/N --checkpoint-dir TARGET_i.")
+    s.add_argument("--job", required=True, help="the job to reshard")
+    s.add_argument("--from", dest="sources", nargs="+", required=True,
+                   help="the old shards' --checkpoint-dir, in shard order")
+    s.add_argument("--to", dest="targets", nargs="+", required=True,
+                   help="the new shards' --checkpoint-dir (empty for this job), in shard order")
+    s.add_argument("--weights", default="", help="comma-separated, one per new shard (default: equal)")
+    s.add_argument("--block-elems", type=int, default=0, help="block size in elements (default: the job's)")
+    s.set_defaults(fn=_reshard)
 
     s = sub.add_parser("demo", help="train a small transformer LM on a local cluster")
     s.add_argument("--steps", type=int, default=int(os.environ.get("HPS_DEMO_STEPS", "150")))

@@ -164,6 +164,10 @@ def print_tree(address: str, out, token: str | None = None) -> int:
             print(f"{pad}  job {j.name}: version {j.version} (checksum {j.checksum:#018x}) {lag}, "
                   f"round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "
                   f"members {len(j.members)} ({len(workers)} workers)", file=out)
+            if s.shard:  # a root shard: its part of the job, and the load it carries
+                print(f"{pad}    shard {s.shard}: {s.shard_blocks} blocks, {human_bytes(s.shard_bytes)}; "
+                      f"{s.pushes} pushes in, {human_bytes(s.bytes_pushed_in)} received, "
+                      f"{human_bytes(s.bytes_pulled_out)} served", file=out)
             if j.inner_loop:  # an outer job whose region's inner loop runs here: its WAN side
                 mean = s.outer_sync_seconds_sum / s.outer_syncs if s.outer_syncs else 0.0
                 per = human_bytes(s.outer_bytes_up // s.outer_syncs) if s.outer_syncs else "-"

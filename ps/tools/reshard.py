@@ -1,0 +1,92 @@
+"""``hps reshard``: spread a stopped sharded job over another number of root shards (or other
+weights), between runs.
+
+    hps reshard --job lm --from /ckpt/shard-0 /ckpt/shard-1 /ckpt/shard-2 \\
+                --to /new/shard-0 /new/shard-1 /new/shard-2 /new/shard-3 [--weights 2,1,1,1]
+
+Each source is an old shard's ``--checkpoint-dir`` (in shard order); its job is restored as the
+shard would restore it (newest checkpoint plus its write-ahead log, in a temporary copy: the
+sources are only read). ``ps.core.sharding.reshard`` re-places the blocks on the new ring
+(parameters, the published view and the optimizer state carried bit for bit) and each target
+gets a checkpoint at the same version; start shard ``i`` of the new N with ``--shard i/N
+--checkpoint-dir TARGET_i``. Only the blocks the ring moves change owner (the report says how
+many). The targets must not hold the job already. The job's token hashes (``job-tokens.json``)
+are not carried: a secured job's workers get new tokens from the new shards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ps.core.config import ServerConfig, ShardingConfig
+from ps.core.errors import BadInput
+from ps.core.sharding import reshard
+from ps.tiers import checkpoint
+from ps.tools.export import find_job_dir
+
+__all__ = ["reshard_dirs", "Resharded"]
+
+
+@dataclass(frozen=True)
+class Resharded:
+    job: str
+    version: int
+    blocks: int
+    moved: int
+    shards_before: int
+    shards_after: int
+    bytes_per_shard: tuple[int, ...]
+
+
+def _restored(job_dir: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """The job of one old shard as a checkpoint's (arrays, meta), write-ahead log replayed."""
+    from ps.tiers.root import Root
+
+    with tempfile.TemporaryDirectory(prefix="hps-reshard-") as tmp:
+        shutil.copytree(job_dir, Path(tmp) / job_dir.name, ignore=shutil.ignore_patterns("*.tmp"))
+        root = Root(ServerConfig(role="global", checkpoint_dir=tmp))
+        if job_dir.name in root.damaged:
+            raise BadInput(f"{job_dir}: {root.damaged[job_dir.name]}")
+        js = root.jobs.get(job_dir.name)
+        if js is None:
+            raise BadInput(f"{job_dir} holds no job that could be restored (ended, or no checkpoint)")
+        try:
+            return root._ckpt_state(js)
+        finally:
+            if js.wal is not None:
+                js.wal.close()
+
+
+def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
+                 weights: tuple[float, ...] | None = None, block_elems: int | None = None) -> Resharded:
+    if not job:
+        raise BadInput("name the job (--job)")
+    if not targets:
+        raise BadInput("give the new shards' checkpoint directories (--to), in shard order")
+    dirs = [find_job_dir(s, job) for s in sources]
+    out_dirs = [Path(t) / job for t in targets]
+    for d in out_dirs:
+        if d.exists() and any(d.iterdir()):
+            raise BadInput(f"{d} already holds files of job {job!r}; give empty target directories")
+    old = [_restored(d) for d in dirs]
+    if weights is None:
+        weights = (1.0,) * len(targets)
+    if len(weights) != len(targets):
+        raise BadInput(f"{len(weights)} weights for {len(targets)} target shards")
+    first = old[0][1]["config"].get("sharding") or {}
+    sharding = ShardingConfig(weights=weights, block_elems=block_elems or int(first.get("block_elems", 1 << 20)))
+    new, moved = reshard(old, sharding)
+    for d, (arrays, meta) in zip(out_dirs, new, strict=True):
+        checkpoint.save(d, int(meta["version"]), arrays, meta)
+    roster = dirs[0] / "roster.json"
+    if roster.exists():  # ranks and data-shard leases live at shard 0
+        checkpoint.write_atomic(out_dirs[0] / "roster.json", json.dumps(json.loads(roster.read_text())))
+    blocks = sum(len(m["keys"]) for _, m in new)
+    return Resharded(job, int(new[0][1]["version"]), blocks, moved, len(old), len(new),
+                     tuple(4 * a["params"].size for a, _ in new))

@@ -1,0 +1,208 @@
+"""A job over several root shards (issue 16), with real root processes started and stopped by
+PID: bsp over 3 shards of unequal weight equals one process on the whole batch; a kill -9 of
+one shard mid-run loses no acknowledged version (it restores from its own WAL and checkpoint,
+the others keep theirs, training goes on); resharding 3 -> 4 between runs carries every
+parameter and optimizer state bit for bit; misaddressed shards and jobs are refused."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ps.core.config import JobConfig, OptimizerConfig, ShardingConfig
+from ps.core.errors import BadInput, Conflict, Unavailable
+from ps.core.view import KeySpec, Layout
+from tests.helpers import ServeProcess, mlp_batches, mlp_loss, small_mlp, train_mlp
+from worker import HpsOptimizer, ParameterClient
+from worker.sharded import ShardedClient
+
+LAYOUT = Layout([KeySpec("emb", (64, 8)), KeySpec("fc.weight", (8, 8)), KeySpec("fc.bias", (8,))])
+ADAM = OptimizerConfig(kind="adam", lr=0.01)
+
+
+class Root(ServeProcess):
+    def __init__(self, tmp: Path, name: str, *args: str) -> None:
+        super().__init__(tmp / f"{name}.log", name, [
+            "--role", "global", "--name", name, "--insecure", "--heartbeat-s", "0.2", "--member-timeout-s", "5",
+            "--checkpoint-every", "4", *args])
+
+
+@pytest.fixture
+def roots(tmp_path):
+    made: list[Root] = []
+
+    def make(name: str, *args: str) -> Root:
+        made.append(Root(tmp_path, name, *args))
+        return made[-1]
+    yield make
+    for r in made:
+        r.stop()
+
+
+def _shards(roots, tmp: Path, n: int, tag: str = "s") -> list[Root]:
+    return [roots(f"{tag}{n}-{i}", "--shard", f"{i}/{n}", "--checkpoint-dir", str(tmp / f"{tag}{n}-{i}"))
+            for i in range(n)]
+
+
+def _status(r: Root):
+    """``r``'s status once it answers (a channel to the address it had before a kill -9 backs off
+    for a moment: gRPC shares the connection in this process)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return r.status()
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _address(rs: list[Root]) -> str:
+    return ";".join(r.address for r in rs)
+
+
+def _grad(step: int) -> np.ndarray:
+    return np.random.default_rng(step).standard_normal(LAYOUT.numel).astype(np.float32)
+
+
+def _job(weights: tuple[float, ...] | None, block_elems: int = 64) -> JobConfig:
+    sharding = ShardingConfig(weights=weights, block_elems=block_elems) if weights else None
+    return JobConfig(name="j", optimizer=ADAM, sharding=sharding)
+
+
+def _train(c, first: int, count: int, acked: dict[int, np.ndarray]) -> None:
+    """``count`` bsp steps from ``first``; the view of every acknowledged version in ``acked``."""
+    for s in range(first, first + count):
+        v, _ = c.push(_grad(s), clock=s)
+        c.pull(min_version=v)
+        assert c.view.version == v
+        acked[v] = c.view.values.copy()
+
+
+def _reference(roots, steps: int) -> dict[int, np.ndarray]:
+    """The same pushes at one unsharded root: the view at every version."""
+    one = roots("one")
+    c = ParameterClient(one.address, "j", "w0", timeout_s=10, retry_s=30)
+    c.create_job(_job(None), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    c.register()
+    c.pull()
+    out: dict[int, np.ndarray] = {}
+    _train(c, 0, steps, out)
+    c.close()
+    return out
+
+
+def test_bsp_over_three_shards_of_unequal_weight_equals_one_process(roots, tmp_path):
+    rs = _shards(roots, tmp_path, 3)
+    opt = OptimizerConfig(kind="adam", lr=0.01)
+    job = JobConfig(name="eq", optimizer=opt, sharding=ShardingConfig(weights=(2.0, 1.0, 1.0), block_elems=64))
+    got = train_mlp([_address(rs)], job, steps=8, workers=2, per_worker=8)
+    model, (x, y) = small_mlp(), mlp_batches(8, 16)
+    ref = torch.optim.Adam(model.parameters(), lr=opt.lr)
+    for s in range(8):
+        ref.zero_grad()
+        mlp_loss(model, x[s], y[s]).backward()
+        ref.step()
+    for w in got.values():
+        for a, b in zip(w, model.parameters(), strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
+    # the weights place the bytes: shard 0 (weight 2) holds about half the job, each shard its own
+    blocks = [r.status().jobs[0].stats for r in rs]
+    assert all(b.shard == f"{i}/3" and b.shard_blocks > 0 for i, b in enumerate(blocks))
+    total = sum(b.shard_bytes for b in blocks)
+    assert total == 4 * sum(p.numel() for p in model.parameters())
+    assert blocks[0].shard_bytes > blocks[1].shard_bytes and blocks[0].shard_bytes > blocks[2].shard_bytes
+
+
+def test_a_kill_9_of_one_shard_loses_no_acknowledged_version(roots, tmp_path):
+    ref = _reference(roots, 16)
+    rs = _shards(roots, tmp_path, 3)
+    c = ShardedClient([r.address for r in rs], "j", "w0", timeout_s=10, retry_s=30)
+    c.create_job(_job((1.0, 1.0, 1.0)), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    c.register()
+    c.pull()
+    acked: dict[int, np.ndarray] = {}
+    _train(c, 0, 6, acked)  # shard 1 checkpointed at 4; 5 and 6 are in its write-ahead log only
+    others = [rs[0].status().jobs[0].checksum, rs[2].status().jobs[0].checksum]
+    rs[1].signal(signal.SIGKILL)
+    rs[1].restart("--shard", "1/3", "--checkpoint-dir", str(tmp_path / "s3-1"))
+    assert "replayed from the write-ahead log" in rs[1].text()
+    st = _status(rs[1]).jobs[0]
+    assert st.version == 6  # every acknowledged version restored
+    assert [rs[0].status().jobs[0].checksum, rs[2].status().jobs[0].checksum] == others  # untouched
+    _train(c, 6, 10, acked)  # training goes on (the worker re-registers at the restarted shard)
+    for v, values in ref.items():
+        assert np.array_equal(acked[v], values), v  # bit for bit what one root computes
+    c.close()
+
+
+def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(roots, tmp_path):
+    ref = _reference(roots, 12)
+    rs = _shards(roots, tmp_path, 3)
+    c = ShardedClient([r.address for r in rs], "j", "w0", timeout_s=10, retry_s=30)
+    c.create_job(_job((1.0, 1.0, 1.0), block_elems=8), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    c.register()
+    c.pull()
+    acked: dict[int, np.ndarray] = {}
+    _train(c, 0, 6, acked)
+    c.close()
+    for r in rs:
+        r.stop()  # SIGTERM: each writes a checkpoint at version 6
+    out = subprocess.run(
+        [sys.executable, "-m", "ps.tools.cli", "reshard", "--job", "j",
+         "--from", *[str(tmp_path / f"s3-{i}") for i in range(3)],
+         "--to", *[str(tmp_path / f"n4-{i}") for i in range(4)]],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    moved, blocks = (int(w) for w in out.stdout.split("blocks moved")[0].split()[-3::2])
+    assert "3 -> 4 shards" in out.stdout and blocks >= 70 and moved <= 1.5 * blocks / 4, out.stdout
+    new = _shards(roots, tmp_path, 4, tag="n")
+    c = ShardedClient([r.address for r in new], "j", "w0", timeout_s=10, retry_s=30)
+    c.register()
+    assert c.config.sharding is not None and c.config.sharding.shards == 4
+    c.pull(min_version=6)
+    assert c.view.version == 6 and np.array_equal(c.view.values, ref[6])
+    _train(c, 6, 6, acked)  # Adam's moments and step count came along: the same as never stopping
+    for v in range(7, 13):
+        assert np.array_equal(acked[v], ref[v]), v
+    c.close()
+
+
+def test_misaddressed_shards_and_jobs_are_refused_with_a_sentence(roots, tmp_path):
+    rs = _shards(roots, tmp_path, 2)
+    plain = roots("plain")
+    with pytest.raises(BadInput, match="not a shard"):  # a sharded job at an unsharded root
+        ShardedClient([plain.address, rs[1].address], "j", timeout_s=10, retry_s=0).create_job(
+            _job((1.0, 1.0)), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    with pytest.raises(BadInput, match="shard 1/2.*not the blocks the ring places"):  # out of order
+        ShardedClient([rs[1].address, rs[0].address], "j", timeout_s=10, retry_s=0).create_job(
+            _job((1.0, 1.0)), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    with pytest.raises(BadInput, match="sharded over 3 roots"):
+        ShardedClient([r.address for r in rs], "j", timeout_s=10, retry_s=0).create_job(
+            _job((1.0, 1.0, 1.0)), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    with pytest.raises(BadInput, match="serves jobs sharded over 2 roots only"):  # unsharded job at a shard
+        c = ParameterClient(rs[0].address, "k", timeout_s=10, retry_s=0)
+        c.create_job(_job(None), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    c = ShardedClient([r.address for r in rs], "j", "w0", timeout_s=10, retry_s=0)
+    c.create_job(_job((1.0, 1.0)), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    c.register()
+    c.close()
+    with pytest.raises(Conflict, match="list the shard addresses in shard order"):
+        ShardedClient([rs[1].address, rs[0].address], "j", "w1", timeout_s=10, retry_s=0).register()
+    zone = ServeProcess(tmp_path / "zone.log", "zone", ["--role", "zone", "--name", "z", "--insecure",
+                                                         "--parent", rs[0].address])
+    try:  # a relay in front of a root shard would hand its workers part of the model: refused
+        with pytest.raises(BadInput, match="relays that split pushes and merge pulls by shard are not built"):
+            ParameterClient(zone.address, "j", "w3", timeout_s=10, retry_s=0).register()
+    finally:
+        zone.stop()
+    model = torch.nn.Linear(2, 2)  # a script given one shard's address for a sharded job
+    with pytest.raises(ValueError, match="sharded over 2 root shards.*separated by ';'"):
+        HpsOptimizer(model, rs[0].address, "j", worker_id="w2", timeout_s=10)

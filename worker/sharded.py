@@ -1,0 +1,300 @@
+"""A worker's link to a job whose parameters are spread over several root shards (DESIGN.md,
+"Sharding"): one ``ParameterClient`` per shard, pushes cut by the job's plan, pulls joined.
+
+>>> client = connect("root-0:7000;root-1:7000;root-2:7000", job="lm", worker_id="w1")
+>>> client.register()                  # every shard; the plan comes with the job's configuration
+>>> client.pull(min_version=client.start_version)   # each shard's blocks, joined in client.view
+>>> client.push(grad, clock=0)         # each shard gets its blocks of the gradient
+
+``connect`` gives a ``ParameterClient`` for one address and a ``ShardedClient`` for several
+separated by ``;`` (in shard order: shard ``i`` is the root started with ``--shard i/N``; each
+may list its standby after a comma, as for one root). ``HpsOptimizer`` takes either, from
+``HPS_ADDRESS`` too.
+
+Every push goes to every shard (a shard none of whose blocks has a gradient gets an empty
+one), so in bsp a version v is the same round everywhere and the joined view at v is one
+consistent model; ssp and async keep their bounds per shard, and the joined view's version is
+the lowest shard's. Ranks, data-shard leases and the data progress a push carries live at
+shard 0. Each shard keeps its own exactly-once book: a push that times out at one shard is
+retried there alone, and a restarted shard answers it from its write-ahead log.
+
+Not built yet: a round aborted at one shard and applied at the others (a member dropped by one
+shard only) is reported as Stale but leaves the shards one version apart; relays in front of
+root shards (workers reach the shards directly).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from ps.core.config import JobConfig
+from ps.core.errors import BadInput, Conflict, NotReady, Stale
+from ps.core.leases import Dataset
+from ps.core.ranks import RankInfo
+from ps.core.sharding import ShardPlan, keys_of, layout_of
+from ps.core.types import NO_STEP, StepInfo
+from ps.core.view import Layout, View
+from ps.net.tls import TlsFiles
+from worker.client import ParameterClient
+
+__all__ = ["ShardedClient", "Client", "connect", "with_keys"]
+
+log = logging.getLogger("hps.worker")
+T = TypeVar("T")
+_BASES = 256  # joined versions whose per-shard versions are remembered (async pushes name their base)
+
+
+def connect(address: str, job: str, worker_id: str | None = None, timeout_s: float = 30.0,
+            round_timeout_s: float = 600.0, retry_s: float | None = None, tls: TlsFiles | None = None,
+            token: str | None = None) -> ParameterClient | ShardedClient:
+    """The client for ``address``: one tier, or root shards separated by ``;``."""
+    shards = [a.strip() for a in address.split(";")]
+    if len(shards) == 1:
+        return ParameterClient(shards[0], job, worker_id, timeout_s, round_timeout_s, retry_s, tls, token)
+    return ShardedClient(shards, job, worker_id, timeout_s, round_timeout_s, retry_s, tls, token)
+
+
+def with_keys(cfg: JobConfig, layout: Layout) -> JobConfig:
+    """A sharded job's configuration with the whole layout recorded (what the plan is computed
+    from); BadInput when it records another one."""
+    if cfg.sharding is None:
+        return cfg
+    keys = keys_of(layout)
+    if cfg.sharding.keys and cfg.sharding.keys != keys:
+        raise BadInput(f"job {cfg.name!r}'s sharding records other keys than the model's")
+    return replace(cfg, sharding=replace(cfg.sharding, keys=keys))
+
+
+class _Residuals:
+    """The shards' push-edge residuals as one state dict (``HpsOptimizer.state_dict``)."""
+
+    def __init__(self, clients: list[ParameterClient]) -> None:
+        self._clients = clients
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {f"{i}/{k}": v for i, c in enumerate(self._clients) for k, v in c.encoder.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        for i, c in enumerate(self._clients):
+            c.encoder.load_state_dict({k.split("/", 1)[1]: v for k, v in state.items() if k.split("/", 1)[0] == str(i)})
+
+    def reset(self) -> None:
+        for c in self._clients:
+            c.encoder.reset()
+
+
+class ShardedClient:
+    """``ParameterClient``'s interface over the root shards at ``addresses`` (shard order)."""
+
+    def __init__(self, addresses: list[str], job: str, worker_id: str | None = None, timeout_s: float = 30.0,
+                 round_timeout_s: float = 600.0, retry_s: float | None = None, tls: TlsFiles | None = None,
+                 token: str | None = None) -> None:
+        if len(addresses) < 2 or not all(addresses):
+            raise BadInput(f"a sharded job needs two or more shard addresses, got {addresses}")
+        self.job = job
+        self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
+        self.timeout_s, self.round_timeout_s = timeout_s, round_timeout_s
+        self.clients = [ParameterClient(a, job, self.worker_id, timeout_s, round_timeout_s, retry_s, tls, token)
+                        for a in addresses]
+        self._pool = ThreadPoolExecutor(len(addresses), thread_name_prefix=f"hps-shards-{self.worker_id}")
+        self.plan: ShardPlan | None = None
+        self._view: View | None = None
+        self._bases: OrderedDict[tuple[int, int], tuple[tuple[int, int], ...]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.lost_steps = 0
+        self.start_version = self.start_clock = 0
+        self.member_timeout_s = 0.0
+
+    # -- what every shard does ------------------------------------------------------------
+    def _each(self, fn: Callable[[int, ParameterClient], T]) -> list[T]:
+        """``fn`` on every shard at once; the first failure is raised once all have finished."""
+        futures = [self._pool.submit(fn, i, c) for i, c in enumerate(self.clients)]
+        out, error = [], None
+        for f in futures:
+            try:
+                out.append(f.result())
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return out
+
+    def _registered(self) -> ShardPlan:
+        if self.plan is None:
+            raise NotReady(f"{self.worker_id!r} has not registered for job {self.job!r}; call register() first")
+        return self.plan
+
+    @property
+    def config(self) -> JobConfig:
+        self._registered()
+        return self.clients[0].config
+
+    @property
+    def layout(self) -> Layout:
+        return self._registered().layout
+
+    @property
+    def view(self) -> View:
+        self._registered()
+        assert self._view is not None
+        return self._view
+
+    @property
+    def encoder(self) -> _Residuals:
+        return _Residuals(self.clients)
+
+    @property
+    def bytes_up(self) -> int:
+        return sum(c.bytes_up for c in self.clients)
+
+    @property
+    def bytes_down(self) -> int:
+        return sum(c.bytes_down for c in self.clients)
+
+    @property
+    def last_skipped(self) -> bool:
+        return any(c.last_skipped for c in self.clients)
+
+    @property
+    def _closed(self) -> bool:
+        return all(c._closed for c in self.clients)
+
+    @property
+    def _rank_info(self) -> RankInfo | None:
+        return self.clients[0]._rank_info
+
+    # -- joining --------------------------------------------------------------------------
+    def create_job(self, config: JobConfig | str, layout: Layout, values: np.ndarray) -> bool:
+        """Create the job on every shard, each with its blocks of ``values``; False if it
+        already existed everywhere."""
+        if not isinstance(config, JobConfig) or config.sharding is None:
+            raise BadInput(f"{len(self.clients)} shard addresses were given: create the job with a JobConfig "
+                           "whose sharding names one weight per shard")
+        if config.sharding.shards != len(self.clients):
+            raise BadInput(f"job {config.name!r} is sharded over {config.sharding.shards} roots; "
+                           f"{len(self.clients)} addresses were given")
+        config = with_keys(config, layout)
+        plan = ShardPlan.of(config)
+        parts = plan.split(np.asarray(values, np.float32))
+        created = self._each(lambda i, c: c.create_job(config, plan.shard_layout(i), parts[i]))
+        return any(created)
+
+    def register(self) -> None:
+        """Join the job at every shard, and check that they hold one sharded job's blocks in
+        this client's shard order."""
+        self._each(lambda i, c: c.register())
+        cfg = self.clients[0].config
+        if cfg.sharding is None:
+            raise BadInput(f"job {self.job!r} is not sharded; give this worker one address, not "
+                           f"{len(self.clients)}")
+        if cfg.sharding.shards != len(self.clients):
+            raise BadInput(f"job {self.job!r} is sharded over {cfg.sharding.shards} roots; this worker was "
+                           f"given {len(self.clients)} addresses")
+        for i, c in enumerate(self.clients):
+            if c.config != cfg:
+                raise Conflict(f"shard {i} holds job {self.job!r} with another configuration than shard 0")
+        plan = ShardPlan(layout_of(cfg.sharding.keys), cfg.sharding, cfg.optimizer.kind)
+        for i, c in enumerate(self.clients):
+            if c.layout != plan.shard_layout(i):
+                raise Conflict(f"the root at {c.address} holds other blocks than shard {i}'s: list the "
+                               "shard addresses in shard order (shard i: --shard i/N)")
+        if self.plan is None or self.plan.layout != plan.layout:
+            self._view = View(plan.layout)
+        self.plan = plan
+        self.start_version = min(c.start_version for c in self.clients)
+        self.start_clock = min(c.start_clock for c in self.clients)
+        self.member_timeout_s = max(c.member_timeout_s for c in self.clients)
+
+    def rank(self, requested: int | None = None) -> RankInfo:
+        return self.clients[0].rank(requested)
+
+    def wait_workers(self, n: int | None = None, timeout_s: float = 600.0, poll_s: float = 0.2) -> RankInfo:
+        return self.clients[0].wait_workers(n, timeout_s, poll_s)
+
+    def lease(self, dataset: Dataset, epoch: int, want: bool = True, **kw: Any) -> Any:
+        return self.clients[0].lease(dataset, epoch, want, **kw)
+
+    # -- values ---------------------------------------------------------------------------
+    def pull(self, min_version: int = 0, wait_s: float | None = None, min_clock: int = 0) -> int:
+        """Every shard to at least ``min_version`` (and the clock floor), joined into ``view``."""
+        plan = self._registered()
+        received = self._each(lambda i, c: c.pull(min_version, wait_s, min_clock))
+        with self._lock:
+            view = self.view
+            plan.merge([c.view.values for c in self.clients], out=view.values)
+            view.version = min(c.view.version for c in self.clients)
+            view.clock_min = min(c.view.clock_min for c in self.clients)
+            view.epoch = self.clients[0].view.epoch
+            view.checksum = 0  # each shard checks its own blocks (hps status shows them per shard)
+            for c in self.clients[1:]:
+                view.checksum ^= c.view.checksum
+            self._bases[(view.epoch, view.version)] = tuple((c.view.epoch, c.view.version) for c in self.clients)
+            while len(self._bases) > _BASES:
+                self._bases.popitem(last=False)
+        return sum(received)
+
+    def push(self, grad: np.ndarray | torch.Tensor, clock: int = 0, *, clock_max: int | None = None,
+             base_version: int | None = None, view_epoch: int | None = None,
+             contributors: int = 1, report: tuple[float, int, float] = (0.0, 0, 0.0),
+             pipelined: bool = False, step: StepInfo = NO_STEP) -> tuple[int, int]:
+        """``ParameterClient.push`` at every shard, each with its blocks; returns the lowest
+        version that applied it (in bsp every shard's is the same) and the bytes sent."""
+        plan = self._registered()
+        finite = torch.isfinite(grad).all() if isinstance(grad, torch.Tensor) else np.isfinite(grad).all()
+        if contributors and not finite:  # checked once here: no shard may take it while another refuses
+            raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
+        parts = plan.split(grad)
+        absent = plan.absent(step.absent)
+        with self._lock:
+            base = None
+            if base_version is not None:
+                base = self._bases.get((self.view.epoch if view_epoch is None else view_epoch, base_version))
+
+        def one(i: int, c: ParameterClient) -> tuple[int, int]:
+            sub = replace(step, absent=absent[i], progress=step.progress if i == 0 else ())
+            epoch, version = base[i] if base is not None else (None, None)
+            held = (c.view.epoch, c.view.version, c.view.checksum)
+            try:
+                return c.push(parts[i], clock, clock_max=clock_max, base_version=version, view_epoch=epoch,
+                              contributors=contributors, report=report, pipelined=pipelined, step=sub)
+            except Stale:
+                # A shard that restarted (a new epoch) refuses a gradient computed on its old
+                # lineage, while the others may have applied it. It restored every acknowledged
+                # version: if its snapshot at the gradient's base is bit for bit the view the
+                # gradient was computed on, the gradient is as valid there, and goes again.
+                if contributors == 0 or (version is not None and version != held[1]):
+                    raise
+                c.pull(min_version=held[1])
+                if c.view.epoch == held[0] or (c.view.version, c.view.checksum) != held[1:]:
+                    raise
+                log.warning("%s: root shard %d restarted at version %d with the same parameters; the push "
+                            "goes again on its new lineage", self.worker_id, i, held[1])
+                return c.push(parts[i], clock, clock_max=clock_max, base_version=held[1],
+                              view_epoch=c.view.epoch, contributors=contributors, report=report,
+                              pipelined=pipelined, step=sub)
+        results = self._each(one)
+        versions = [v for v, _ in results]
+        if self.config.mode == "bsp" and len(set(versions)) > 1:
+            log.error("%s: the shards applied one push at versions %s (a round aborted at some shards "
+                      "only); their bsp rounds are apart from now on", self.worker_id, versions)
+        return min(versions), sum(n for _, n in results)
+
+    def close(self) -> None:
+        """Leave the job at every shard."""
+        try:
+            self._each(lambda i, c: c.close())
+        finally:
+            self._pool.shutdown(wait=False)
+
+
+Client = ParameterClient | ShardedClient  # what HpsOptimizer, its Sender and LeasedSampler drive
