@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,11 +99,14 @@ def _from_checkpoint(job_dir: Path) -> tuple[np.ndarray, Layout, ServerOptimizer
     return np.array(arrays["view"], np.float32), layout, opt, int(meta["version"])
 
 
-def _replayed(job_dir: Path) -> tuple[np.ndarray, Layout, ServerOptimizer, int]:
+@contextmanager
+def restored(job_dir: Path) -> Iterator:
+    """The root's job (``RootJob``) restored from ``job_dir`` as a restarted root would restore
+    it (newest checkpoint plus its write-ahead log), in a temporary copy: ``job_dir`` is only read."""
     from ps.core.config import ServerConfig
     from ps.tiers.root import Root
 
-    with tempfile.TemporaryDirectory(prefix="hps-export-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="hps-restore-") as tmp:
         copy = Path(tmp) / job_dir.name
         shutil.copytree(job_dir, copy, ignore=shutil.ignore_patterns("*.tmp"))
         root = Root(ServerConfig(role="global", checkpoint_dir=tmp))
@@ -110,8 +115,15 @@ def _replayed(job_dir: Path) -> tuple[np.ndarray, Layout, ServerOptimizer, int]:
         js = root.jobs.get(job_dir.name)
         if js is None:
             raise BadInput(f"{job_dir} holds no job the root could restore (ended, or no checkpoint)")
-        if js.wal is not None:
-            js.wal.close()
+        try:
+            yield root, js
+        finally:
+            if js.wal is not None:
+                js.wal.close()
+
+
+def _replayed(job_dir: Path) -> tuple[np.ndarray, Layout, ServerOptimizer, int]:
+    with restored(job_dir) as (_, js):
         return js.view.values.copy(), js.layout, js.optimizer, js.view.version
 
 

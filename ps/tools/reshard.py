@@ -17,18 +17,16 @@ are not carried: a secured job's workers get new tokens from the new shards.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ps.core.config import ServerConfig, ShardingConfig
+from ps.core.config import ShardingConfig
 from ps.core.errors import BadInput
 from ps.core.sharding import reshard
 from ps.tiers import checkpoint
-from ps.tools.export import find_job_dir
+from ps.tools.export import find_job_dir, restored
 
 __all__ = ["reshard_dirs", "Resharded"]
 
@@ -46,21 +44,8 @@ class Resharded:
 
 def _restored(job_dir: Path) -> tuple[dict[str, np.ndarray], dict]:
     """The job of one old shard as a checkpoint's (arrays, meta), write-ahead log replayed."""
-    from ps.tiers.root import Root
-
-    with tempfile.TemporaryDirectory(prefix="hps-reshard-") as tmp:
-        shutil.copytree(job_dir, Path(tmp) / job_dir.name, ignore=shutil.ignore_patterns("*.tmp"))
-        root = Root(ServerConfig(role="global", checkpoint_dir=tmp))
-        if job_dir.name in root.damaged:
-            raise BadInput(f"{job_dir}: {root.damaged[job_dir.name]}")
-        js = root.jobs.get(job_dir.name)
-        if js is None:
-            raise BadInput(f"{job_dir} holds no job that could be restored (ended, or no checkpoint)")
-        try:
-            return root._ckpt_state(js)
-        finally:
-            if js.wal is not None:
-                js.wal.close()
+    with restored(job_dir) as (root, js):
+        return root._ckpt_state(js)
 
 
 def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
