@@ -54,7 +54,8 @@ import torch
 
 from ps.core.errors import BadInput, HpsError
 from ps.core.leases import DONE, GRANTED, Dataset, Grant
-from worker.sharded import Client
+from worker.client import ParameterClient
+from worker.sharded import ShardedClient
 
 __all__ = ["LeasedSampler", "shard_indices"]
 
@@ -86,8 +87,9 @@ class LeasedSampler:
     ``idle``: called while other workers hold every shard left (None: just wait). Call
     ``set_epoch(e)`` before iterating each epoch, as with ``DistributedSampler``."""
 
-    def __init__(self, client: Client, dataset_len: int, batch_size: int, shard_size: int = 1024,
-                 seed: int = 0, idle: Callable[[], None] | None = None, lease_timeout_s: float = 30.0) -> None:
+    def __init__(self, client: ParameterClient | ShardedClient, dataset_len: int, batch_size: int,
+                 shard_size: int = 1024, seed: int = 0, idle: Callable[[], None] | None = None,
+                 lease_timeout_s: float = 30.0) -> None:
         if batch_size < 1:
             raise BadInput(f"batch_size must be >= 1, got {batch_size}")
         self.client = client

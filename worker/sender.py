@@ -32,7 +32,8 @@ import torch
 
 from ps.core.errors import HpsError, Stale
 from ps.core.types import NO_STEP, StepInfo
-from worker.sharded import Client
+from worker.client import ParameterClient
+from worker.sharded import ShardedClient
 
 __all__ = ["Sender"]
 
@@ -48,7 +49,7 @@ class Sender:
     the next ``submit``. Raises ValueError when ``in_flight`` < 1.
     """
 
-    def __init__(self, client: Client, record: bool = False, in_flight: int = 1) -> None:
+    def __init__(self, client: ParameterClient | ShardedClient, record: bool = False, in_flight: int = 1) -> None:
         if in_flight < 1:
             raise ValueError(f"a sender needs at least one push in flight, got {in_flight}")
         self.client = client

@@ -1,10 +1,12 @@
 """A worker's link to a job whose parameters are spread over several root shards (DESIGN.md,
 "Sharding"): one ``ParameterClient`` per shard, pushes cut by the job's plan, pulls joined.
 
->>> client = connect("root-0:7000;root-1:7000;root-2:7000", job="lm", worker_id="w1")
->>> client.register()                  # every shard; the plan comes with the job's configuration
->>> client.pull(min_version=client.start_version)   # each shard's blocks, joined in client.view
->>> client.push(grad, clock=0)         # each shard gets its blocks of the gradient
+    client = connect("root-0:7000;root-1:7000;root-2:7000", job="lm", worker_id="w1")
+    client.register()                  # every shard; the plan comes with the job's configuration
+    client.pull(min_version=client.start_version)   # each shard's blocks, joined in client.view
+    client.push(grad, clock=0)         # each shard gets its blocks of the gradient
+
+(tests/integration/test_sharding.py runs this against real root shards.)
 
 ``connect`` gives a ``ParameterClient`` for one address and a ``ShardedClient`` for several
 separated by ``;`` (in shard order: shard ``i`` is the root started with ``--shard i/N``; each
@@ -47,7 +49,7 @@ from ps.core.view import Layout, View
 from ps.net.tls import TlsFiles
 from worker.client import ParameterClient
 
-__all__ = ["ShardedClient", "Client", "connect", "with_keys"]
+__all__ = ["ShardedClient", "connect", "with_keys"]
 
 log = logging.getLogger("hps.worker")
 T = TypeVar("T")
@@ -295,6 +297,3 @@ class ShardedClient:
             self._each(lambda i, c: c.close())
         finally:
             self._pool.shutdown(wait=False)
-
-
-Client = ParameterClient | ShardedClient  # what HpsOptimizer, its Sender and LeasedSampler drive

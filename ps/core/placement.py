@@ -1,5 +1,6 @@
 """Which root shard owns which block of a job's parameters (pure; DESIGN.md, "Sharding").
 
+>>> from ps.core.view import KeySpec
 >>> layout = Layout([KeySpec("emb", (1000, 64)), KeySpec("bias", (64,))])
 >>> blocks = split_blocks(layout, block_elems=16384)          # emb: 3 blocks of 16384, 1 of 14848
 >>> [(b.key, b.index, b.start, b.stop) for b in blocks][:2]
