@@ -237,8 +237,10 @@ class ShardedClient:
             view.version = min(c.view.version for c in self.clients)
             view.clock_min = min(c.view.clock_min for c in self.clients)
             view.epoch = self.clients[0].view.epoch
-            view.checksum = 0  # each shard checks its own blocks (hps status shows them per shard)
-            for c in self.clients[1:]:
+            # Each shard checks its own blocks; the joined view's is the XOR of theirs (a shard's
+            # changes it), not a checksum of the joined values.
+            view.checksum = 0
+            for c in self.clients:
                 view.checksum ^= c.view.checksum
             self._bases[(view.epoch, view.version)] = tuple((c.view.epoch, c.view.version) for c in self.clients)
             while len(self._bases) > _BASES:

@@ -136,6 +136,7 @@ def test_a_kill_9_of_one_shard_loses_no_acknowledged_version(roots, tmp_path):
     assert "replayed from the write-ahead log" in rs[1].text()
     st = _status(rs[1]).jobs[0]
     assert st.version == 6  # every acknowledged version restored
+    assert c.view.checksum == st.checksum ^ others[0] ^ others[1]  # the joined view's: every shard's
     assert [rs[0].status().jobs[0].checksum, rs[2].status().jobs[0].checksum] == others  # untouched
     _train(c, 6, 10, acked)  # training goes on (the worker re-registers at the restarted shard)
     for v, values in ref.items():
