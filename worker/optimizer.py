@@ -52,7 +52,7 @@ from ps.net.tls import TlsFiles
 from worker.client import StepResult, env_int
 from worker.sampler import LeasedSampler
 from worker.sender import Sender
-from worker.sharded import ShardedClient, connect, with_keys
+from worker.sharded import ShardedClient, connect, default_sharding, with_keys
 
 __all__ = ["HpsOptimizer"]
 
@@ -148,8 +148,10 @@ class HpsOptimizer(torch.optim.Optimizer):
         # One tier, or root shards separated by ";" (worker/sharded.py).
         self.client = connect(address, name, worker_id, timeout_s, round_timeout_s, tls=tls, token=token)
         self.layout = Layout([KeySpec(n, tuple(t.shape), kind=kind) for n, t, kind in self._keys])
-        if isinstance(job, JobConfig):  # a sharded job records the model's layout (its placement's input)
-            job = with_keys(job, self.layout)
+        if isinstance(job, JobConfig) and isinstance(self.client, ShardedClient):
+            # Placed over the shards given (HPS_SHARD_WEIGHTS, else equal weights, unless the
+            # job says), recording the model's layout: its placement's input.
+            job = with_keys(default_sharding(job, len(self.client.clients)), self.layout)
         self.clock = 0
         self.last_step_s = 0.0
         self.last_result: StepResult | None = None

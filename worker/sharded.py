@@ -28,6 +28,7 @@ root shards (workers reach the shards directly).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -39,7 +40,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ps.core.config import JobConfig
+from ps.core.config import JobConfig, ShardingConfig
 from ps.core.errors import BadInput, Conflict, NotReady, Stale
 from ps.core.leases import Dataset
 from ps.core.ranks import RankInfo
@@ -64,6 +65,25 @@ def connect(address: str, job: str, worker_id: str | None = None, timeout_s: flo
     if len(shards) == 1:
         return ParameterClient(shards[0], job, worker_id, timeout_s, round_timeout_s, retry_s, tls, token)
     return ShardedClient(shards, job, worker_id, timeout_s, round_timeout_s, retry_s, tls, token)
+
+
+def default_sharding(cfg: JobConfig, shards: int) -> JobConfig:
+    """``cfg`` as created at ``shards`` root shards: a job without a sharding of its own is placed
+    by the weights in HPS_SHARD_WEIGHTS (comma-separated, what `hps launch` prints for a sharded
+    root), else by equal weights. A sharding over another count is refused."""
+    if cfg.sharding is not None:
+        if cfg.sharding.shards != shards:
+            raise BadInput(f"job {cfg.name!r} is sharded over {cfg.sharding.shards} roots; "
+                           f"{shards} addresses were given")
+        return cfg
+    text = os.environ.get("HPS_SHARD_WEIGHTS", "").strip()
+    try:
+        weights = tuple(float(w) for w in text.split(",")) if text else (1.0,) * shards
+    except ValueError:
+        raise BadInput(f"HPS_SHARD_WEIGHTS is comma-separated numbers, got {text!r}") from None
+    if len(weights) != shards:
+        raise BadInput(f"HPS_SHARD_WEIGHTS gives {len(weights)} weights for {shards} shard addresses")
+    return replace(cfg, sharding=ShardingConfig(weights=weights))
 
 
 def with_keys(cfg: JobConfig, layout: Layout) -> JobConfig:
@@ -179,13 +199,10 @@ class ShardedClient:
     def create_job(self, config: JobConfig | str, layout: Layout, values: np.ndarray) -> bool:
         """Create the job on every shard, each with its blocks of ``values``; False if it
         already existed everywhere."""
-        if not isinstance(config, JobConfig) or config.sharding is None:
-            raise BadInput(f"{len(self.clients)} shard addresses were given: create the job with a JobConfig "
-                           "whose sharding names one weight per shard")
-        if config.sharding.shards != len(self.clients):
-            raise BadInput(f"job {config.name!r} is sharded over {config.sharding.shards} roots; "
-                           f"{len(self.clients)} addresses were given")
-        config = with_keys(config, layout)
+        if not isinstance(config, JobConfig):
+            raise BadInput(f"{len(self.clients)} shard addresses were given: create job {config!r} with a "
+                           "JobConfig (a job declared by name is not built for root shards yet)")
+        config = with_keys(default_sharding(config, len(self.clients)), layout)
         plan = ShardPlan.of(config)
         parts = plan.split(np.asarray(values, np.float32))
         created = self._each(lambda i, c: c.create_job(config, plan.shard_layout(i), parts[i]))

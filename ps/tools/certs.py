@@ -41,11 +41,15 @@ def identity_uri(role: str, name: str, region: str = "") -> str:
 def tiers_of(topology: dict) -> list[tuple[str, str, str]]:
     """(role, name, region) of every tier in a topology (``hps launch``'s format)."""
     root = topology.get("root") if isinstance(topology.get("root"), dict) else {}
-    out = [("global", str(root.get("name") or "root"), "")]
+    name = str(root.get("name") or "root")
+    shards = root.get("shards")  # root shards (ps.tools.launch): NAME-0 .. NAME-(N-1), each a root
+    count = shards if isinstance(shards, int) and not isinstance(shards, bool) else \
+        len(shards) if isinstance(shards, list) else 0
+    out = [("global", f"{name}-{i}", "") for i in range(count)] or [("global", name, "")]
     if isinstance(root.get("standby"), dict):  # the hot-standby root (issue 15): a root's identity too
         out.append(("global", str(root["standby"].get("name") or "root-standby"), ""))
     for z in root.get("zones") or []:  # zones straight below the root: the root is their region
-        out.append(("zone", str(z["name"] if isinstance(z, dict) else z), out[0][1]))
+        out.append(("zone", str(z["name"] if isinstance(z, dict) else z), name))
     for r in topology.get("regions") or []:
         out.append(("regional", str(r["name"]), str(r["name"])))
         for z in r.get("zones") or []:

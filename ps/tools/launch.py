@@ -27,6 +27,15 @@ The root itself starts without ``--standby`` (the standby's port is not known ye
 its address from the Follow stream); a restarted root gets ``--standby STANDBY``, so it finds a
 standby that took over meanwhile and rejoins as its standby.
 
+Root shards (issue 16): ``root: {name: root, shards: 3}`` or ``shards: [{weight: 2}, {weight: 1},
+{weight: 1}]`` (each entry may also give ``port``, ``metrics_port``, ``checkpoint_dir``) starts
+tiers ``root-0`` .. ``root-2``, each ``hps serve --shard I/N`` with its own checkpoint directory
+(the root's ``checkpoint_dir``/shard-I unless it names one). ``cluster.address("root")`` is
+every shard's address in shard order, separated by ``;`` (a worker's HPS_ADDRESS), and
+``cluster.shard_weights("root")`` the weights (HPS_SHARD_WEIGHTS: what a job created there
+without a sharding of its own is placed by). Relays in front of root shards are not built, nor
+standbys of shards: a sharded root with zones, regions or a standby is refused with a sentence.
+
 ``latency_ms`` is the round trip the link adds, ``bandwidth_mbit`` each direction's rate
 (also ``jitter_ms``, ``loss_pct``). Each declared link is one ``python -m ps.tools.wanem`` process
 (a delaying, rate-limiting TCP relay; this machine has no ``tc netem``); the child's
@@ -48,11 +57,12 @@ from pathlib import Path
 
 import yaml
 
+from ps.core.config import MAX_SHARDS
 from ps.core.errors import BadInput
 from ps.tools.wanem import Link
 
 __all__ = ["Cluster", "LocalSecrets", "write_client_env", "read_client_env", "TierProcess", "load_topology",
-           "default_topology", "MALLOC_ENV"]
+           "default_topology", "MALLOC_ENV", "shard_specs"]
 
 # The address stops at a quote too: with --log-format json the line is a JSON message.
 _READY = re.compile(r"hps: serving (\S+) (\S+) on ([^\s\"]+)(?: metrics (\d+))?")
@@ -63,6 +73,23 @@ _READY = re.compile(r"hps: serving (\S+) (\S+) on ([^\s\"]+)(?: metrics (\d+))?"
 # Given to every server process unless the environment already sets them.
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(64 << 20)}
 _LINK_READY = re.compile(r"wanem(?: \S+)?: relaying (\S+) -> ")
+
+
+def shard_specs(root: dict) -> list[dict]:
+    """A sharded root's entries, one per shard (``shards: N`` or a list); [] for one root."""
+    shards = root.get("shards")
+    if shards is None:
+        return []
+    if isinstance(shards, bool) or not isinstance(shards, (int, list)):
+        raise BadInput(f"root shards is a count or a list of {{weight: W}} entries, got {shards!r}")
+    specs = [{} for _ in range(shards)] if isinstance(shards, int) else shards
+    if not 2 <= len(specs) <= MAX_SHARDS or not all(isinstance(s, dict) for s in specs):
+        raise BadInput(f"root shards: 2 to {MAX_SHARDS} shards, each a mapping, got {shards!r}")
+    for s in specs:
+        weight = s.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise BadInput(f"root shard weights are positive numbers, got {weight!r}")
+    return [dict(s) for s in specs]
 
 
 def default_topology() -> dict:
@@ -165,6 +192,8 @@ class Cluster:
     links: dict[str, TierProcess] = field(default_factory=dict)  # emulated WAN links (role "link")
     env: dict = field(default_factory=dict)
     secrets: LocalSecrets | None = None  # None: plaintext, no tokens (--insecure)
+    shard_groups: dict[str, list[str]] = field(default_factory=dict)  # sharded root -> its shards' tiers
+    weights: dict[str, tuple[float, ...]] = field(default_factory=dict)  # sharded root -> shard weights
 
     @classmethod
     def start(cls, topo: dict, logdir: str | Path, extra_root_args: list[str] = (),
@@ -185,6 +214,10 @@ class Cluster:
             common += [f"--{k.replace('_', '-')}", str(v)]
         try:
             r = topo["root"]
+            if "shards" in r:
+                c._spawn_shards(r, host, common + list(extra_root_args), topo)
+                c.wait_ready(timeout_s)
+                return c
             root = c._spawn(r.get("name", "root"), "global", host, r, "", common + list(extra_root_args))
             alt_roots: list[str] = []  # a standby root: every child of the root lists it second
             if isinstance(r.get("standby"), dict):
@@ -222,6 +255,36 @@ class Cluster:
             c.stop()
             raise
         return c
+
+    def _spawn_shards(self, r: dict, host: str, args: list[str], topo: dict) -> None:
+        """The root as N shards (the module's docstring); nothing may stand below them yet."""
+        name = r.get("name", "root")
+        specs = shard_specs(r)
+        if r.get("zones") or topo.get("regions") or r.get("standby") or topo.get("links"):
+            raise BadInput(f"root {name!r} has shards: relays (zones, regions), links and standbys in front of "
+                           "root shards are not built yet; workers reach the shards directly "
+                           "(HPS_ADDRESS lists them in shard order, separated by ';')")
+        group = []
+        for i, spec in enumerate(specs):
+            own = dict(spec)
+            if r.get("port") and "port" not in own:
+                own["port"] = int(r["port"]) + i
+            if "metrics_port" not in own and r.get("metrics_port") is not None:
+                own["metrics_port"] = 0 if not r["metrics_port"] else int(r["metrics_port"]) + i
+            if r.get("checkpoint_dir") and not own.get("checkpoint_dir"):
+                own["checkpoint_dir"] = str(Path(r["checkpoint_dir"]) / f"shard-{i}")
+            for key in ("flush_ms", "flush_bytes", "lease_s"):
+                if key in r and key not in own:
+                    own[key] = r[key]
+            shard = f"{name}-{i}"
+            self._spawn(shard, "global", host, own, "", args + ["--shard", f"{i}/{len(specs)}"])
+            group.append(shard)
+        self.shard_groups[name] = group
+        self.weights[name] = tuple(float(s.get("weight", 1.0)) for s in specs)
+
+    def shard_weights(self, name: str) -> tuple[float, ...]:
+        """A sharded root's weights, in shard order (HPS_SHARD_WEIGHTS)."""
+        return self.weights[name]
 
     def _edge(self, spec: dict, parent: TierProcess) -> str:
         """The address a child dials for its parent: the parent's, or an emulated link's."""
@@ -312,7 +375,10 @@ class Cluster:
                 self._wait_line(t, timeout_s)
 
     def address(self, name: str) -> str:
-        """A tier's address, or the address of a declared link (where clients cross it)."""
+        """A tier's address, the address of a declared link (where clients cross it), or a
+        sharded root's: its shards' addresses in shard order, separated by ``;``."""
+        if name in self.shard_groups:
+            return ";".join(self.tiers[s].address for s in self.shard_groups[name])
         return (self.tiers.get(name) or self.links[name]).address
 
     def stop_tier(self, name: str, signum: int = signal.SIGTERM) -> None:

@@ -206,3 +206,64 @@ def test_json_logs_carry_tier_job_version_and_event_fields(tmp_path, launches):
     launch = [json.loads(ln) for ln in lc.text().splitlines() if ln.startswith("{")]
     died = next(p for p in launch if p.get("event") == "launch.tier_died")
     assert died["tier_name"] == "root" and died["process"] == "launch" and "SIGKILL" in died["message"]
+
+
+def test_a_sharded_root_trains_a_job_that_names_no_sharding_and_a_killed_shard_comes_back(
+        tmp_path, launches, monkeypatch):
+    """`shards:` in a topology: one root process per shard, each on its own checkpoint
+    directory; the address and weights `hps launch` prints are all a worker needs (the job is
+    placed by HPS_SHARD_WEIGHTS); a shard killed with -9 is restarted and restores its blocks."""
+    import torch
+
+    from ps.core.config import OptimizerConfig
+    from tests.helpers import mlp_batches, mlp_loss, small_mlp
+    from worker import HpsOptimizer
+
+    topo = {**TOPO, "root": {"name": "root", "shards": [{"weight": 2}, {"weight": 1}]}}
+    lc = Launch(tmp_path, topo=topo)
+    launches(lc)
+    st = lc.wait(_up, "both shards up")
+    assert set(st["tiers"]) == {"root-0", "root-1"}
+    address = f"{st['tiers']['root-0']['address']};{st['tiers']['root-1']['address']}"
+    for _ in range(100):  # printed once every tier serves
+        if "HPS_ADDRESS=" in lc.text():
+            break
+        time.sleep(0.1)
+    assert f"HPS_ADDRESS='{address}' HPS_SHARD_WEIGHTS=2,1" in lc.text(), lc.text()
+    monkeypatch.setenv("HPS_SHARD_WEIGHTS", "2,1")
+    env = read_client_env(lc.dir)
+    tls = TlsFiles(env["HPS_TLS_CERT"], env["HPS_TLS_KEY"], env["HPS_TLS_CA"])
+    token = Path(env["HPS_ADMIN_TOKEN_FILE"]).read_text().strip()
+    model, ref = small_mlp(), small_mlp()
+    ref.load_state_dict(model.state_dict())
+    x, y = mlp_batches(8, 8)
+    sgd = OptimizerConfig(kind="sgd", lr=0.1)
+    with HpsOptimizer(model, address, JobConfig(name="lj", optimizer=sgd), worker_id="w0", tls=tls,
+                      token=token, timeout_s=10) as opt:
+        assert opt.client.config.sharding.weights == (2.0, 1.0)
+        for s in range(8):
+            if s == 4:  # shard 1 dies between steps; launch restarts it from its own directory
+                pid = st["tiers"]["root-1"]["pid"]
+                os.kill(pid, signal.SIGKILL)
+                lc.wait(lambda s: _up(s, {"root-1": 1}), "shard 1 restarted")
+            opt.zero_grad()
+            mlp_loss(model, x[s], y[s]).backward()
+            assert opt.step().applied
+        assert opt.version == 8
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(8):  # nothing acknowledged was lost: the same as 8 local steps
+        ref_opt.zero_grad()
+        mlp_loss(ref, x[s], y[s]).backward()
+        ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert list((lc.dir / "checkpoints" / "shard-1" / "lj").glob("ckpt-*.npz"))
+    assert lc.stop() == 0
+
+
+def test_a_sharded_root_with_relays_below_it_is_refused(tmp_path, launches):
+    topo = {**TOPO, "root": {"name": "root", "shards": 2, "zones": [{"name": "z"}]}}
+    lc = Launch(tmp_path, topo=topo)
+    launches(lc)
+    assert lc.proc.wait(timeout=60) == 2
+    assert "relays (zones, regions), links and standbys in front of root shards are not built yet" in lc.text()
