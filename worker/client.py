@@ -164,6 +164,7 @@ class ParameterClient:
         # (or the admin's) is presented on every call; never logged.
         self._rpc = Caller(address, tls if tls is not None else TlsFiles.from_env(),
                            token or os.environ.get("HPS_TOKEN") or None)
+        self.minted = ""  # the job's token, when this client created its job under the admin token
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._heartbeat_s = 0.5
@@ -311,13 +312,15 @@ class ParameterClient:
         self._rpc.close()
 
     # -- jobs and membership ---------------------------------------------------------------
-    def create_job(self, config: JobConfig | str, layout: Layout, values: np.ndarray) -> bool:
+    def create_job(self, config: JobConfig | str, layout: Layout, values: np.ndarray, job_token: str = "") -> bool:
         """Create the job with these initial values (``config``: its configuration, or the name of
-        one declared with ``hps job create``); False if it already existed."""
-        frames = encode_create_job(config, layout, split(layout, values, get_codec("fp32")))
+        one declared with ``hps job create``); False if it already existed. ``job_token``: at a
+        root shard, the token shard 0 minted for this sharded job (``worker.sharded``)."""
+        frames = encode_create_job(config, layout, split(layout, values, get_codec("fp32")), job_token)
         reply = self._retrying("create job", lambda: self._call("CreateJob", iter(frames)))
-        if reply.job_token:  # this admin-token holder made the job: act in it with its own token
-            self._rpc.token = reply.job_token
+        self.minted = reply.job_token
+        if reply.job_token or job_token:  # this admin-token holder made the job: act in it with its token
+            self._rpc.token = reply.job_token or job_token
         return reply.created
 
     def register(self) -> None:

@@ -205,8 +205,13 @@ class ShardedClient:
         config = with_keys(default_sharding(config, len(self.clients)), layout)
         plan = ShardPlan.of(config)
         parts = plan.split(np.asarray(values, np.float32))
-        created = self._each(lambda i, c: c.create_job(config, plan.shard_layout(i), parts[i]))
-        return any(created)
+        # Shard 0 first: under the admin token it mints the job's token, which the others take
+        # on, so one token acts in the job at every shard (a worker's HPS_TOKEN).
+        first = self.clients[0].create_job(config, plan.shard_layout(0), parts[0])
+        token = self.clients[0].minted
+        rest = self._each(lambda i, c: c.create_job(config, plan.shard_layout(i), parts[i], job_token=token)
+                          if i else first)
+        return any(rest)
 
     def register(self) -> None:
         """Join the job at every shard, and check that they hold one sharded job's blocks in

@@ -62,7 +62,7 @@ from ps.net.proto import hps_pb2 as pb
 __all__ = [
     "pb", "encode_push", "decode_push",
     "push_meta_of", "chunks_of", "keys_to_pb", "keys_from_pb", "encode_pull_reply",
-    "decode_pull_reply", "encode_create_job", "decode_create_job", "create_job_of", "job_to_pb",
+    "decode_pull_reply", "encode_create_job", "decode_create_job", "create_job_of", "adopted_token", "job_to_pb",
     "job_from_pb", "jobs_to_pb", "jobs_from_pb", "status_to_pb", "status_from_pb", "layout_to_pb",
     "layout_from_pb", "ROLE", "ROLE_NAME", "MODE", "OUTCOME",
     "OUTCOME_NAME", "METHODS", "SERVICE", "stubs",
@@ -531,14 +531,22 @@ def layout_from_pb(keys: Iterable[pb.KeySpec]) -> Layout:
                    for k in keys])
 
 
-def encode_create_job(cfg: JobConfig | str, layout: Layout | None, chunks: Iterable[Chunk]) -> list[bytes]:
+def encode_create_job(cfg: JobConfig | str, layout: Layout | None, chunks: Iterable[Chunk],
+                      job_token: str = "") -> list[bytes]:
     """A job's creation: config (or just its name, to adopt a declared one), keys, initial values.
 
-    No layout: declare the configuration only (`hps job create`).
+    No layout: declare the configuration only (`hps job create`). ``job_token``: a sharded job's
+    token from its shard 0, for the other shards to take on (``adopted_token``).
     """
     config = job_to_pb(cfg) if isinstance(cfg, JobConfig) else pb.JobConfig(name=cfg)
-    h = pb.FrameHeader(job=pb.JobHeader(config=config, keys=layout_to_pb(layout) if layout else []))
+    h = pb.FrameHeader(job=pb.JobHeader(config=config, keys=layout_to_pb(layout) if layout else [],
+                                        job_token=job_token))
     return with_end([encode_frame(h), *_chunk_frames(chunks)])
+
+
+def adopted_token(h: pb.FrameHeader) -> str:
+    """The job token a CreateJob header hands over (a sharded job's, minted by shard 0), or ""."""
+    return h.job.job_token
 
 
 def create_job_of(h: pb.FrameHeader) -> tuple[JobConfig | str, Layout | None]:

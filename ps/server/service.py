@@ -50,8 +50,8 @@ import traceback
 import grpc
 from google.protobuf.message import DecodeError
 
-from ps.core.config import check_name
-from ps.core.errors import BadInput, HpsError, Internal, short
+from ps.core.config import JobConfig, check_name
+from ps.core.errors import BadInput, Conflict, HpsError, Internal, short
 from ps.core.tensors import Assembler
 from ps.net.frames import BodyReader
 from ps.net.rpc import FORWARDED, abort, bearer_tokens
@@ -61,6 +61,7 @@ from ps.net.wire import (
     ROLE_NAME,
     SERVICE,
     LogReader,
+    adopted_token,
     chunks_of,
     create_job_of,
     dataset_from_pb,
@@ -78,6 +79,7 @@ from ps.net.wire import (
     status_to_pb,
 )
 from ps.server.auth import Guard, relay_identity
+from ps.server.auth import digest as token_hash
 from ps.server.peers import check_relay_child
 from ps.tiers.metrics import NO_RPC_METRICS
 from ps.tiers.tier import Tier
@@ -322,9 +324,21 @@ class _Servicer:
         elif not self.relay:
             self.guard.check_admin(tokens, "create jobs")
 
-    async def _job_token(self, context, name: str) -> str:
+    def _check_adopted(self, name: str, cfg: JobConfig | str, adopted: str) -> None:
+        """A job token handed over in a CreateJob: only a root shard creating a sharded job
+        takes one (its shard 0 minted it), and only the token the job holds already, if any."""
+        if not adopted:
+            return
+        if self.relay or not self.tier.config.shard or not isinstance(cfg, JobConfig) or cfg.sharding is None:
+            raise BadInput("a job token is handed over in a create only to the root shards of a sharded job")
+        if self.guard.enabled and self.guard.has_token(name) and self.guard.hash_of(name) != token_hash(adopted):
+            raise Conflict(f"job {short(name)} holds another token at this shard: its shards would not accept "
+                           "one token (end the job and create it again)")
+
+    async def _job_token(self, context, name: str, adopted: str = "") -> str:
         """The job's token for the admin who created it: minted here at the root (once: a job
-        with a token never gets another), or the one the root minted for a relayed CreateJob."""
+        with a token never gets another), the one the root minted for a relayed CreateJob, or
+        at a root shard the one ``adopted`` from shard 0 (kept, not handed back)."""
         if self.relay:
             return self.tier.parent_link().minted.pop(name, "")  # type: ignore[attr-defined]
         if not self.guard.enabled:
@@ -335,6 +349,11 @@ class _Servicer:
             if self.guard.has_token(name):
                 return ""
             self.guard.check_admin(_tokens(context), "create jobs")  # checked before; stays true
+            if adopted:
+                h = token_hash(adopted)
+                await self.tier.keep_token(name, h)  # type: ignore[attr-defined]  # the standby's too
+                self.guard.set_hash(name, h)
+                return ""
             token, h = self.guard.new_token()
             await self.tier.keep_token(name, h)  # type: ignore[attr-defined]  # the standby's too
             self.guard.set_hash(name, h)
@@ -344,7 +363,7 @@ class _Servicer:
     async def CreateJob(self, request_iterator, context) -> pb.CreateJobReply:
         reserved = 0
         try:
-            reader, values, head = BodyReader("job", "create-job stream"), None, None
+            reader, values, head, adopted = BodyReader("job", "create-job stream"), None, None, ""
             async for data in request_iterator:
                 kind, h, payload = reader.feed(data)
                 if kind == "job":
@@ -352,6 +371,8 @@ class _Servicer:
                     cfg, layout = head
                     name = check_name(cfg if isinstance(cfg, str) else cfg.name)
                     self._check_create(context, name)
+                    adopted = adopted_token(h)
+                    self._check_adopted(name, cfg, adopted)
                     self.tier.check_create(cfg, layout)  # refusals before any value is read
                     if layout is not None:
                         reserved = 4 * layout.numel
@@ -367,7 +388,7 @@ class _Servicer:
             created, version, epoch = await self.tier.create_job(
                 cfg, layout, values.finish(require_all=True) if values is not None else None)
             return pb.CreateJobReply(created=created, version=version, view_epoch=epoch,
-                                     job_token=await self._job_token(context, name))
+                                     job_token=await self._job_token(context, name, adopted))
         finally:
             self.tier.budget.release(reserved)
 

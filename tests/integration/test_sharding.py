@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from ps.core.config import JobConfig, OptimizerConfig, ShardingConfig
-from ps.core.errors import BadInput, Conflict, Unavailable
+from ps.core.errors import BadInput, Conflict, PermissionDenied, Unauthenticated, Unavailable, UnknownJob
 from ps.core.view import KeySpec, Layout
 from tests.helpers import ServeProcess, mlp_batches, mlp_loss, small_mlp, train_mlp
 from worker import HpsOptimizer, ParameterClient
@@ -207,3 +208,87 @@ def test_misaddressed_shards_and_jobs_are_refused_with_a_sentence(roots, tmp_pat
     model = torch.nn.Linear(2, 2)  # a script given one shard's address for a sharded job
     with pytest.raises(ValueError, match="sharded over 2 root shards.*separated by ';'"):
         HpsOptimizer(model, rs[0].address, "j", worker_id="w2", timeout_s=10)
+
+
+def test_one_job_token_acts_at_every_shard(roots, tmp_path):
+    """Shard 0 mints the job's token for the admin who creates the job; the other shards take
+    that token on, so a second worker with the job token alone works at every shard. A wrong
+    token, and a token handed over anywhere but at a root shard, are refused."""
+    admin = "admin-token-for-shard-tests-0123456789"
+    (tmp_path / "admin").write_text(admin + "\n")
+    rs = [roots(f"t-{i}", "--shard", f"{i}/2", "--checkpoint-dir", str(tmp_path / f"t-{i}"),
+                "--admin-token-file", str(tmp_path / "admin")) for i in range(2)]
+    job = _job((1.0, 1.0))
+    creator = ShardedClient([r.address for r in rs], "j", "w0", timeout_s=10, retry_s=30, token=admin)
+    worker = None
+    try:
+        assert creator.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        token = creator.clients[0].minted
+        assert token and all(c._rpc.token == token for c in creator.clients)
+        creator.register()
+        worker = ShardedClient([r.address for r in rs], "j", "w1", timeout_s=10, retry_s=30, token=token)
+        worker.register()
+        creator.pull()
+        worker.pull()
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("v", creator.push(_grad(0), clock=0)))
+        t.start()
+        v, _ = worker.push(_grad(1), clock=0)
+        t.join(30)
+        assert v == done["v"][0] == 1
+        worker.pull(min_version=1)
+        assert worker.view.version == 1
+        with pytest.raises((Unauthenticated, PermissionDenied)):
+            ShardedClient([r.address for r in rs], "j", "w2", timeout_s=5, retry_s=1,
+                          token="not-the-token").register()
+    finally:
+        creator.close()
+        if worker is not None:
+            worker.close()
+    # A token handed over at a plain root, or for an unsharded job, is refused and creates nothing.
+    plain = roots("plain", "--admin-token-file", str(tmp_path / "admin"))
+    c = ParameterClient(plain.address, "k", "w0", timeout_s=5, retry_s=1, token=admin)
+    try:
+        with pytest.raises(BadInput, match="handed over in a create only to the root shards"):
+            c.create_job(JobConfig(name="k"), LAYOUT, np.zeros(LAYOUT.numel, np.float32), job_token="x" * 40)
+        with pytest.raises(UnknownJob):
+            c.register()  # nothing was created
+    finally:
+        c.close()
+
+
+def test_ssp_and_async_keep_their_bounds_at_every_shard(roots, tmp_path):
+    """ssp over 2 shards: a worker 5x slower holds the fast ones back at every shard, by no
+    more than the bound (each shard measures the staleness of what it applies, in clocks), and
+    they do run ahead of it; async over 2 shards: the slow worker blocks no one."""
+    from tests.integration.test_modes import _model, _problem, _run
+
+    s = 2
+    rs = _shards(roots, tmp_path, 2, tag="ssp")
+    sharding = ShardingConfig(weights=(1.0, 1.0), block_elems=2)
+    job = JobConfig(name="ssp", mode="ssp", staleness=s, optimizer=OptimizerConfig(lr=0.05), sharding=sharding)
+    models = [_model(0) for _ in range(3)]
+    opts = [(HpsOptimizer(m, _address(rs), job, worker_id=f"ssp-w{i}"), m) for i, m in enumerate(models)]
+    ts, errors = _run(opts, 18, [0.004, 0.004, 0.02], _problem(1))
+    [t.join(120) for t in ts]
+    assert not errors, errors
+    for o, _ in opts:
+        o.close()
+    for r in rs:  # within the bound at each shard, and past 0 (bsp would be 0: not bsp in disguise)
+        st = r.status().jobs[0].stats
+        assert st.clock_staleness_count > 0 and st.over_bound == 0, st
+        assert 1 <= st.clock_staleness_max <= s, f"shard {st.shard}: fast workers ran {st.clock_staleness_max} ahead"
+
+    job = JobConfig(name="as", mode="async", optimizer=OptimizerConfig(lr=0.05), sharding=sharding)
+    models = [_model(1) for _ in range(3)]
+    opts = [(HpsOptimizer(m, _address(rs), job, worker_id=f"as-w{i}"), m) for i, m in enumerate(models)]
+    done = {0: 0, 1: 0, 2: 0}
+    ts, errors = _run(opts, 16, [0.0, 0.0, 0.25], _problem(2), done=done)
+    ts[0].join(60)
+    ts[1].join(60)
+    slow_when_fast_finished = done[2]
+    [t.join(60) for t in ts]
+    assert not errors, errors
+    assert done[0] == done[1] == 16 and slow_when_fast_finished < 16, "the fast workers waited for the slow one"
+    for o, _ in opts:
+        o.close()
