@@ -392,11 +392,17 @@ def _promote(args) -> int:
 
 def _checkpoint(args) -> int:
     from ps.core.errors import HpsError
-    from ps.tools.export import export
+    from ps.tools.export import export, export_shards
 
     try:
-        made = export(args.path, args.out, optimizer_out=args.optimizer_out or None, job=args.job or "",
-                      replay=not args.no_wal)
+        if len(args.path) > 1:  # the shards of a sharded job, in shard order
+            if args.no_wal:
+                raise ValueError("--no-wal exports one root's checkpoint; a sharded job's shards are "
+                                 "restored with their write-ahead logs (at one version)")
+            made = export_shards(args.path, args.out, optimizer_out=args.optimizer_out or None, job=args.job or "")
+        else:
+            made = export(args.path[0], args.out, optimizer_out=args.optimizer_out or None, job=args.job or "",
+                          replay=not args.no_wal)
     except (HpsError, ValueError, OSError) as exc:
         print(f"hps checkpoint export: {exc}", file=sys.stderr)
         return 2
@@ -615,8 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "read), so versions acknowledged after the checkpoint are included; --no-wal exports "
                        "the checkpoint alone (versions after it are missing).")
     s.add_argument("action", choices=["export"])
-    s.add_argument("path", help="a job's checkpoint directory (CHECKPOINT_DIR/JOB), or the root's "
-                   "--checkpoint-dir with --job (or holding one job)")
+    s.add_argument("path", nargs="+", help="a job's checkpoint directory (CHECKPOINT_DIR/JOB), or the root's "
+                   "--checkpoint-dir with --job (or holding one job); a sharded job: every shard's, in shard "
+                   "order (each restored with its write-ahead log; all at one version: stopped shards)")
     s.add_argument("--job", default="", help="the job, when PATH is the root's checkpoint directory")
     s.add_argument("--out", required=True, help="the model state_dict file to write")
     s.add_argument("--optimizer-out", default="", help="the optimizer state_dict file to write")

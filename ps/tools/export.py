@@ -52,7 +52,7 @@ from ps.core.optim import ServerOptimizer
 from ps.core.view import KeySpec, Layout
 from ps.tiers import checkpoint
 
-__all__ = ["export", "Exported", "find_job_dir"]
+__all__ = ["export", "export_shards", "Exported", "find_job_dir"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,21 @@ def restored(job_dir: Path) -> Iterator:
 def _replayed(job_dir: Path) -> tuple[np.ndarray, Layout, ServerOptimizer, int]:
     with restored(job_dir) as (_, js):
         return js.view.values.copy(), js.layout, js.optimizer, js.view.version
+
+
+def export_shards(paths: list[str | Path], out: str | Path, optimizer_out: str | Path | None = None,
+                  job: str = "") -> Exported:
+    """``export`` of a job sharded over root shards: ``paths`` are the shards' checkpoint
+    directories in shard order. Each is restored (checkpoint plus write-ahead log, in a
+    temporary copy), the blocks joined into whole tensors (``ps.tools.reshard`` onto one shard
+    that cuts nothing), then exported as an unsharded job would be."""
+    from ps.tools.reshard import reshard_dirs
+
+    name = find_job_dir(paths[0], job).name
+    with tempfile.TemporaryDirectory(prefix="hps-export-") as tmp:
+        reshard_dirs(list(paths), [tmp], name, weights=(1.0,), block_elems=1 << 30)
+        made = export(Path(tmp) / name, out, optimizer_out, replay=False)
+    return Exported(name, made.version, made.keys, made.optimizer, replayed=True)
 
 
 def export(path: str | Path, out: str | Path, optimizer_out: str | Path | None = None, job: str = "",

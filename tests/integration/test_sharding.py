@@ -165,6 +165,26 @@ def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(r
     assert out.returncode == 0, out.stderr
     moved, blocks = (int(w) for w in out.stdout.split("blocks moved")[0].split()[-3::2])
     assert "3 -> 4 shards" in out.stdout and blocks >= 70 and moved <= 1.5 * blocks / 4, out.stdout
+    # The stopped shards export as one model and one torch optimizer state: version 6 whole, and
+    # torch's Adam from that state takes the step the root took next.
+    out = subprocess.run(
+        [sys.executable, "-m", "ps.tools.cli", "checkpoint", "export", "--job", "j",
+         *[str(tmp_path / f"s3-{i}") for i in range(3)], "--out", str(tmp_path / "m.pt"),
+         "--optimizer-out", str(tmp_path / "o.pt")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "at version 6" in out.stdout, out.stderr
+    model = torch.load(tmp_path / "m.pt")
+    assert list(model) == [s.key for s in LAYOUT]
+    assert np.array_equal(np.concatenate([t.numpy().ravel() for t in model.values()]), ref[6])
+    params = [torch.nn.Parameter(t.clone()) for t in model.values()]
+    adam = torch.optim.Adam(params, lr=ADAM.lr)
+    adam.load_state_dict(torch.load(tmp_path / "o.pt"))
+    g, off = torch.from_numpy(_grad(6)), 0
+    for p in params:
+        p.grad = g[off:off + p.numel()].view_as(p).clone()
+        off += p.numel()
+    adam.step()
+    nxt = torch.cat([p.detach().ravel() for p in params]).numpy()
+    np.testing.assert_allclose(nxt, ref[7], rtol=1e-6, atol=1e-7)
     new = _shards(roots, tmp_path, 4, tag="n")
     c = ShardedClient([r.address for r in new], "j", "w0", timeout_s=10, retry_s=30)
     c.register()
