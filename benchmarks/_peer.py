@@ -53,13 +53,14 @@ def run_gloo(args) -> list[float]:
 def run_hps(args) -> list[float]:
     from ps.core.config import JobConfig, OptimizerConfig
     from ps.core.view import KeySpec, Layout
-    from worker.client import ParameterClient
+    from worker.sharded import connect
 
     layout = Layout([KeySpec(f"layer{i}.weight", (min(args.key_elems, args.params - off),))
                      for i, off in enumerate(range(0, args.params, args.key_elems))])
     job = JobConfig(name=f"bench-{args.codec}", optimizer=OptimizerConfig(kind="sgd", lr=0.01), push_codec=args.codec,
                     delta_codec=args.delta_codec or args.codec, topk=args.topk, delta_log_length=8)
-    c = ParameterClient(args.address, job.name, args.worker_id, timeout_s=120, round_timeout_s=300)
+    # One tier, or root shards separated by ';' (the job then placed over them by equal weights).
+    c = connect(args.address, job.name, args.worker_id, timeout_s=120, round_timeout_s=300)
     grads = [gradient(args.params, args.rank, s) for s in range(4)]
     c.create_job(job, layout, np.zeros(args.params, np.float32))
     c.register()

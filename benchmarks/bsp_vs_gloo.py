@@ -13,6 +13,10 @@ and runs --steps BSP steps (benchmarks/_peer.py):
   the new version back down. Codecs: fp32 (lossless), fp16 (pushes, relays' aggregates and the
   published deltas in fp16), topk (1% with error feedback at every sender, the root's deltas
   top-k too).
+With ``--root-shards 1,2`` (issue 16) each N also runs the codecs with every worker straight at
+the root (no relays: relays in front of root shards are not built), once at one root and once
+at a root of 2 shards (the job's blocks placed over them by equal weights; every push cut by
+shard, every pull joined): what spreading the root over processes does to a step, side by side.
 The step time is each worker's median over the steps after the first two (start-up), the
 slowest worker's reported. Goals, as hps step / gloo step: fp32 <= 1.5x, fp16 <= 1.0x,
 topk 1% <= 0.2x (at least 5x faster than dense gloo). Writes benchmarks/results/bsp_vs_gloo.json
@@ -93,13 +97,15 @@ TOPOLOGY = {"host": "127.0.0.1", "settings": {"heartbeat_s": 0.5, "member_timeou
             "regions": [{"name": r, "zones": [{"name": f"{r}-a"}, {"name": f"{r}-b"}]} for r in ("eu", "us")]}
 
 
-def run_hps(cluster, n: int, params: int, steps: int, codec: str, topk: float) -> tuple[float, dict]:
-    """One job per codec (bench-<codec>) on the same cluster: jobs never see each other."""
+def run_hps(cluster, n: int, params: int, steps: int, codec: str, topk: float,
+            at: str = "") -> tuple[float, dict]:
+    """One job per codec (bench-<codec>) on the same cluster: jobs never see each other. Workers
+    at zones in turn, or all at tier ``at`` (a root, or a sharded root's address)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []
     for r in range(n):
         procs.append(subprocess.Popen(
-            [sys.executable, PEER, "hps", "--rank", str(r), "--address", cluster.address(ZONES[r % 4]),
+            [sys.executable, PEER, "hps", "--rank", str(r), "--address", cluster.address(at or ZONES[r % 4]),
              "--worker-id", f"w{r}", "--params", str(params), "--steps", str(steps), "--codec", codec,
              "--topk", str(topk)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT))
         if r == 0:  # the first creates the job; the rest join it (all before the first push)
@@ -133,6 +139,8 @@ def main() -> int:
     p.add_argument("--workers", default="2,4")
     p.add_argument("--codecs", default="fp32,fp16,topk")
     p.add_argument("--topk", type=float, default=0.01)
+    p.add_argument("--root-shards", default="",
+                   help="also run every worker straight at a root of each of these shard counts, e.g. 1,2")
     p.add_argument("--out")
     args = p.parse_args()
     from ps.tools.launch import Cluster
@@ -143,6 +151,11 @@ def main() -> int:
         for n in map(int, args.workers.split(",")):
             with tempfile.TemporaryDirectory() as tmp, Cluster.start(TOPOLOGY, tmp) as cluster:
                 one_n(cluster, n, args, ns, rows)
+            for shards in [int(k) for k in args.root_shards.split(",") if k]:
+                root = {"name": "root", **({"shards": shards} if shards > 1 else {})}
+                with tempfile.TemporaryDirectory() as tmp, \
+                        Cluster.start({**TOPOLOGY, "root": root, "regions": []}, tmp) as cluster:
+                    direct(cluster, n, shards, args, rows[f"N={n}"])
     finally:
         if ns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -170,10 +183,25 @@ def one_n(cluster, n: int, args, ns: str | None, rows: dict) -> None:
               f"per worker up {nbytes['up'] / 1e6:.2f} MB down {nbytes['down'] / 1e6:.2f} MB", flush=True)
 
 
+def direct(cluster, n: int, shards: int, args, row: dict) -> None:
+    """Every codec with all ``n`` workers straight at a root of ``shards`` shards."""
+    out = row.setdefault("direct", {})[f"{shards} root shard{'s' if shards > 1 else ''}"] = {}
+    for codec in args.codecs.split(","):
+        if _codec_available(codec):
+            continue
+        step, nbytes = run_hps(cluster, n, args.params, args.steps, codec, args.topk, at="root")
+        ratio = step / row["gloo_step_s"]
+        out[codec] = dict(step_s=step, vs_gloo=ratio, bytes_per_step_per_worker=nbytes)
+        print(f"N={n}  hps {codec:5s} straight at {shards} root shard(s): step {step * 1000:8.1f} ms = "
+              f"{ratio:.2f}x gloo", flush=True)
+
+
 def _report(args, ns: str | None, rows: dict) -> None:
     write("bsp_vs_gloo", dict(
         settings=dict(params=args.params, bytes=4 * args.params, steps=args.steps, topk=args.topk,
                       topology="root, 2 regions x 2 zones; N=2: one worker per region",
+                      direct=("rows[N].direct: every worker straight at a root of 1 or more shards "
+                              "(equal weights), no relays" if args.root_shards else "not run"),
                       gloo="all_reduce sum (ring) + local SGD; "
                            + ("own netns, loopback only" if ns else "127.0.0.1, GLOO_SOCKET_IFNAME=lo"),
                       hps="push (applied at root, SGD) + pull of the new version"),

@@ -11,6 +11,10 @@ Rows (each the median of --reps after one warm-up; the model is --params float32
 - ``hps root``: a worker (this process) pushes a dense gradient straight to the root (one
   hop: ``ParameterClient.push`` returns once the root has applied it, SGD) and pulls the new
   version (``pull``: a dense fp32 delta, decoded, applied and checksum-verified);
+- ``hps root, N shards`` (``--shards 1,2,4``; issue 16): the same with the root spread over N
+  root processes (``hps launch``'s ``shards: N``, equal weights): the worker cuts the push by
+  shard and sends the parts at once, one thread per shard, and joins the pulls; each row
+  reports each shard's bytes;
 - ``hps zone``: the same through one zone (worker -> zone -> root, the zone aggregating and
   forwarding the push, caching and serving the delta).
 Each hps row runs with the servers on glibc's default allocator and with the allocator tuned
@@ -187,28 +191,34 @@ def wire_rows(params: int, key_elems: int, reps: int, env: dict, tls_dir: str | 
 
 
 def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: dict,
-             tls_dir: str | None = None) -> dict:
+             tls_dir: str | None = None, shards: int = 1) -> dict:
     from _tls import tls_cluster
 
-    from ps.core.config import JobConfig, OptimizerConfig
+    from ps.core.config import JobConfig, OptimizerConfig, ShardingConfig
     from ps.tools.launch import Cluster
-    from worker.client import ParameterClient
+    from worker.sharded import ShardedClient, connect
 
     layout = _layout(params, key_elems)
     topo = {"host": "127.0.0.1", "settings": {"heartbeat_s": 1.0, "member_timeout_s": 60.0},
-            "root": {"name": "root", **({"zones": [{"name": "z"}]} if through_zone else {})}}
+            "root": {"name": "root", **({"zones": [{"name": "z"}]} if through_zone else {}),
+                     **({"shards": shards} if shards > 1 else {})}}
     values = np.random.default_rng(0).standard_normal(params, dtype=np.float32)
     grad = np.random.default_rng(1).standard_normal(params, dtype=np.float32) * 1e-3
-    job = JobConfig(name="big", optimizer=OptimizerConfig(kind="sgd", lr=0.01), delta_log_length=2)
+    job = JobConfig(name="big", optimizer=OptimizerConfig(kind="sgd", lr=0.01), delta_log_length=2,
+                    sharding=ShardingConfig(weights=(1.0,) * shards) if shards > 1 else None)
+    if tls_dir and shards > 1:
+        raise ValueError("the TLS rows run at one root (certificates for root shards: not in this benchmark)")
     push, pull = [], []
     tls = _files(tls_dir, "w0")
     kind = tls_cluster({n: _files(tls_dir, n) for n in ("root", "z")}) if tls else Cluster
     with tempfile.TemporaryDirectory() as tmp, kind.start(topo, tmp, env=env, tune_malloc=bool(env)) as cluster:
-        c = ParameterClient(cluster.address("z" if through_zone else "root"), "big", "w0",
-                            timeout_s=300, round_timeout_s=300, tls=tls)
+        c = connect(cluster.address("z" if through_zone else "root"), "big", "w0",
+                    timeout_s=300, round_timeout_s=300, tls=tls)
         try:
             c.create_job(job, layout, values)
             c.register()
+            per_shard = ([4 * c.plan.shard_layout(i).numel for i in range(shards)]
+                         if isinstance(c, ShardedClient) and c.plan is not None else [4 * params])
             t0 = time.perf_counter()
             c.pull(min_version=c.start_version)
             snapshot = time.perf_counter() - t0
@@ -222,13 +232,14 @@ def hps_rows(params: int, key_elems: int, reps: int, through_zone: bool, env: di
         finally:
             c.close()
     return dict(push_s=push[1:], pull_s=pull[1:], warm_up=dict(push_s=push[0], pull_s=pull[0]),
-                snapshot_pull_s=snapshot)
+                snapshot_pull_s=snapshot, shards=shards, bytes_per_shard=per_shard)
 
 
-def _run_row(args, where: str, alloc: str, tls_dir: str | None) -> dict:
+def _run_row(args, where: str, alloc: str, tls_dir: str | None, shards: int = 1) -> dict:
     env = TUNED if alloc == "tuned" else {}
     out = subprocess.run([sys.executable, __file__, "--row", where, "--alloc", alloc, "--params",
                           str(args.params), "--key-elems", str(args.key_elems), "--reps", str(args.reps),
+                          "--row-shards", str(shards),
                           *(["--tls-dir", tls_dir] if tls_dir else [])],
                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -246,19 +257,22 @@ def measure(args, nbytes: int, certs: str | None) -> tuple[list[float], dict[str
     # measured just before it (each row's own reference), and all of them are kept.
     tcp_all: list[float] = []
     rows: dict[str, dict] = {}
-    for where in args.rows.split(","):
+    shard_counts = [int(k) for k in args.shards.split(",")]
+    for where, shards in [(w, k) for w in args.rows.split(",") for k in (shard_counts if w == "root" else [1])]:
         for alloc in args.allocators.split(","):
             name = {"wire": "gRPC + hps frames", "root": "hps push/pull at the root",
                     "zone": "hps push/pull through a zone"}[where] + f", {alloc} allocator"
+            if shards > 1:
+                name = name.replace("at the root", f"at {shards} root shards")
             variants = [(name, None)]
-            if certs and alloc in args.tls_allocators.split(","):
+            if certs and alloc in args.tls_allocators.split(",") and shards == 1:
                 variants.append((f"{name}, mutual TLS", certs))
             got: dict[str, dict] = {n: dict(push_s=[], pull_s=[], warm_ups=[], tcp_s=[]) for n, _ in variants}
             for rnd in range(args.rounds):
                 tcp = tcp_stream(nbytes, args.reps)
                 tcp_all += tcp
                 for n, tls_dir in (variants if rnd % 2 == 0 else variants[::-1]):
-                    r = _run_row(args, where, alloc, tls_dir)
+                    r = _run_row(args, where, alloc, tls_dir, shards)
                     if "error" in r:
                         got[n]["error"] = r["error"]
                         continue
@@ -267,6 +281,8 @@ def measure(args, nbytes: int, certs: str | None) -> tuple[list[float], dict[str
                     g["pull_s"] += r["pull_s"]
                     g["tcp_s"] += tcp
                     g["warm_ups"].append(r["warm_up"])
+                    if "bytes_per_shard" in r:
+                        g["bytes_per_shard"] = r["bytes_per_shard"]
                     if "snapshot_pull_s" in r:
                         g.setdefault("snapshot_pull_s_all", []).append(r["snapshot_pull_s"])
                     print(f"  round {rnd + 1}/{args.rounds} {n:60s} push {statistics.median(r['push_s']):6.3f}s  "
@@ -317,6 +333,8 @@ def main() -> int:
     p.add_argument("--tls-allocators", default="tuned", help="allocators whose rows also run with mutual TLS")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every row (and its TLS twin, in alternating order) this many times")
+    p.add_argument("--shards", default="1", help="root rows with the root as this many shards each, e.g. 1,2,4")
+    p.add_argument("--row-shards", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--tcp-sender", type=int, help=argparse.SUPPRESS)
     p.add_argument("--wire-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
@@ -337,7 +355,8 @@ def main() -> int:
         if where == "wire":
             r = wire_rows(args.params, args.key_elems, args.reps, env, args.tls_dir)
         else:
-            r = hps_rows(args.params, args.key_elems, args.reps, where == "zone", env, args.tls_dir)
+            r = hps_rows(args.params, args.key_elems, args.reps, where == "zone", env, args.tls_dir,
+                         args.row_shards)
         print("RESULT " + json.dumps(r), flush=True)
         return 0
 
@@ -354,6 +373,7 @@ def main() -> int:
     write("dataplane", dict(
         settings=dict(params=args.params, bytes=nbytes, key_elems=args.key_elems, reps=args.reps,
                       rounds=args.rounds, optimizer="sgd (no state)", codec="fp32", tuned_allocator_env=TUNED,
+                      root_shards=args.shards,
                       tls=args.tls, tls_allocators=args.tls_allocators if args.tls == "both" else "",
                       tls_certificates="ECDSA P-256 from ps.tools.certs.init_certs; tiers and worker each their own"),
         goal=f"push and pull at least {GOAL}x of the TCP stream (TCP time / hps time)",
