@@ -312,3 +312,33 @@ def test_ssp_and_async_keep_their_bounds_at_every_shard(roots, tmp_path):
     assert done[0] == done[1] == 16 and slow_when_fast_finished < 16, "the fast workers waited for the slow one"
     for o, _ in opts:
         o.close()
+
+
+def test_a_shard_with_a_standby_survives_its_primarys_kill_9(roots, tmp_path):
+    """Shard 1 of 2 as a hot-standby pair (both ``--shard 1/2``): its primary killed with -9
+    mid-run, the standby takes over its blocks, the worker (``SHARD0;ipv4:PRIMARY,STANDBY``)
+    goes on, and every acknowledged version equals one unsharded root fed the same pushes."""
+    ref = _reference(roots, 12)
+    lease = ("--lease-s", "1.0")
+    s0 = roots("h0", "--shard", "0/2", "--checkpoint-dir", str(tmp_path / "h0"), *lease)
+    a = roots("h1a", "--shard", "1/2", "--checkpoint-dir", str(tmp_path / "h1a"), *lease)
+    b = roots("h1b", "--shard", "1/2", "--checkpoint-dir", str(tmp_path / "h1b"), *lease, "--standby-of", a.address)
+    deadline = time.monotonic() + 30
+    while "in sync with the primary" not in b.text():
+        assert time.monotonic() < deadline, b.text()
+        time.sleep(0.05)
+    c = ShardedClient([s0.address, f"ipv4:{a.address},{b.address}"], "j", "w0", timeout_s=10, retry_s=30)
+    try:
+        c.create_job(_job((1.0, 1.0), block_elems=64), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        c.register()
+        c.pull()
+        acked: dict[int, np.ndarray] = {}
+        _train(c, 0, 6, acked)
+        a.signal(signal.SIGKILL)
+        _train(c, 6, 6, acked)
+        st = b.status()
+        assert (st.root_state, st.term) == ("primary", 1) and st.jobs[0].version == 12
+        for v in range(1, 13):
+            assert np.array_equal(acked[v], ref[v]), v
+    finally:
+        c.close()
