@@ -426,7 +426,9 @@ def _reshard(args) -> int:
 
     per = ", ".join(human_bytes(b) for b in r.bytes_per_shard)
     print(f"job {r.job} at version {r.version}: {r.shards_before} -> {r.shards_after} shards; {r.moved} of "
-          f"{r.blocks} blocks moved ({r.moved / max(r.blocks, 1):.0%}); bytes per shard: {per}")
+          f"{r.blocks} blocks moved ({r.moved / max(r.blocks, 1):.0%}); bytes per shard: {per}; "
+          + ("the job's token carried" if r.token_carried else "no job token carried (none, or the old shards "
+             "held different ones: its workers get a new one from the new shards)"))
     return 0
 
 

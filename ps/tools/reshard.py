@@ -10,8 +10,10 @@ sources are only read). ``ps.core.sharding.reshard`` re-places the blocks on the
 (parameters, the published view and the optimizer state carried bit for bit) and each target
 gets a checkpoint at the same version; start shard ``i`` of the new N with ``--shard i/N
 --checkpoint-dir TARGET_i``. Only the blocks the ring moves change owner (the report says how
-many). The targets must not hold the job already. The job's token hashes (``job-tokens.json``)
-are not carried: a secured job's workers get new tokens from the new shards.
+many). The targets must not hold the job already. The job's token hash (``job-tokens.json`` in
+each old shard's checkpoint directory; one token acts at every shard) goes to every new shard,
+so the job's workers keep their token; where the old shards hold no hash or different ones
+(a job from before tokens were shared), none is carried and the report says so.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from ps.core.config import ShardingConfig
 from ps.core.errors import BadInput
 from ps.core.sharding import reshard
+from ps.server.auth import TOKENS_FILE, Guard
 from ps.tiers import checkpoint
 from ps.tools.export import find_job_dir, restored
 
@@ -40,6 +43,16 @@ class Resharded:
     shards_before: int
     shards_after: int
     bytes_per_shard: tuple[int, ...]
+    token_carried: bool = False   # the job's token hash went to every new shard
+
+
+def _token_hash(job_dir: Path, job: str) -> str | None:
+    """The job's token hash (hex) in the old shard's ``job-tokens.json``, or None."""
+    try:
+        held = json.loads((job_dir.parent / TOKENS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return held.get(job) if isinstance(held, dict) else None
 
 
 def _restored(job_dir: Path) -> tuple[dict[str, np.ndarray], dict]:
@@ -72,6 +85,11 @@ def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
     roster = dirs[0] / "roster.json"
     if roster.exists():  # ranks and data-shard leases live at shard 0
         checkpoint.write_atomic(out_dirs[0] / "roster.json", json.dumps(json.loads(roster.read_text())))
+    hashes = {_token_hash(d, job) for d in dirs}
+    held = hashes.pop() if len(hashes) == 1 else None
+    if held:
+        for t in targets:
+            Guard(None, store=Path(t) / TOKENS_FILE).set_hash(job, bytes.fromhex(held))
     blocks = sum(len(m["keys"]) for _, m in new)
     return Resharded(job, int(new[0][1]["version"]), blocks, moved, len(old), len(new),
-                     tuple(4 * a["params"].size for a, _ in new))
+                     tuple(4 * a["params"].size for a, _ in new), bool(held))

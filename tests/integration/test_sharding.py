@@ -265,6 +265,22 @@ def test_one_job_token_acts_at_every_shard(roots, tmp_path):
         creator.close()
         if worker is not None:
             worker.close()
+    # Resharded 2 -> 3 between runs, the job keeps its one token at every new shard.
+    from ps.tools.reshard import reshard_dirs
+
+    for r in rs:
+        r.stop()  # SIGTERM: a checkpoint at version 1 each
+    made = reshard_dirs([tmp_path / f"t-{i}" for i in range(2)], [tmp_path / f"u-{i}" for i in range(3)], "j")
+    assert made.token_carried and made.version == 1
+    new = [roots(f"u-{i}", "--shard", f"{i}/3", "--checkpoint-dir", str(tmp_path / f"u-{i}"),
+                 "--admin-token-file", str(tmp_path / "admin")) for i in range(3)]
+    again = ShardedClient([r.address for r in new], "j", "w1", timeout_s=10, retry_s=30, token=token)
+    try:
+        again.register()
+        again.pull(min_version=1)
+        assert again.view.version == 1
+    finally:
+        again.close()
     # A token handed over at a plain root, or for an unsharded job, is refused and creates nothing.
     plain = roots("plain", "--admin-token-file", str(tmp_path / "admin"))
     c = ParameterClient(plain.address, "k", "w0", timeout_s=5, retry_s=1, token=admin)
