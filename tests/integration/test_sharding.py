@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,16 +41,19 @@ def roots(tmp_path):
     made: list[Root] = []
 
     def make(name: str, *args: str) -> Root:
-        made.append(Root(tmp_path, name, *args))
-        return made[-1]
+        r = Root(tmp_path, name, *args)
+        made.append(r)  # from _shards' threads too: list.append is atomic
+        return r
     yield make
-    for r in made:
-        r.stop()
+    with ThreadPoolExecutor(max(len(made), 1)) as pool:  # each stop is a SIGTERM and a final checkpoint
+        list(pool.map(lambda r: r.stop(), made))
 
 
 def _shards(roots, tmp: Path, n: int, tag: str = "s") -> list[Root]:
-    return [roots(f"{tag}{n}-{i}", "--shard", f"{i}/{n}", "--checkpoint-dir", str(tmp / f"{tag}{n}-{i}"))
-            for i in range(n)]
+    """N root shards, started together (each process's start-up is mostly imports)."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: roots(f"{tag}{n}-{i}", "--shard", f"{i}/{n}", "--checkpoint-dir",
+                                             str(tmp / f"{tag}{n}-{i}")), range(n)))
 
 
 def _status(r: Root):
@@ -87,16 +91,21 @@ def _train(c, first: int, count: int, acked: dict[int, np.ndarray]) -> None:
         acked[v] = c.view.values.copy()
 
 
-def _reference(roots, steps: int) -> dict[int, np.ndarray]:
-    """The same pushes at one unsharded root: the view at every version."""
-    one = roots("one")
-    c = ParameterClient(one.address, "j", "w0", timeout_s=10, retry_s=30)
-    c.create_job(_job(None), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
-    c.register()
-    c.pull()
-    out: dict[int, np.ndarray] = {}
-    _train(c, 0, steps, out)
-    c.close()
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, np.ndarray]:
+    """The same pushes (16 steps) at one unsharded root: the view at every version. Computed
+    once for the module: the tests that compare with it push the same gradients."""
+    one = Root(tmp_path_factory.mktemp("reference"), "one")
+    try:
+        c = ParameterClient(one.address, "j", "w0", timeout_s=10, retry_s=30)
+        c.create_job(_job(None), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        c.register()
+        c.pull()
+        out: dict[int, np.ndarray] = {}
+        _train(c, 0, 16, out)
+        c.close()
+    finally:
+        one.stop()
     return out
 
 
@@ -122,8 +131,8 @@ def test_bsp_over_three_shards_of_unequal_weight_equals_one_process(roots, tmp_p
     assert blocks[0].shard_bytes > blocks[1].shard_bytes and blocks[0].shard_bytes > blocks[2].shard_bytes
 
 
-def test_a_kill_9_of_one_shard_loses_no_acknowledged_version(roots, tmp_path):
-    ref = _reference(roots, 16)
+def test_a_kill_9_of_one_shard_loses_no_acknowledged_version(roots, tmp_path, reference):
+    ref = reference
     rs = _shards(roots, tmp_path, 3)
     c = ShardedClient([r.address for r in rs], "j", "w0", timeout_s=10, retry_s=30)
     c.create_job(_job((1.0, 1.0, 1.0)), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
@@ -145,8 +154,8 @@ def test_a_kill_9_of_one_shard_loses_no_acknowledged_version(roots, tmp_path):
     c.close()
 
 
-def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(roots, tmp_path):
-    ref = _reference(roots, 12)
+def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(roots, tmp_path, reference):
+    ref = reference
     rs = _shards(roots, tmp_path, 3)
     c = ShardedClient([r.address for r in rs], "j", "w0", timeout_s=10, retry_s=30)
     c.create_job(_job((1.0, 1.0, 1.0), block_elems=8), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
@@ -236,8 +245,9 @@ def test_one_job_token_acts_at_every_shard(roots, tmp_path):
     token, and a token handed over anywhere but at a root shard, are refused."""
     admin = "admin-token-for-shard-tests-0123456789"
     (tmp_path / "admin").write_text(admin + "\n")
-    rs = [roots(f"t-{i}", "--shard", f"{i}/2", "--checkpoint-dir", str(tmp_path / f"t-{i}"),
-                "--admin-token-file", str(tmp_path / "admin")) for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        rs = list(pool.map(lambda i: roots(f"t-{i}", "--shard", f"{i}/2", "--checkpoint-dir", str(tmp_path / f"t-{i}"),
+                                           "--admin-token-file", str(tmp_path / "admin")), range(2)))
     job = _job((1.0, 1.0))
     creator = ShardedClient([r.address for r in rs], "j", "w0", timeout_s=10, retry_s=30, token=admin)
     worker = None
@@ -272,8 +282,9 @@ def test_one_job_token_acts_at_every_shard(roots, tmp_path):
         r.stop()  # SIGTERM: a checkpoint at version 1 each
     made = reshard_dirs([tmp_path / f"t-{i}" for i in range(2)], [tmp_path / f"u-{i}" for i in range(3)], "j")
     assert made.token_carried and made.version == 1
-    new = [roots(f"u-{i}", "--shard", f"{i}/3", "--checkpoint-dir", str(tmp_path / f"u-{i}"),
-                 "--admin-token-file", str(tmp_path / "admin")) for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        new = list(pool.map(lambda i: roots(f"u-{i}", "--shard", f"{i}/3", "--checkpoint-dir", str(tmp_path / f"u-{i}"),
+                                            "--admin-token-file", str(tmp_path / "admin")), range(3)))
     again = ShardedClient([r.address for r in new], "j", "w1", timeout_s=10, retry_s=30, token=token)
     try:
         again.register()
@@ -330,11 +341,11 @@ def test_ssp_and_async_keep_their_bounds_at_every_shard(roots, tmp_path):
         o.close()
 
 
-def test_a_shard_with_a_standby_survives_its_primarys_kill_9(roots, tmp_path):
+def test_a_shard_with_a_standby_survives_its_primarys_kill_9(roots, tmp_path, reference):
     """Shard 1 of 2 as a hot-standby pair (both ``--shard 1/2``): its primary killed with -9
     mid-run, the standby takes over its blocks, the worker (``SHARD0;ipv4:PRIMARY,STANDBY``)
     goes on, and every acknowledged version equals one unsharded root fed the same pushes."""
-    ref = _reference(roots, 12)
+    ref = reference
     lease = ("--lease-s", "1.0")
     s0 = roots("h0", "--shard", "0/2", "--checkpoint-dir", str(tmp_path / "h0"), *lease)
     a = roots("h1a", "--shard", "1/2", "--checkpoint-dir", str(tmp_path / "h1a"), *lease)
