@@ -33,8 +33,9 @@ tiers ``root-0`` .. ``root-2``, each ``hps serve --shard I/N`` with its own chec
 (the root's ``checkpoint_dir``/shard-I unless it names one). ``cluster.address("root")`` is
 every shard's address in shard order, separated by ``;`` (a worker's HPS_ADDRESS), and
 ``cluster.shard_weights("root")`` the weights (HPS_SHARD_WEIGHTS: what a job created there
-without a sharding of its own is placed by). Relays in front of root shards are not built, nor
-standbys of shards: a sharded root with zones, regions or a standby is refused with a sentence.
+without a sharding of its own is placed by). Relays in front of root shards are not built, and
+launch starts no standby for a shard (``hps serve --shard I/N --standby-of`` does): a sharded
+root with zones, regions, links or a standby is refused with a sentence.
 
 ``latency_ms`` is the round trip the link adds, ``bandwidth_mbit`` each direction's rate
 (also ``jitter_ms``, ``loss_pct``). Each declared link is one ``python -m ps.tools.wanem`` process
@@ -270,7 +271,8 @@ class Cluster:
             if r.get("port") and "port" not in own:
                 own["port"] = int(r["port"]) + i
             if "metrics_port" not in own and r.get("metrics_port") is not None:
-                own["metrics_port"] = 0 if not r["metrics_port"] else int(r["metrics_port"]) + i
+                port = int(r["metrics_port"])  # a fixed port: one up per shard; 0 (any) and -1 (none) as given
+                own["metrics_port"] = port + i if port > 0 else port
             if r.get("checkpoint_dir") and not own.get("checkpoint_dir"):
                 own["checkpoint_dir"] = str(Path(r["checkpoint_dir"]) / f"shard-{i}")
             for key in ("flush_ms", "flush_bytes", "lease_s"):
