@@ -154,7 +154,8 @@ def _launch(args) -> int:
     from pathlib import Path
 
     from ps.core.errors import BadInput
-    from ps.tools.launch import Cluster, load_topology, write_client_env
+    from ps.tools.launch import Cluster, load_topology
+    from ps.tools.localsecrets import write_client_env
     from ps.tools.supervise import RestartPolicy, Supervisor
 
     try:
@@ -232,7 +233,7 @@ def _status(args) -> int:
     from ps.tools.status import print_launch, print_tree
 
     if args.launch_dir:  # a secure local cluster: its client credentials, unless given
-        from ps.tools.launch import read_client_env
+        from ps.tools.localsecrets import read_client_env
 
         for k, v in read_client_env(args.launch_dir).items():
             os.environ.setdefault(k, v)

@@ -60,10 +60,10 @@ import yaml
 
 from ps.core.config import MAX_SHARDS
 from ps.core.errors import BadInput
+from ps.tools.localsecrets import LocalSecrets
 from ps.tools.wanem import Link
 
-__all__ = ["Cluster", "LocalSecrets", "write_client_env", "read_client_env", "TierProcess", "load_topology",
-           "default_topology", "MALLOC_ENV", "shard_specs"]
+__all__ = ["Cluster", "TierProcess", "load_topology", "default_topology", "MALLOC_ENV", "shard_specs"]
 
 # The address stops at a quote too: with --log-format json the line is a JSON message.
 _READY = re.compile(r"hps: serving (\S+) (\S+) on ([^\s\"]+)(?: metrics (\d+))?")
@@ -122,68 +122,6 @@ class TierProcess:
     metrics_port: int | None = None
     parent: str = ""
     ready_offset: int = 0  # where in the log this process's output starts (restarts append)
-
-
-@dataclass(frozen=True)
-class LocalSecrets:
-    """A throw-away CA, a certificate per tier and one for local clients, and an admin token,
-    under a run directory (``secure=True``): what `hps launch` and `hps demo` run with.
-
-    ``client_env()`` is what a client of the cluster needs (``HPS_TLS_*``, the admin token's
-    file); `hps launch` writes it to ``LOGDIR/client.env`` for ``source``, and `hps status
-    --launch-dir` reads it. Keys and the token file are mode 0600; nothing prints them."""
-
-    directory: Path
-    tls: dict                 # tier name (and "client") -> TlsFiles
-    admin_token_file: Path
-
-    @classmethod
-    def create(cls, directory: Path, topo: dict) -> LocalSecrets:
-        import secrets as _secrets
-
-        from ps.tools.certs import init_certs
-
-        directory.mkdir(parents=True, exist_ok=True)
-        tls = init_certs(directory / "certs", topo, workers=["client"])
-        token_file = directory / "admin-token"
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(_secrets.token_urlsafe(32) + "\n")
-        return cls(directory, tls, token_file)
-
-    def tier_args(self, name: str) -> list[str]:
-        f = self.tls[name]
-        return ["--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca,
-                "--admin-token-file", str(self.admin_token_file)]
-
-    def admin_token(self) -> str:
-        return self.admin_token_file.read_text().strip()
-
-    def client_env(self) -> dict[str, str]:
-        f = self.tls["client"]
-        return {"HPS_TLS_CERT": f.cert, "HPS_TLS_KEY": f.key, "HPS_TLS_CA": f.ca,
-                "HPS_ADMIN_TOKEN_FILE": str(self.admin_token_file)}
-
-
-CLIENT_ENV = "client.env"
-
-
-def write_client_env(cluster: Cluster) -> Path:
-    """``LOGDIR/client.env``: the variables a client of a secure local cluster needs (paths, not
-    secrets: the token stays in its 0600 file)."""
-    assert cluster.secrets is not None
-    path = cluster.logdir / CLIENT_ENV
-    path.write_text("".join(f"{k}={v}\n" for k, v in cluster.secrets.client_env().items()))
-    return path
-
-
-def read_client_env(logdir: str | Path) -> dict[str, str]:
-    """What ``write_client_env`` wrote ({} for an insecure cluster or none)."""
-    try:
-        text = (Path(logdir) / CLIENT_ENV).read_text()
-    except OSError:
-        return {}
-    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import yaml
 from ps.core.config import JobConfig
 from ps.core.view import KeySpec, Layout
 from ps.net.tls import TlsFiles
-from ps.tools.launch import read_client_env
+from ps.tools.localsecrets import read_client_env
 from ps.tools.status import read_state
 from worker import ParameterClient
 
