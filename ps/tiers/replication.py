@@ -34,6 +34,7 @@ import logging
 
 from ps.core.errors import Unavailable
 from ps.core.types import LogMessage
+from ps.tiers.walrecord import WalRecord, to_bytes
 
 __all__ = ["Follower", "Replication"]
 
@@ -167,16 +168,25 @@ class Replication:
         except Unavailable as exc:
             raise Unavailable(f"this root's standby does not hold job {job!r} yet ({exc}); retry shortly") from None
 
-    async def replicate(self, job: str, version: int, data: bytes) -> bool:
-        """Send the record of ``version`` and wait for the standby to hold it. False: no follower
-        holds the job and none is required (acknowledged alone); Unavailable: it did not
+    async def replicate(self, job: str, rec: WalRecord) -> bool:
+        """Send the record of ``rec.version`` and wait for the standby to hold it. False: no
+        follower holds the job and none is required (acknowledged alone); Unavailable: it did not
         acknowledge within the lease (it is dropped)."""
+        version = rec.version
         f = self.follower
         if f is None or job not in f.jobs:
             if self.required:
                 raise Unavailable(f"this root's standby does not hold job {job!r}; version {version} was "
                                   "not made. Retry shortly")
             return False
+        # Its bytes only when a standby takes them, and off the event loop (a dense record of a
+        # large model is hundreds of MB: the copy once ran on the loop for every version).
+        data = await asyncio.to_thread(to_bytes, rec)
+        if self.follower is not f:  # it went (or another came) meanwhile
+            if self.follower is None and not self.required:
+                return False
+            raise Unavailable(f"this root's standby changed while version {version} of job {job!r} was "
+                              "being sent; nothing was applied. Retry shortly")
         seq = f.send(LogMessage("record", job=job, version=version, data=data))
         try:
             await f.wait(seq, self.lease_s)

@@ -64,7 +64,6 @@ from ps.tiers.replication import Follower, Replication
 from ps.tiers.standby import Standby, read_role, write_role
 from ps.tiers.tier import APPLIED, NOT_APPLIED, UNKNOWN, Tier
 from ps.tiers.wal import WalCorrupt, WalRecord, WalWriteError, WriteAheadLog
-from ps.tiers.walrecord import to_bytes as record_bytes
 
 __all__ = ["Root"]
 
@@ -564,7 +563,7 @@ class Root(Tier):
                                        "applied. Lower the learning rate")
                 # The standby holds it before this root's own log does: a deposed primary's log
                 # never holds a version the new primary lacks (ps.tiers.replication).
-                replicated = await self.replication.replicate(js.config.name, rec.version, record_bytes(rec))
+                replicated = await self.replication.replicate(js.config.name, rec)
                 if js.wal is not None:  # durable before published and acknowledged
                     await asyncio.to_thread(js.wal.append, rec)
             except Exception as exc:

@@ -252,7 +252,11 @@ class WriteAheadLog:
                     yield self._load(f, path, e)
 
     def _load(self, f, path: Path, e: Entry) -> WalRecord:
-        rec = load(f, e)
+        try:
+            rec = load(f, e)
+        except ValueError as exc:
+            raise self._corrupt(f"the record of version {e.version} at offset {e.offset} of {path.name}: "
+                                f"{exc}") from None
         if rec is None:
             raise self._corrupt(f"the record of version {e.version} at offset {e.offset} of "
                                 f"{path.name} changed after recovery validated it")
@@ -262,8 +266,8 @@ class WriteAheadLog:
     def append(self, rec: WalRecord) -> None:
         """Write ``rec`` and return once it is durable (fsync'ed). On failure nothing of it stays
         in the log and ``WalWriteError`` says why; the same version may be appended again."""
-        head, payload, checksum = encode(rec)  # the payload is the gradient's memory: no copy
-        size = len(head) + payload.nbytes
+        head, parts, checksum = encode(rec)  # a dense payload is the gradient's memory: no copy
+        size = len(head) + sum(p.nbytes for p in parts)
         with self._lock:
             if self._last is not None and rec.version != self._last + 1:
                 raise ValueError(f"version {rec.version} cannot follow version {self._last} in the "
@@ -272,7 +276,8 @@ class WriteAheadLog:
             start = seg.end
             try:
                 _write_all(self._file, head)
-                _write_all(self._file, payload)
+                for part in parts:
+                    _write_all(self._file, part)
                 t0 = time.perf_counter()
                 os.fsync(self._file.fileno())
                 dt = time.perf_counter() - t0

@@ -21,9 +21,18 @@ def _rec(v: int, n: int = 5, salt: float = 0.0) -> WalRecord:
 
 
 def _encode(rec: WalRecord) -> bytes:
-    """The documented record format, written independently of ps.tiers.wal."""
-    payload = b"" if rec.grad is None else np.asarray(rec.grad, "<f4").tobytes()
-    fields = struct.pack("<4sQQQdIQ", b"HPS2", rec.version, rec.contributors, rec.clock_min, rec.scale,
+    """The documented record format, written independently of ps.tiers.wal: dense, or sparse
+    when fewer than half the entries have a bit set."""
+    magic, payload = b"HPS2", b""
+    if rec.grad is not None:
+        flat = np.asarray(rec.grad, "<f4").ravel()
+        payload = flat.tobytes()
+        nonzero = [i for i, b in enumerate(flat.view("<u4").tolist()) if b]
+        if 2 * len(nonzero) < flat.size:
+            magic = b"HPS3"
+            payload = (struct.pack("<Q", flat.size) + struct.pack(f"<{len(nonzero)}I", *nonzero)
+                       + flat[nonzero].tobytes())
+    fields = struct.pack("<4sQQQdIQ", magic, rec.version, rec.contributors, rec.clock_min, rec.scale,
                          len(rec.keys), len(payload))
     return fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(fields + rec.keys + payload)) + rec.keys + payload
 
@@ -75,14 +84,48 @@ def test_records_replay_in_order_after_a_version(tmp_path):
     assert _same(got[-1], big)  # u64 counts, the lr scale and the keys survive
 
 
+def _sparse(n: int = 1000, every: int = 97) -> np.ndarray:
+    """A top-k-like aggregate: ~1% set, with a -0.0 and a subnormal among them (bits, not values)."""
+    g = np.zeros(n, np.float32)
+    g[::every] = np.linspace(-1, 1, len(g[::every]), dtype=np.float32)
+    g[0], g[every] = np.float32(-0.0), np.float32(1e-42)
+    return g
+
+
 def test_the_record_format_is_the_documented_one(tmp_path):
     wal = WriteAheadLog(tmp_path)
-    recs = [_rec(1), WalRecord(2, 0, 1, None), WalRecord(3, 7, 2, np.ones((2, 3), np.float64), 0.5, b"xyz")]
+    half = np.zeros(6, np.float32)
+    half[:3] = 1  # half the entries set: dense is no bigger
+    recs = [_rec(1), WalRecord(2, 0, 1, None), WalRecord(3, 7, 2, np.ones((2, 3), np.float64), 0.5, b"xyz"),
+            WalRecord(4, 3, 3, _sparse(), keys=b"k"), WalRecord(5, 3, 4, half), WalRecord(6, 1, 5, np.zeros(9))]
     for r in recs:
         wal.append(r)
     wal.close()
-    assert _seg(tmp_path, 1).read_bytes() == b"".join(_encode(r) for r in recs)
-    assert wal.stats.appends == 3 and wal.stats.bytes_written == _seg(tmp_path, 1).stat().st_size
+    data = _seg(tmp_path, 1).read_bytes()
+    assert data == b"".join(_encode(r) for r in recs)
+    assert data.count(b"HPS3") == 2  # records 4 and 6 (all zero: no pairs at all)
+    assert wal.stats.appends == 6 and wal.stats.bytes_written == len(data)
+
+
+def test_a_sparse_record_is_sized_like_the_update_and_replays_bit_for_bit(tmp_path):
+    g = _sparse(100_000, every=100)  # 1,000 entries set
+    wal = WriteAheadLog(tmp_path)
+    wal.append(WalRecord(1, 4, 0, g, keys=b"w"))
+    wal.close()
+    assert _seg(tmp_path, 1).stat().st_size == 56 + 1 + 8 + 1000 * 8  # not 400,000 bytes dense
+    (back,) = _replay(tmp_path)
+    assert back.grad.dtype == np.float32 and back.grad.tobytes() == g.tobytes()  # -0.0 and all
+
+
+def test_a_sparse_record_whose_indices_make_no_gradient_is_refused_by_name(tmp_path):
+    # A writer's bug, not damage (the checksum holds): replay says so and applies nothing.
+    payload = struct.pack("<Q2I", 10, 3, 1) + np.ones(2, "<f4").tobytes()  # 2 pairs: index 3, then 1
+    fields = struct.pack("<4sQQQdIQ", b"HPS3", 1, 1, 0, 1.0, 0, len(payload))
+    _seg(tmp_path, 1).write_bytes(fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(fields + payload)) + payload)
+    wal = WriteAheadLog(tmp_path)
+    with pytest.raises(WalCorrupt, match="version 1 .*indices out of order"):
+        list(wal.records(after=0))
+    wal.close()
 
 
 def test_the_checksum_hashes_the_gradient_in_place(tmp_path, monkeypatch):
