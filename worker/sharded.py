@@ -20,9 +20,13 @@ the lowest shard's. Ranks, data-shard leases and the data progress a push carrie
 shard 0. Each shard keeps its own exactly-once book: a push that times out at one shard is
 retried there alone, and a restarted shard answers it from its write-ahead log.
 
+The addresses may be relays, one per shard (a zone of a sharded root is N relay processes,
+relay I below shard I; ``hps launch`` starts them): each carries its shard's blocks only, and
+this client cuts and joins as it does at the shards.
+
 Not built yet: a round aborted at one shard and applied at the others (a member dropped by one
-shard only) is reported as Stale but leaves the shards one version apart; relays in front of
-root shards (workers reach the shards directly).
+shard only) is reported as Stale but leaves the shards one version apart; one relay process that
+splits and joins by shard itself.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -293,14 +298,14 @@ class ShardedClient:
             try:
                 return c.push(parts[i], clock, clock_max=clock_max, base_version=version, view_epoch=epoch,
                               contributors=contributors, report=report, pipelined=pipelined, step=sub)
-            except Stale:
+            except Stale as exc:
                 # A shard that restarted (a new epoch) refuses a gradient computed on its old
                 # lineage, while the others may have applied it. It restored every acknowledged
                 # version: if its snapshot at the gradient's base is bit for bit the view the
                 # gradient was computed on, the gradient is as valid there, and goes again.
                 if contributors == 0 or (version is not None and version != held[1]):
                     raise
-                c.pull(min_version=held[1])
+                self._pull_epoch(c, held[1], exc.epoch)
                 if c.view.epoch == held[0] or (c.view.version, c.view.checksum) != held[1:]:
                     raise
                 log.warning("%s: root shard %d restarted at version %d with the same parameters; the push "
@@ -314,6 +319,17 @@ class ShardedClient:
             log.error("%s: the shards applied one push at versions %s (a round aborted at some shards "
                       "only); their bsp rounds are apart from now on", self.worker_id, versions)
         return min(versions), sum(n for _, n in results)
+
+    def _pull_epoch(self, c: ParameterClient, version: int, epoch: int | None) -> None:
+        """Pull ``c`` to ``version``; when a tier above its relay refused on root ``epoch``,
+        until it holds that epoch (the relay moves there once it hears of the restart: within
+        its parent's heartbeat; measured: a zone below a region answered on the old epoch right
+        after the region had refused on the new one), for at most ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        c.pull(min_version=version)
+        while epoch is not None and c.view.epoch != epoch and time.monotonic() < deadline:
+            time.sleep(0.05)
+            c.pull(min_version=version)
 
     def close(self) -> None:
         """Leave the job at every shard."""

@@ -77,16 +77,22 @@ class Stale(HpsError):
     """The push was not applied and will not be (its round closed, or the root restarted).
 
     ``wait_version``: the version to pull before computing again (the open round's), so a
-    worker that hears this waits for it instead of recomputing on the view it holds."""
+    worker that hears this waits for it instead of recomputing on the view it holds.
+    ``epoch``: the root epoch the refusing tier holds, when the refusal is that the push was
+    computed on another (the root restarted): a tier below it may not have moved there yet."""
 
     code = "ABORTED"
 
-    def __init__(self, message: str, wait_version: int | None = None) -> None:
+    def __init__(self, message: str, wait_version: int | None = None, epoch: int | None = None) -> None:
         super().__init__(message)
         self.wait_version = wait_version
+        self.epoch = epoch
 
     def extra(self) -> dict[str, str]:
-        return {} if self.wait_version is None else {"wait-version": str(self.wait_version)}
+        out = {} if self.wait_version is None else {"wait-version": str(self.wait_version)}
+        if self.epoch is not None:
+            out["epoch"] = str(self.epoch)
+        return out
 
 
 class Unavailable(HpsError):

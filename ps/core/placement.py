@@ -26,8 +26,8 @@ tier and worker computes the same owners, in any order, with no coordination, an
 (block_elems, shards) in its configuration to recompute them.
 
 ``ps.core.sharding`` builds a job's plan on it (each shard's layout, vectors cut and joined),
-which root shards (``--shard I/N``), workers (``worker.sharded``) and ``hps reshard`` use. Not
-built yet: relays that split pushes and merge pulls by shard (issue 16).
+which root shards (``--shard I/N``), workers (``worker.sharded``) and ``hps reshard`` use;
+relays carry one shard each (a relay tree per shard), so none computes placements.
 """
 
 from __future__ import annotations

@@ -106,8 +106,9 @@ def error_from(err: grpc.RpcError) -> HpsError:
         pass
     cls = ERRORS.get(meta.get("hps-error", "")) or _BY_CODE.get(code.name, HpsError)
     if cls is Stale:
-        wait = meta.get("hps-wait-version")
-        return Stale(details, int(wait) if wait and str(wait).isdigit() else None)
+        wait, epoch = meta.get("hps-wait-version"), meta.get("hps-epoch")
+        return Stale(details, int(wait) if wait and str(wait).isdigit() else None,
+                     int(epoch) if epoch and str(epoch).isdigit() else None)
     return cls(details)
 
 

@@ -191,10 +191,10 @@ class Upstream:
     async def end_job(self, job: str) -> int:
         return (await self._call("EndJob", pb.EndJobRequest(job=job))).version
 
-    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, values: np.ndarray | None
-                         ) -> tuple[bool, int, int]:
+    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, values: np.ndarray | None,
+                         job_token: str = "") -> tuple[bool, int, int]:
         chunks = split(layout, values, get_codec("fp32")) if layout is not None else []
-        r = await self._call("CreateJob", iter(encode_create_job(cfg, layout, chunks)))
+        r = await self._call("CreateJob", iter(encode_create_job(cfg, layout, chunks, job_token)))
         if r.job_token:  # the servicer hands it to the caller that created the job
             self.minted[cfg if isinstance(cfg, str) else cfg.name] = r.job_token
         return r.created, r.version, r.view_epoch

@@ -326,11 +326,14 @@ class _Servicer:
 
     def _check_adopted(self, name: str, cfg: JobConfig | str, adopted: str) -> None:
         """A job token handed over in a CreateJob: only a root shard creating a sharded job
-        takes one (its shard 0 minted it), and only the token the job holds already, if any."""
+        takes one (its shard 0 minted it), and only the token the job holds already, if any. A
+        relay (in a shard's tree) passes it on and its root shard decides."""
         if not adopted:
             return
-        if self.relay or not self.tier.config.shard or not isinstance(cfg, JobConfig) or cfg.sharding is None:
+        if not isinstance(cfg, JobConfig) or cfg.sharding is None or not (self.relay or self.tier.config.shard):
             raise BadInput("a job token is handed over in a create only to the root shards of a sharded job")
+        if self.relay:
+            return
         if self.guard.enabled and self.guard.has_token(name) and self.guard.hash_of(name) != token_hash(adopted):
             raise Conflict(f"job {short(name)} holds another token at this shard: its shards would not accept "
                            "one token (end the job and create it again)")
@@ -385,8 +388,11 @@ class _Servicer:
                         values.add(c)
             reader.finish()
             cfg, layout = head
-            created, version, epoch = await self.tier.create_job(
-                cfg, layout, values.finish(require_all=True) if values is not None else None)
+            vals = values.finish(require_all=True) if values is not None else None
+            if self.relay:  # a sharded job's token from its shard 0, for this relay's root shard
+                created, version, epoch = await self.tier.create_job(cfg, layout, vals, job_token=adopted)
+            else:
+                created, version, epoch = await self.tier.create_job(cfg, layout, vals)
             return pb.CreateJobReply(created=created, version=version, view_epoch=epoch,
                                      job_token=await self._job_token(context, name, adopted))
         finally:

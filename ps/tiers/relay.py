@@ -148,16 +148,6 @@ class Relay(Tier):
             return js
         reg = await self.up.register(job, last_seq=max(self._up_acked.get(job, 0),
                                                        self._up_issued.get(job, 0)))
-        if reg.config.sharding is not None:
-            # Its parent holds only some blocks: serving them as the job would hand workers a
-            # part of the model. Said plainly (issue 16).
-            try:
-                await self.up.leave(job)
-            except HpsError:
-                pass
-            raise BadInput(f"job {job!r} is sharded over {reg.config.sharding.shards} root shards; relays that "
-                           "split pushes and merge pulls by shard are not built yet: point its workers at the "
-                           "root shards directly (HPS_ADDRESS=SHARD0;SHARD1;... in shard order)")
         if js is None or js.layout != reg.layout:
             js = RelayJob(reg.config, reg.layout, created_at=self.clock())
             self.jobs[job] = js
@@ -449,9 +439,11 @@ class Relay(Tier):
             raise BadInput(f"job has {layout.numel} parameters; this {self.role} tier holds jobs of at "
                            f"most {self.config.max_job_params} (--max-job-params)")
 
-    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, values: np.ndarray | None
-                         ) -> tuple[bool, int, int]:
-        return await self.up.create_job(cfg, layout, values)
+    async def create_job(self, cfg: JobConfig | str, layout: Layout | None, values: np.ndarray | None,
+                         job_token: str = "") -> tuple[bool, int, int]:
+        """Passed on to the root (``job_token``: a sharded job's, from its shard 0, for this
+        relay's root shard to take on)."""
+        return await self.up.create_job(cfg, layout, values, job_token)
 
     async def list_jobs(self) -> list[dict]:
         return await self.up.list_jobs()

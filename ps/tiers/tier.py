@@ -347,7 +347,7 @@ class Tier:
         if meta.view_epoch and js.view.ready and meta.view_epoch != js.view.epoch:
             raise Stale(f"gradient computed on a view of root epoch {meta.view_epoch:#x}; this tier "
                         f"holds epoch {js.view.epoch:#x} (the root restarted): pull a snapshot",
-                        wait_version=js.view.version)
+                        wait_version=js.view.version, epoch=js.view.epoch)
         if js.bsp:
             if (not js.round.pushed and js.view.ready
                     and js.round.round < meta.base_version <= js.view.version):

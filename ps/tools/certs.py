@@ -45,15 +45,17 @@ def tiers_of(topology: dict) -> list[tuple[str, str, str]]:
     shards = root.get("shards")  # root shards (ps.tools.launch): NAME-0 .. NAME-(N-1), each a root
     count = shards if isinstance(shards, int) and not isinstance(shards, bool) else \
         len(shards) if isinstance(shards, list) else 0
-    out = [("global", f"{name}-{i}", "") for i in range(count)] or [("global", name, "")]
+    # Below a sharded root every relay is one per shard (NAME-I below its parent's I-th).
+    per = [f"-{i}" for i in range(count)] or [""]
+    out = [("global", f"{name}{s}", "") for s in per]
     if isinstance(root.get("standby"), dict):  # the hot-standby root (issue 15): a root's identity too
         out.append(("global", str(root["standby"].get("name") or "root-standby"), ""))
     for z in root.get("zones") or []:  # zones straight below the root: the root is their region
-        out.append(("zone", str(z["name"] if isinstance(z, dict) else z), name))
+        out += [("zone", str(z["name"] if isinstance(z, dict) else z) + s, name + s) for s in per]
     for r in topology.get("regions") or []:
-        out.append(("regional", str(r["name"]), str(r["name"])))
+        out += [("regional", str(r["name"]) + s, str(r["name"]) + s) for s in per]
         for z in r.get("zones") or []:
-            out.append(("zone", str(z["name"] if isinstance(z, dict) else z), str(r["name"])))
+            out += [("zone", str(z["name"] if isinstance(z, dict) else z) + s, str(r["name"]) + s) for s in per]
     return out
 
 

@@ -193,10 +193,12 @@ def _launch(args) -> int:
             print(f"{t.role:9s} {t.name:8s} {t.address:22s} metrics {t.metrics_port}  log {t.log}")
         for t in cluster.links.values():  # emulated WAN links (latency_ms / bandwidth_mbit edges)
             print(f"{'link':9s} {t.name:8s} {t.address:22s} -> {t.parent}  log {t.log}")
-        for name in cluster.shard_groups:  # a sharded root: what its workers are given
+        for name, group in cluster.shard_groups.items():  # a sharded root and its relays: what workers are given
             weights = ",".join(f"{w:g}" for w in cluster.shard_weights(name))
-            print(f"root {name} is {len(cluster.shard_groups[name])} shards; workers: "
-                  f"HPS_ADDRESS='{cluster.address(name)}' HPS_SHARD_WEIGHTS={weights}")
+            role = cluster.tiers[group[0]].role
+            what = (f"root {name} is {len(group)} shards" if role == "global" else
+                    f"{role} {name} is {len(group)} relays, one per shard")
+            print(f"{what}; its workers: HPS_ADDRESS='{cluster.address(name)}' HPS_SHARD_WEIGHTS={weights}")
         if cluster.secrets is not None:
             env_file = write_client_env(cluster)
             print(f"mutual TLS and tokens (throw-away CA in {cluster.secrets.directory}); clients: "

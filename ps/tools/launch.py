@@ -33,9 +33,14 @@ tiers ``root-0`` .. ``root-2``, each ``hps serve --shard I/N`` with its own chec
 (the root's ``checkpoint_dir``/shard-I unless it names one). ``cluster.address("root")`` is
 every shard's address in shard order, separated by ``;`` (a worker's HPS_ADDRESS), and
 ``cluster.shard_weights("root")`` the weights (HPS_SHARD_WEIGHTS: what a job created there
-without a sharding of its own is placed by). Relays in front of root shards are not built, and
-launch starts no standby for a shard (``hps serve --shard I/N --standby-of`` does): a sharded
-root with zones, regions, links or a standby is refused with a sentence.
+without a sharding of its own is placed by). Relays below a sharded root form one tree per
+shard: zone ``eu-a`` (below the root or below region ``eu``) starts as ``eu-a-0`` .. ``eu-a-2``,
+relay ``eu-a-I`` below shard I (or below ``eu-I``, region ``eu``'s relay for shard I), each
+with its own edge link when the entry declares one; ``cluster.address("eu-a")`` is the zone's
+relays in shard order, its workers' HPS_ADDRESS. A relay carries only its shard's blocks; the
+workers cut pushes and join pulls. Launch starts no standby for a shard (``hps serve --shard I/N
+--standby-of`` does), and a sharded root with a standby, declared links (``links:``) or zones
+with ``alternates`` is refused with a sentence.
 
 ``latency_ms`` is the round trip the link adds, ``bandwidth_mbit`` each direction's rate
 (also ``jitter_ms``, ``loss_pct``). Each declared link is one ``python -m ps.tools.wanem`` process
@@ -131,8 +136,9 @@ class Cluster:
     links: dict[str, TierProcess] = field(default_factory=dict)  # emulated WAN links (role "link")
     env: dict = field(default_factory=dict)
     secrets: LocalSecrets | None = None  # None: plaintext, no tokens (--insecure)
-    shard_groups: dict[str, list[str]] = field(default_factory=dict)  # sharded root -> its shards' tiers
-    weights: dict[str, tuple[float, ...]] = field(default_factory=dict)  # sharded root -> shard weights
+    # a sharded root, and each relay below it, -> its tiers in shard order (one relay per shard)
+    shard_groups: dict[str, list[str]] = field(default_factory=dict)
+    weights: dict[str, tuple[float, ...]] = field(default_factory=dict)  # the same names -> the root's weights
 
     @classmethod
     def start(cls, topo: dict, logdir: str | Path, extra_root_args: list[str] = (),
@@ -154,7 +160,7 @@ class Cluster:
         try:
             r = topo["root"]
             if "shards" in r:
-                c._spawn_shards(r, host, common + list(extra_root_args), topo)
+                c._spawn_shards(r, host, common + list(extra_root_args), common, topo)
                 c.wait_ready(timeout_s)
                 return c
             root = c._spawn(r.get("name", "root"), "global", host, r, "", common + list(extra_root_args))
@@ -195,35 +201,59 @@ class Cluster:
             raise
         return c
 
-    def _spawn_shards(self, r: dict, host: str, args: list[str], topo: dict) -> None:
-        """The root as N shards (the module's docstring); nothing may stand below them yet."""
+    def _spawn_shards(self, r: dict, host: str, args: list[str], common: list[str], topo: dict) -> None:
+        """The root as N shards and one relay tree per shard below them (the module's docstring)."""
         name = r.get("name", "root")
         specs = shard_specs(r)
-        if r.get("zones") or topo.get("regions") or r.get("standby") or topo.get("links"):
-            raise BadInput(f"root {name!r} has shards: relays (zones, regions), links and standbys in front of "
-                           "root shards are not built yet; workers reach the shards directly "
-                           "(HPS_ADDRESS lists them in shard order, separated by ';')")
+        alternates = [z["name"] for reg in topo.get("regions") or [] for z in reg.get("zones") or []
+                      if z.get("alternates")]
+        if r.get("standby") or topo.get("links") or alternates:
+            raise BadInput(f"root {name!r} has shards: standbys, declared links and zones with alternates in "
+                           "front of root shards are not built yet; zones and regions are (one relay per shard)")
         group = []
         for i, spec in enumerate(specs):
-            own = dict(spec)
-            if r.get("port") and "port" not in own:
-                own["port"] = int(r["port"]) + i
-            if "metrics_port" not in own and r.get("metrics_port") is not None:
-                port = int(r["metrics_port"])  # a fixed port: one up per shard; 0 (any) and -1 (none) as given
-                own["metrics_port"] = port + i if port > 0 else port
-            if r.get("checkpoint_dir") and not own.get("checkpoint_dir"):
+            own = {**self._nth(r, i), **spec}
+            if r.get("checkpoint_dir") and not spec.get("checkpoint_dir"):
                 own["checkpoint_dir"] = str(Path(r["checkpoint_dir"]) / f"shard-{i}")
-            for key in ("flush_ms", "flush_bytes", "lease_s"):
-                if key in r and key not in own:
-                    own[key] = r[key]
+            own.pop("weight", None)
             shard = f"{name}-{i}"
             self._spawn(shard, "global", host, own, "", args + ["--shard", f"{i}/{len(specs)}"])
             group.append(shard)
         self.shard_groups[name] = group
         self.weights[name] = tuple(float(s.get("weight", 1.0)) for s in specs)
+        for z in r.get("zones") or []:  # zones straight below the shards
+            self._spawn_per_shard(z, "zone", host, common, name)
+        for reg in topo.get("regions") or []:
+            self._spawn_per_shard(reg, "regional", host, common, name)
+            for z in reg.get("zones") or []:
+                self._spawn_per_shard(z, "zone", host, common, reg["name"])
+
+    @staticmethod
+    def _nth(spec: dict, i: int) -> dict:
+        """Shard ``i``'s copy of a tier entry's per-process settings: a fixed port (and metrics
+        port) one up per shard; 0 (any) and -1 (none) as given."""
+        own = {k: spec[k] for k in ("flush_ms", "flush_bytes", "lease_s", "latency_ms", "bandwidth_mbit",
+                                    "jitter_ms", "loss_pct") if k in spec}
+        if spec.get("port"):
+            own["port"] = int(spec["port"]) + i
+        if spec.get("metrics_port") is not None:
+            port = int(spec["metrics_port"])
+            own["metrics_port"] = port + i if port > 0 else port
+        return own
+
+    def _spawn_per_shard(self, spec: dict, role: str, host: str, args: list[str], parent: str) -> None:
+        """One relay of ``spec`` per shard, relay I below ``parent``'s relay (or shard) I."""
+        names = []
+        for i, above in enumerate(self.shard_groups[parent]):
+            own = {**self._nth(spec, i), "name": f"{spec['name']}-{i}"}
+            self._spawn(own["name"], role, host, own, self._edge(own, self.tiers[above]), args)
+            names.append(own["name"])
+        self.shard_groups[spec["name"]] = names
+        self.weights[spec["name"]] = self.weights[parent]
 
     def shard_weights(self, name: str) -> tuple[float, ...]:
-        """A sharded root's weights, in shard order (HPS_SHARD_WEIGHTS)."""
+        """A sharded root's weights (or those of the root a relay group is below), in shard order
+        (HPS_SHARD_WEIGHTS)."""
         return self.weights[name]
 
     def _edge(self, spec: dict, parent: TierProcess) -> str:
@@ -316,7 +346,8 @@ class Cluster:
 
     def address(self, name: str) -> str:
         """A tier's address, the address of a declared link (where clients cross it), or a
-        sharded root's: its shards' addresses in shard order, separated by ``;``."""
+        sharded root's (or a relay's below one): its shards' (relays') addresses in shard order,
+        separated by ``;``."""
         if name in self.shard_groups:
             return ";".join(self.tiers[s].address for s in self.shard_groups[name])
         return (self.tiers.get(name) or self.links[name]).address

@@ -161,7 +161,8 @@ class Supervisor:
         tiers = {}
         for name, w in self.watch.items():
             t = self._process(name)
-            tiers[name] = {"role": t.role, "address": t.address, "pid": t.proc.pid, "state": w.state,
+            tiers[name] = {"role": t.role, "address": t.address, "parent": t.parent, "pid": t.proc.pid,
+                           "state": w.state,
                            "restarts": w.total, "last_exit": w.last_exit, "last_exit_at": w.last_exit_at,
                            "log": str(t.log)}
         return {"pid": os.getpid(), "started_at": self.started_at, "updated_at": time.time(),

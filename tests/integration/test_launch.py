@@ -211,25 +211,35 @@ def test_json_logs_carry_tier_job_version_and_event_fields(tmp_path, launches):
 def test_a_sharded_root_trains_a_job_that_names_no_sharding_and_a_killed_shard_comes_back(
         tmp_path, launches, monkeypatch):
     """`shards:` in a topology: one root process per shard, each on its own checkpoint
-    directory; the address and weights `hps launch` prints are all a worker needs (the job is
-    placed by HPS_SHARD_WEIGHTS); a shard killed with -9 is restarted and restores its blocks."""
+    directory, and region eu with zone eu-a below it as one relay tree per shard; the zone's
+    address and weights `hps launch` prints are all a worker needs (the job is placed by
+    HPS_SHARD_WEIGHTS); a shard killed with -9 is restarted, restores its blocks, and its
+    relays rejoin it."""
     import torch
 
     from ps.core.config import OptimizerConfig
     from tests.helpers import mlp_batches, mlp_loss, small_mlp
     from worker import HpsOptimizer
 
-    topo = {**TOPO, "root": {"name": "root", "shards": [{"weight": 2}, {"weight": 1}]}}
+    topo = {**TOPO, "root": {"name": "root", "shards": [{"weight": 2}, {"weight": 1}]},
+            "regions": [{"name": "eu", "zones": [{"name": "eu-a"}]}]}
     lc = Launch(tmp_path, topo=topo)
     launches(lc)
-    st = lc.wait(_up, "both shards up")
-    assert set(st["tiers"]) == {"root-0", "root-1"}
-    address = f"{st['tiers']['root-0']['address']};{st['tiers']['root-1']['address']}"
+    st = lc.wait(_up, "both shards and their relays up")
+    assert set(st["tiers"]) == {"root-0", "root-1", "eu-0", "eu-1", "eu-a-0", "eu-a-1"}
+    assert [st["tiers"][f"eu-a-{i}"]["parent"] for i in range(2)] == [st["tiers"][f"eu-{i}"]["address"]
+                                                                     for i in range(2)]
+    assert [st["tiers"][f"eu-{i}"]["parent"] for i in range(2)] == [st["tiers"][f"root-{i}"]["address"]
+                                                                   for i in range(2)]
+    roots = f"{st['tiers']['root-0']['address']};{st['tiers']['root-1']['address']}"
+    address = f"{st['tiers']['eu-a-0']['address']};{st['tiers']['eu-a-1']['address']}"
     for _ in range(100):  # printed once every tier serves
         if "HPS_ADDRESS=" in lc.text():
             break
         time.sleep(0.1)
-    assert f"HPS_ADDRESS='{address}' HPS_SHARD_WEIGHTS=2,1" in lc.text(), lc.text()
+    assert f"root root is 2 shards; its workers: HPS_ADDRESS='{roots}' HPS_SHARD_WEIGHTS=2,1" in lc.text()
+    assert (f"zone eu-a is 2 relays, one per shard; its workers: HPS_ADDRESS='{address}' "
+            "HPS_SHARD_WEIGHTS=2,1") in lc.text(), lc.text()
     monkeypatch.setenv("HPS_SHARD_WEIGHTS", "2,1")
     env = read_client_env(lc.dir)
     tls = TlsFiles(env["HPS_TLS_CERT"], env["HPS_TLS_KEY"], env["HPS_TLS_CA"])
@@ -261,9 +271,9 @@ def test_a_sharded_root_trains_a_job_that_names_no_sharding_and_a_killed_shard_c
     assert lc.stop() == 0
 
 
-def test_a_sharded_root_with_relays_below_it_is_refused(tmp_path, launches):
-    topo = {**TOPO, "root": {"name": "root", "shards": 2, "zones": [{"name": "z"}]}}
+def test_a_sharded_root_with_a_standby_is_refused(tmp_path, launches):
+    topo = {**TOPO, "root": {"name": "root", "shards": 2, "standby": {"name": "b"}}}
     lc = Launch(tmp_path, topo=topo)
     launches(lc)
     assert lc.proc.wait(timeout=60) == 2
-    assert "relays (zones, regions), links and standbys in front of root shards are not built yet" in lc.text()
+    assert "standbys, declared links and zones with alternates in front of root shards are not built" in lc.text()

@@ -6,6 +6,7 @@ parameter and optimizer state bit for bit; misaddressed shards and jobs are refu
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import torch
 from ps.core.config import JobConfig, OptimizerConfig, ShardingConfig
 from ps.core.errors import BadInput, Conflict, PermissionDenied, Unauthenticated, Unavailable, UnknownJob
 from ps.core.view import KeySpec, Layout
+from ps.tools.status import fetch_status
 from tests.helpers import ServeProcess, mlp_batches, mlp_loss, small_mlp, train_mlp
 from worker import HpsOptimizer, ParameterClient
 from worker.sharded import ShardedClient
@@ -227,16 +229,62 @@ def test_misaddressed_shards_and_jobs_are_refused_with_a_sentence(roots, tmp_pat
     c.close()
     with pytest.raises(Conflict, match="list the shard addresses in shard order"):
         ShardedClient([rs[1].address, rs[0].address], "j", "w1", timeout_s=10, retry_s=0).register()
-    zone = ServeProcess(tmp_path / "zone.log", "zone", ["--role", "zone", "--name", "z", "--insecure",
-                                                         "--parent", rs[0].address])
-    try:  # a relay in front of a root shard would hand its workers part of the model: refused
-        with pytest.raises(BadInput, match="relays that split pushes and merge pulls by shard are not built"):
-            ParameterClient(zone.address, "j", "w3", timeout_s=10, retry_s=0).register()
-    finally:
-        zone.stop()
     model = torch.nn.Linear(2, 2)  # a script given one shard's address for a sharded job
     with pytest.raises(ValueError, match="sharded over 2 root shards.*separated by ';'"):
         HpsOptimizer(model, rs[0].address, "j", worker_id="w2", timeout_s=10)
+
+
+def test_a_sharded_job_trains_through_a_relay_tree_per_shard(roots, tmp_path):
+    """Relays carry a sharded job as one tree per shard: zone A's relays A0 -> shard 0 and A1 ->
+    shard 1, zone B's likewise; a worker's address is its zone's relays in shard order. BSP
+    through them equals one process (the workers cut and join by shard; each relay sums its
+    shard's blocks). With tokens: the admin creates the job through the relays (shard 0 mints
+    the job's token, relay A1 hands it on to shard 1) and a worker holding only that token
+    trains through zone B; a worker given one relay is refused with a sentence."""
+    admin = "admin-token-for-relayed-shards-0123456789"
+    (tmp_path / "admin").write_text(admin + "\n")
+    guard = ["--admin-token-file", str(tmp_path / "admin")]
+    with ThreadPoolExecutor(2) as pool:
+        rs = list(pool.map(lambda i: roots(f"r-{i}", "--shard", f"{i}/2", "--checkpoint-dir",
+                                           str(tmp_path / f"r-{i}"), *guard), range(2)))
+    relays: list[ServeProcess] = []
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            relays = list(pool.map(lambda zi: ServeProcess(
+                tmp_path / f"zone-{zi}.log", f"zone-{zi}",
+                ["--role", "zone", "--name", f"zone-{zi}", "--insecure", "--heartbeat-s", "0.2", *guard,
+                 "--parent", rs[int(zi[1])].address]), ["a0", "a1", "b0", "b1"]))
+        zone_a, zone_b = _address(relays[:2]), _address(relays[2:])
+        opt = OptimizerConfig(kind="adam", lr=0.01)
+        job = JobConfig(name="relayed", optimizer=opt, sharding=ShardingConfig(weights=(2.0, 1.0), block_elems=64))
+        model, (x, y) = small_mlp(), mlp_batches(6, 16)
+        values = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        layout = Layout([KeySpec(n, tuple(p.shape)) for n, p in model.named_parameters()])
+        creator = ShardedClient([r.address for r in relays[:2]], "relayed", "creator", timeout_s=10, retry_s=30,
+                                token=admin)
+        assert creator.create_job(job, layout, values)
+        token = creator.clients[0].minted
+        assert token
+        creator.close()
+        os.environ["HPS_TOKEN"] = token  # what a worker's pod is given
+        try:
+            got = train_mlp([zone_a, zone_b], job, steps=6, workers=2, per_worker=8)
+        finally:
+            del os.environ["HPS_TOKEN"]
+        ref = torch.optim.Adam(model.parameters(), lr=opt.lr)
+        for s in range(6):
+            ref.zero_grad()
+            mlp_loss(model, x[s], y[s]).backward()
+            ref.step()
+        for w in got.values():
+            for a, b in zip(w, model.parameters(), strict=True):
+                torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
+        assert [fetch_status(r.address, token=token).jobs[0].version for r in rs] == [6, 6]
+        with pytest.raises(ValueError, match="sharded over 2 root shards.*separated by ';'"):
+            HpsOptimizer(small_mlp(), relays[2].address, "relayed", worker_id="w9", timeout_s=10, token=token)
+    finally:
+        for r in relays:
+            r.stop()
 
 
 def test_one_job_token_acts_at_every_shard(roots, tmp_path):
