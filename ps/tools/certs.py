@@ -48,8 +48,8 @@ def tiers_of(topology: dict) -> list[tuple[str, str, str]]:
     # Below a sharded root every relay is one per shard (NAME-I below its parent's I-th).
     per = [f"-{i}" for i in range(count)] or [""]
     out = [("global", f"{name}{s}", "") for s in per]
-    if isinstance(root.get("standby"), dict):  # the hot-standby root (issue 15): a root's identity too
-        out.append(("global", str(root["standby"].get("name") or "root-standby"), ""))
+    if isinstance(root.get("standby"), dict):  # the hot-standby root (issue 15), one per shard: a root too
+        out += [("global", str(root["standby"].get("name") or "root-standby") + s, "") for s in per]
     for z in root.get("zones") or []:  # zones straight below the root: the root is their region
         out += [("zone", str(z["name"] if isinstance(z, dict) else z) + s, name + s) for s in per]
     for r in topology.get("regions") or []:

@@ -38,9 +38,11 @@ shard: zone ``eu-a`` (below the root or below region ``eu``) starts as ``eu-a-0`
 relay ``eu-a-I`` below shard I (or below ``eu-I``, region ``eu``'s relay for shard I), each
 with its own edge link when the entry declares one; ``cluster.address("eu-a")`` is the zone's
 relays in shard order, its workers' HPS_ADDRESS. A relay carries only its shard's blocks; the
-workers cut pushes and join pulls. Launch starts no standby for a shard (``hps serve --shard I/N
---standby-of`` does), and a sharded root with a standby, declared links (``links:``) or zones
-with ``alternates`` is refused with a sentence.
+workers cut pushes and join pulls. A sharded root's ``standby`` entry gives every shard a hot
+standby, ``NAME-I`` (``--shard I/N --standby-of`` shard I, its checkpoint directory the
+standby's ``checkpoint_dir``/shard-I): the relays below shard I list it second, and the
+root's address lists each pair (``A0,B0;A1,B1``). A sharded root with declared links
+(``links:``) or zones with ``alternates`` is refused with a sentence.
 
 ``latency_ms`` is the round trip the link adds, ``bandwidth_mbit`` each direction's rate
 (also ``jitter_ms``, ``loss_pct``). Each declared link is one ``python -m ps.tools.wanem`` process
@@ -139,6 +141,7 @@ class Cluster:
     # a sharded root, and each relay below it, -> its tiers in shard order (one relay per shard)
     shard_groups: dict[str, list[str]] = field(default_factory=dict)
     weights: dict[str, tuple[float, ...]] = field(default_factory=dict)  # the same names -> the root's weights
+    standbys: dict[str, str] = field(default_factory=dict)  # a root shard -> its standby's tier
 
     @classmethod
     def start(cls, topo: dict, logdir: str | Path, extra_root_args: list[str] = (),
@@ -207,9 +210,10 @@ class Cluster:
         specs = shard_specs(r)
         alternates = [z["name"] for reg in topo.get("regions") or [] for z in reg.get("zones") or []
                       if z.get("alternates")]
-        if r.get("standby") or topo.get("links") or alternates:
-            raise BadInput(f"root {name!r} has shards: standbys, declared links and zones with alternates in "
-                           "front of root shards are not built yet; zones and regions are (one relay per shard)")
+        if topo.get("links") or alternates:
+            raise BadInput(f"root {name!r} has shards: declared links and zones with alternates in front of "
+                           "root shards are not built yet; zones, regions and standbys are (one per shard)")
+        sb = r.get("standby") if isinstance(r.get("standby"), dict) else None
         group = []
         for i, spec in enumerate(specs):
             own = {**self._nth(r, i), **spec}
@@ -217,8 +221,17 @@ class Cluster:
                 own["checkpoint_dir"] = str(Path(r["checkpoint_dir"]) / f"shard-{i}")
             own.pop("weight", None)
             shard = f"{name}-{i}"
-            self._spawn(shard, "global", host, own, "", args + ["--shard", f"{i}/{len(specs)}"])
+            which = ["--shard", f"{i}/{len(specs)}"]
+            primary = self._spawn(shard, "global", host, own, "", args + which)
             group.append(shard)
+            if sb is not None:  # shard I's hot standby, NAME-I: the relays below shard I list it second
+                own_sb = self._nth(sb, i)
+                if sb.get("checkpoint_dir"):
+                    own_sb["checkpoint_dir"] = str(Path(sb["checkpoint_dir"]) / f"shard-{i}")
+                standby = self._spawn(f"{sb.get('name', 'root-standby')}-{i}", "global", host, own_sb, "",
+                                      args + which + ["--standby-of", primary.address])
+                primary.cmd += ["--standby", standby.address]  # for restarts, as for one root
+                self.standbys[shard] = standby.name
         self.shard_groups[name] = group
         self.weights[name] = tuple(float(s.get("weight", 1.0)) for s in specs)
         for z in r.get("zones") or []:  # zones straight below the shards
@@ -246,7 +259,10 @@ class Cluster:
         names = []
         for i, above in enumerate(self.shard_groups[parent]):
             own = {**self._nth(spec, i), "name": f"{spec['name']}-{i}"}
-            self._spawn(own["name"], role, host, own, self._edge(own, self.tiers[above]), args)
+            parents = [self._edge(own, self.tiers[above])]
+            if above in self.standbys:
+                parents.append(self.tiers[self.standbys[above]].address)
+            self._spawn(own["name"], role, host, own, ",".join(parents), args)
             names.append(own["name"])
         self.shard_groups[spec["name"]] = names
         self.weights[spec["name"]] = self.weights[parent]
@@ -348,8 +364,10 @@ class Cluster:
         """A tier's address, the address of a declared link (where clients cross it), or a
         sharded root's (or a relay's below one): its shards' (relays') addresses in shard order,
         separated by ``;``."""
-        if name in self.shard_groups:
-            return ";".join(self.tiers[s].address for s in self.shard_groups[name])
+        if name in self.shard_groups:  # a shard with a standby: the pair, comma-separated
+            return ";".join(",".join([self.tiers[s].address] + ([self.tiers[self.standbys[s]].address]
+                                                                 if s in self.standbys else []))
+                            for s in self.shard_groups[name])
         return (self.tiers.get(name) or self.links[name]).address
 
     def stop_tier(self, name: str, signum: int = signal.SIGTERM) -> None:

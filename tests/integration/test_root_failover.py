@@ -118,3 +118,50 @@ def test_a_relay_restarted_after_a_takeover_leaves_the_old_primary_now_a_standby
         (j,) = fetch_status(b).jobs
         assert j.stats.double_applied == 0 and j.version == steps
         assert "refused writes" in (tmp_path / "logs" / "eu.log").read_text()
+
+
+def test_a_sharded_root_with_a_standby_per_shard_loses_a_primary_and_training_goes_on(tmp_path):
+    """`hps launch`'s sharded root with `standby:`: shard I's standby follows shard I, the zone's
+    relay for shard I lists both. A kill -9 of shard 1's primary mid-run: its standby takes over,
+    the relay moves to it, and the job ends as many local torch SGD steps (no acknowledged
+    version lost or doubled at either shard)."""
+    import torch
+
+    from ps.core.config import JobConfig, OptimizerConfig
+    from tests.helpers import mlp_batches, mlp_loss, small_mlp
+    from worker import HpsOptimizer
+
+    topo = {"host": "127.0.0.1", "settings": FAST,
+            "root": {"name": "root", "shards": [{"weight": 2}, {"weight": 1}], "checkpoint_dir": str(tmp_path / "a"),
+                     "lease_s": LEASE_S, "zones": [{"name": "eu-a"}],
+                     "standby": {"name": "sb", "checkpoint_dir": str(tmp_path / "b"), "lease_s": LEASE_S}}}
+    steps, kill_after = 10, 5
+    with Cluster.start(topo, tmp_path / "logs") as cluster:
+        pairs = cluster.address("root").split(";")
+        assert pairs == [f"{cluster.address(f'root-{i}')},{cluster.address(f'sb-{i}')}" for i in range(2)]
+        relay = cluster.tiers["eu-a-1"]
+        assert relay.cmd[relay.cmd.index("--parent") + 1] == pairs[1]
+        assert fetch_status(cluster.address("sb-1")).root_state == "standby"
+        model, ref = small_mlp(), small_mlp()
+        ref.load_state_dict(model.state_dict())
+        x, y = mlp_batches(steps, 8)
+        job = JobConfig(name="t", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+        with HpsOptimizer(model, cluster.address("eu-a"), job, worker_id="w0", timeout_s=10) as opt:
+            for s in range(steps):
+                if s == kill_after:
+                    cluster.stop_tier("root-1", signal.SIGKILL)
+                opt.zero_grad()
+                mlp_loss(model, x[s], y[s]).backward()
+                assert opt.step().applied, s
+            assert opt.version == steps
+        st = fetch_status(cluster.address("sb-1"))
+        assert (st.root_state, st.term) == ("primary", 1)
+        assert st.jobs[0].version == steps and st.jobs[0].stats.double_applied == 0
+        assert fetch_status(cluster.address("eu-a-1")).parent == cluster.address("sb-1")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(steps):
+        ref_opt.zero_grad()
+        mlp_loss(ref, x[s], y[s]).backward()
+        ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
