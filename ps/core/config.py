@@ -221,7 +221,10 @@ class OuterConfig:
     optimizer: OptimizerConfig = field(default_factory=_outer_optimizer)
     inner_tier: str = "regional"   # the role that runs the inner loop
     overlap: bool = False          # keep training while a fragment's sync is in flight
-    asynchronous: bool = False     # regions do not wait for each other (staleness-aware)
+    # Regions do not wait for each other: the root applies each region's pseudo-gradient as it
+    # arrives, at its share of the workers (lr x its workers / all), and a region syncs its
+    # fragments in its own turn. The job's ``damping`` scales each by 1 / (1 + its staleness).
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
@@ -240,9 +243,6 @@ class OuterConfig:
         _require(self.inner_tier in ("regional", "zone"),
                  f"outer inner_tier must be 'regional' or 'zone' (the root's would be flat bsp), "
                  f"got {self.inner_tier!r}")
-        # Said plainly rather than accepted and ignored (issue 17).
-        _require(not self.asynchronous, "asynchronous outer steps (a fast region not waiting for a slow one) "
-                 "are not built yet; leave asynchronous off")
 
     @property
     def period(self) -> int:
@@ -300,7 +300,7 @@ class JobConfig:
     push_codec: str = "fp32"       # worker -> its tier
     delta_codec: str = "fp32"      # the root's published-view deltas (error kept at the root)
     delta_log_length: int = 64
-    damping: bool = False  # async/ssp: lr / (1 + staleness) at the root
+    damping: bool = False  # async/ssp/asynchronous outer: lr / (1 + staleness) at the root
     # Relays re-encode their children's sum with this codec and their own error-feedback
     # residual ("": the push codec); a tier's --up-codec overrides it for its own edge.
     relay_codec: str = ""
@@ -354,8 +354,9 @@ class JobConfig:
         _require(self.staleness >= 0, f"staleness must be >= 0, got {self.staleness}")
         _require(self.mode == "ssp" or self.staleness == 0,
                  f"staleness {self.staleness} only applies to mode ssp, not {self.mode!r}")
-        _require(self.mode not in ("bsp", "outer") or not self.damping,
-                 f"damping applies to ssp and async, not {self.mode}")
+        asynchronous = self.outer is not None and self.outer.asynchronous
+        _require(not self.damping or self.mode in ("ssp", "async") or asynchronous,
+                 f"damping applies to ssp, async and asynchronous outer jobs, not {self.mode}")
         _require(self.mode != "outer" or not self.momentum_correction,
                  "momentum_correction does not apply to outer jobs (the inner optimizer is at the region)")
         _require(self.push_codec in CODEC_NAMES, f"push codec {self.push_codec!r} is not one of {CODEC_NAMES}")

@@ -37,9 +37,15 @@ from ps.core.config import JobConfig
 from ps.core.errors import BadInput
 from ps.core.view import Layout
 
-__all__ = ["OuterPlan", "check_outer_member"]
+__all__ = ["OuterPlan", "check_outer_member", "above_inner"]
 
 _RANK = {"worker": 0, "zone": 1, "regional": 2, "global": 3}
+
+
+def above_inner(cfg: JobConfig, tier_role: str) -> bool:
+    """Whether a tier of ``tier_role`` stands above ``cfg``'s inner loop (only pseudo-gradients
+    reach it): the root, and a regional master above zones that run the inner loop."""
+    return cfg.outer is not None and _RANK[tier_role] > _RANK[cfg.outer.inner_tier]
 
 
 def check_outer_member(cfg: JobConfig, tier_role: str, member: str, member_role: str) -> None:
@@ -158,7 +164,9 @@ class OuterPlan:
     def lost_steps(self, old_version: int, outer_version: int) -> int:
         """Inner steps a region's old lineage held at ``old_version`` that are in no outer
         version, when the outer view is now at ``outer_version``: those since its last sync,
-        unless its pending sync (all ``period`` steps done) made it into a later outer version."""
+        unless its pending sync (all ``period`` steps done) made it into a later outer version.
+        (With asynchronous outer steps the outer version also moves with the other regions'
+        syncs, so a pending sync that did not make it may be counted as made: a lower bound.)"""
         synced_to, steps = divmod(old_version, self.stride)
         if steps == self.period and outer_version > synced_to:
             return 0

@@ -78,6 +78,7 @@ class JobState:
     stats: JobStats = field(default_factory=JobStats)
     created_at: float = 0.0
     joined: bool = False                 # a member ever registered (the root reaps jobs nobody joins)
+    above_inner: bool = False            # this tier is above an outer job's inner loop (the root, a relay)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _snapshot: tuple[int, int, list[Chunk]] | None = None
 
@@ -89,8 +90,14 @@ class JobState:
 
     @property
     def bsp(self) -> bool:
-        # outer: bsp rounds of the workers inside a region, and of the regions at the root
-        return self.config.mode in ("bsp", "outer")
+        # outer: bsp rounds of the workers inside a region, and of the regions at the root,
+        # unless its outer steps are asynchronous: then each region's push is applied alone
+        return self.config.mode in ("bsp", "outer") and not self.outer_async
+
+    @property
+    def outer_async(self) -> bool:
+        """At this tier (above an outer job's inner loop), regions' pushes go as they come."""
+        return self.above_inner and self.config.outer is not None and self.config.outer.asynchronous
 
     def new_window(self) -> Window:
         return Window(numel=self.layout.numel, repeats=self.config.mode == "async")

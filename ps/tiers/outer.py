@@ -30,6 +30,12 @@ trains on, and the outer result is merged at the first inner version after it la
 what was trained meanwhile (which goes up with the next pseudo-gradient). The result of a sync
 sent at the job's last step stays at the root (it is in the outer view a checkpoint exports).
 
+With asynchronous outer steps (``OuterConfig.asynchronous``) the root, and a relay above the
+inner loop, take each region's push as it comes (``JobState.outer_async``: a window closed at
+once) and the root applies it at the region's share of the workers (``workers_below``: the
+inner root's members); a region then takes the fragments in its own turn (``OuterState.sent``),
+since the outer version moves with every region's sync.
+
 The inner state is in memory only. A restarted region starts a new lineage from the outer view;
 the inner steps its old lineage held beyond its last sync are counted (``inner_steps_lost``,
 ``hps_outer_inner_steps_lost_total``) and logged as soon as a child pulls with the old lineage.
@@ -102,11 +108,14 @@ class OuterState:
     inflight: asyncio.Task | None = None  # the sync in flight
     pending: Pending | None = None
     reported: set[int] = dataclasses.field(default_factory=set)  # old lineages whose loss is counted
+    sent: int = 0               # syncs started (an asynchronous job's fragments go in this turn)
 
 
 class InnerRoot(Root):
     """A region's root for its outer jobs: ``Root`` with the job's inner optimizer, no disk, and
     a sync with the global root every ``period`` versions (``OuterRelay.after_inner_version``)."""
+
+    above_inner_loops = False  # it runs the inner loop: its rounds are the region's workers' bsp rounds
 
     def __init__(self, config: ServerConfig, relay: OuterRelay) -> None:
         super().__init__(dataclasses.replace(config, role="global", parent="", checkpoint_dir="",
@@ -342,7 +351,12 @@ class OuterRelay(Relay):
             log.warning("%s: job %s: no outer view to sync with; training on", self.role, name)
             return
         u = ojs.view.version
-        f = st.plan.fragment(u)
+        # Synchronous: every region syncs the fragment of the outer version (they agree on it).
+        # Asynchronous: the outer version moves with every region's sync, so each region takes
+        # its fragments in its own turn.
+        asynchronous = ijs.config.outer is not None and ijs.config.outer.asynchronous
+        f = st.plan.fragment(st.sent if asynchronous else u)
+        st.sent += 1
         st.scratch = st.plan.pseudo_gradient(st.base, ijs.params, f, st.workers, out=st.scratch)
         step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0)
         agg = Aggregate(round=u, grad=st.scratch, contributors=st.workers, clock_min=u, clock_max=u,
@@ -463,6 +477,12 @@ class OuterRelay(Relay):
         if ijs is not None and self.inner is not None:
             self.inner.ended[job] = ijs.view.version
             ijs.abort(why)
+
+    def workers_below(self, js: RelayJob) -> int:
+        """An outer job's pseudo-gradients weigh by the region's workers (its inner root's members):
+        an asynchronous root applies each at that share."""
+        ijs = self.inner.jobs.get(js.config.name) if self.inner is not None else None
+        return ijs.members.workers() if ijs is not None else super().workers_below(js)
 
     def encoder(self, js: RelayJob) -> Encoder:
         """An outer job's edge above its inner loop carries pseudo-gradients: the outer codec."""

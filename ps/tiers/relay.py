@@ -61,6 +61,7 @@ from ps.core.errors import (
 from ps.core.exactly_once import MAX_IN_FLIGHT
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
+from ps.core.outer import above_inner
 from ps.core.ranks import RankInfo
 from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes
@@ -149,7 +150,8 @@ class Relay(Tier):
         reg = await self.up.register(job, last_seq=max(self._up_acked.get(job, 0),
                                                        self._up_issued.get(job, 0)))
         if js is None or js.layout != reg.layout:
-            js = RelayJob(reg.config, reg.layout, created_at=self.clock())
+            js = RelayJob(reg.config, reg.layout, created_at=self.clock(),
+                          above_inner=above_inner(reg.config, self.role))
             self.jobs[job] = js
             self._tasks.append(asyncio.create_task(self._follow(job), name=f"follow-{job}"))
         self.attached.add(job)
@@ -289,6 +291,10 @@ class Relay(Tier):
                                   f"({type(exc).__name__}); push again")
             self._refuse(js, agg, fut, exc)
 
+    def workers_below(self, js: RelayJob) -> int:
+        """The live workers a push up speaks for (the parent weighs asynchronous updates by it)."""
+        return js.members.workers()
+
     async def _forward_one(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
                            fut: asyncio.Future, seq: int) -> None:
         job = js.config.name
@@ -303,7 +309,7 @@ class Relay(Tier):
         (loss, n, secs), js.unsent_report = js.unsent_report, (0.0, 0, 0.0)
         frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
                                       agg.contributors, agg.clock_min, agg.clock_max, floor,
-                                      loss, n, secs, js.members.workers(), self.epoch, keys, agg.step), chunks)
+                                      loss, n, secs, self.workers_below(js), self.epoch, keys, agg.step), chunks)
         js.reported_floor = max(js.reported_floor, floor)
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]

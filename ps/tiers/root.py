@@ -83,6 +83,7 @@ class TokenStore(Protocol):
 
 class Root(Tier):
     role = "global"
+    above_inner_loops = True  # an outer job's regions sync with this root (not so a region's own root)
 
     def __init__(self, config: ServerConfig, **kw) -> None:
         super().__init__(config, **kw)
@@ -487,7 +488,7 @@ class Root(Tier):
     def _install(self, cfg: JobConfig, layout: Layout, values: np.ndarray, version: int,
                  view_values: np.ndarray | None = None, register: bool = True) -> RootJob:
         params = np.array(values, dtype=np.float32, copy=True)
-        js = RootJob(cfg, layout, created_at=self.clock(), params=params,
+        js = RootJob(cfg, layout, created_at=self.clock(), params=params, above_inner=self.above_inner_loops,
                      optimizer=self._optimizer(cfg, params, layout),
                      wal=WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None)
         view = params.copy() if view_values is None else np.array(view_values, np.float32)
@@ -905,5 +906,7 @@ def _describe(cfg: JobConfig) -> str:
     if cfg.outer is not None:
         c = cfg.outer
         text += (f"; outer {c.optimizer.kind} lr {c.optimizer.lr:g} every {c.inner_steps} inner steps "
-                 f"in {c.fragments} fragment(s), {c.codec} pseudo-gradients, inner loop at the {c.inner_tier} tier")
+                 f"in {c.fragments} fragment(s), {c.codec} pseudo-gradients, inner loop at the {c.inner_tier} tier"
+                 + (", overlapped" if c.overlap else "")
+                 + (", asynchronous (each region's as it comes)" if c.asynchronous else ""))
     return text

@@ -450,7 +450,8 @@ class Tier:
         closed batches in flight."""
         if js.inflight >= self.in_flight_limit(js) or not js.window.pushed:
             return
-        now, flush_s = self.clock(), self.config.flush_ms / 1000.0
+        # An asynchronous outer job's syncs go as they come (each region's is one step of its own).
+        now, flush_s = self.clock(), 0.0 if js.outer_async else self.config.flush_ms / 1000.0
         if not (force or js.window.due(now, flush_s, self.config.flush_bytes)):
             if js.timer is None:
                 def fire() -> None:
@@ -477,7 +478,8 @@ class Tier:
     def _flush_floor(self, js: JobState) -> None:
         """SSP: membership shrank and the clock floor rose; send the news up even with nothing
         to aggregate, so a dead worker stops holding the others back."""
-        if js.bsp or js.members.floor(js.view.clock_min) <= js.reported_floor or not len(js.members):
+        if (js.bsp or js.outer_async or js.members.floor(js.view.clock_min) <= js.reported_floor
+                or not len(js.members)):  # (regions' clocks bound nothing in an outer job)
             return
         if not js.window.pushed and not js.inflight:
             js.window.add(f"{self.role}:floor", js.view.version, None, 0, (0, 0), 0, self.clock())

@@ -315,7 +315,8 @@ def _outer_config(args):
     momentum = float(args.outer_momentum)
     sgd = args.outer_optimizer.lower() == "sgd"
     return OuterConfig(inner_steps=int(args.inner_steps), fragments=int(args.fragments), codec=args.outer_codec,
-                       delta_codec=args.outer_delta_codec, inner_tier=args.inner_tier,
+                       delta_codec=args.outer_delta_codec, inner_tier=args.inner_tier, overlap=args.overlap,
+                       asynchronous=args.asynchronous,
                        optimizer=OptimizerConfig(kind=args.outer_optimizer, lr=float(args.outer_lr),
                                                  momentum=momentum if sgd else 0.0, nesterov=sgd and momentum > 0))
 
@@ -555,7 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="outer: bsp inside each region at its regional master (--optimizer is the inner one), "
                    "outer steps across the WAN every --inner-steps")
     s.add_argument("--staleness", default="0", help="s for --mode ssp")
-    s.add_argument("--damping", action="store_true", help="ssp/async: lr / (1 + staleness)")
+    s.add_argument("--damping", action="store_true",
+                   help="ssp, async and --mode outer --asynchronous: lr / (1 + staleness)")
     s.add_argument("--inner-steps", default="50", help="--mode outer: H, inner steps between a fragment's syncs")
     s.add_argument("--fragments", default="1",
                    help="--mode outer: parameter fragments synced in turn, one every H // F steps")
@@ -566,6 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--outer-momentum", default="0.9", help="--mode outer: outer momentum (nesterov when sgd)")
     s.add_argument("--inner-tier", default="regional", choices=["regional", "zone"],
                    help="--mode outer: the tier running each region's inner loop")
+    s.add_argument("--overlap", action="store_true",
+                   help="--mode outer: a region trains on while a fragment's sync is in flight")
+    s.add_argument("--asynchronous", action="store_true",
+                   help="--mode outer: regions do not wait for each other; the root applies each region's "
+                   "pseudo-gradient as it arrives, at its share of the workers")
     s.add_argument("--optimizer", default="sgd",
                    help="the root's optimizer: any torch.optim class by name, any case (sgd, adam, adamw, "
                    "rmsprop, adagrad, adadelta, adamax, nadam, radam, asgd, rprop, ...; not lbfgs nor "

@@ -92,6 +92,98 @@ def test_wrong_outer_arithmetic_would_be_caught(tree):
     assert rel > 1e-3
 
 
+def test_asynchronous_outer_steps_apply_each_regions_pseudo_gradient_at_its_share(tree):
+    """Asynchronous outer steps, H = 1, lossless, inner SGD, outer SGD at lr 1 without momentum,
+    one worker per region, steps alternating eu, us, eu, ...: the root applies each region's
+    pseudo-gradient alone, at its share of the workers (1/2), and the region rebases on the
+    outer view. Computed by hand beside it: each region's pseudo-gradient is taken from its own
+    base (the outer view at its last sync, which the other region has moved since). Fails if
+    the root waited for both regions, applied a region at full weight, or a region differenced
+    against the latest outer view."""
+    zones = _two_regions(tree)
+    lr, steps = 0.1, 4
+    outer = OuterConfig(inner_steps=1, codec="fp32", delta_codec="fp32", asynchronous=True,
+                        optimizer=OptimizerConfig(kind="sgd", lr=1.0))
+    job = JobConfig(name="as-eq", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr), outer=outer)
+    x, y = mlp_batches(steps, 2 * PER_WORKER)
+    models = [_model(), _model()]
+    ref = _model()
+    opts = [HpsOptimizer(m, zones[i], job, worker_id=f"as-w{i}", timeout_s=10) for i, m in enumerate(models)]
+    try:
+        for s in range(steps):
+            for i, opt in enumerate(opts):  # eu, then us: one region's sync at a time
+                sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+                opt.zero_grad()
+                _loss(models[i], x[s, sl], y[s, sl]).backward()
+                assert opt.step().applied
+    finally:
+        for opt in opts:
+            opt.close()
+    # By hand: the outer parameters, and each region's base (what it last rebased on).
+    outer_p = [p.detach().clone() for p in ref.parameters()]
+    bases = [[p.clone() for p in outer_p] for _ in range(2)]
+    for s in range(steps):
+        for i in range(2):
+            sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+            for p, b in zip(ref.parameters(), bases[i], strict=True):
+                p.data.copy_(b)
+                p.grad = None
+            _loss(ref, x[s, sl], y[s, sl]).backward()
+            pseudo = [lr * p.grad for p in ref.parameters()]    # base - (base - lr g)
+            outer_p = [o - 0.5 * g for o, g in zip(outer_p, pseudo, strict=True)]  # its share: 1 of 2
+            bases[i] = [o.clone() for o in outer_p]
+    for a, b in zip(models[1].parameters(), outer_p, strict=True):  # us synced last: it holds the outer view
+        torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
+    root = tree.view("root", job.name)
+    assert root[1] == 2 * steps  # one outer version per region's sync: none waited for the other
+    flat = np.concatenate([t.reshape(-1).numpy() for t in outer_p])
+    np.testing.assert_allclose(root[3], flat, rtol=1e-5, atol=1e-6)
+
+
+def test_a_slow_region_does_not_hold_a_fast_one_with_asynchronous_outer_steps(tree):
+    """The slow region's worker does not step at all until the fast region's worker has done
+    all of its steps (an event, not a timing): with synchronous outer steps the fast region's
+    first sync would wait for the slow one for ever; asynchronous, it syncs H = 2 inner steps at a
+    time, alone, and the slow region then joins the outer view the fast one left."""
+    zones = _two_regions(tree)
+    outer = OuterConfig(inner_steps=2, codec="int8", asynchronous=True)
+    job = JobConfig(name="as-slow", mode="outer", optimizer=OptimizerConfig(kind="adamw", lr=0.01), outer=outer,
+                    damping=True)
+    x, y = mlp_batches(STEPS, 2 * PER_WORKER)
+    fast_done, errors = threading.Event(), []
+    models = [_model(), _model()]
+    opts = [HpsOptimizer(m, zones[i], job, worker_id=f"sl-w{i}", timeout_s=10) for i, m in enumerate(models)]
+
+    def run(i: int, steps: int) -> None:
+        try:
+            if i == 1:
+                assert fast_done.wait(120), "the fast region never finished"
+            for s in range(steps):
+                sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+                opts[i].zero_grad()
+                _loss(models[i], x[s, sl], y[s, sl]).backward()
+                assert opts[i].step().applied
+            if i == 0:
+                fast_done.set()
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+            fast_done.set()
+    threads = [threading.Thread(target=run, args=(0, STEPS)), threading.Thread(target=run, args=(1, 4))]
+    try:
+        [t.start() for t in threads]
+        [t.join(180) for t in threads]
+    finally:
+        for opt in opts:
+            opt.close()
+    assert not errors, errors
+    eu = tree.lt.call(lambda: tree.tier("eu").inner.jobs[job.name].stats)
+    us = tree.lt.call(lambda: tree.tier("us").inner.jobs[job.name].stats)
+    assert (eu.outer_syncs, us.outer_syncs) == (STEPS // 2, 2)
+    assert eu.outer_sync_failures == us.outer_sync_failures == 0
+    root = tree.view("root", job.name)
+    assert root[1] == STEPS // 2 + 2 and tree.view("us", job.name)[1] == root[1]
+
+
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_fragments_sync_in_turn_and_replicas_agree(tree, fragments):
     """H = 4: each fragment is synced exactly once per H inner steps; the zone holds its
