@@ -48,6 +48,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--job", required=True, help="JobConfig fields as JSON (optimizer: Adam 3e-3, warm-up 20)")
+    p.add_argument("--slowdown", type=float, default=1.0,
+                   help="compute this many times slower: sleep (slowdown - 1) x each step's forward and backward")
     args = p.parse_args()
     torch.set_num_threads(1)
     fields = json.loads(args.job)
@@ -61,9 +63,12 @@ def main() -> int:
         _emit(event="start", worker=args.worker_id, t=time.time())
         for step in range(args.steps):
             x, y = sampler.next_batch()
+            t0 = time.perf_counter()
             opt.zero_grad()
             loss = model(x, y)[1]
             loss.backward()
+            if args.slowdown > 1.0:  # a slower site (a smaller GPU): the same work, taking longer
+                time.sleep((args.slowdown - 1.0) * (time.perf_counter() - t0))
             r = opt.step()
             _emit(event="step", worker=args.worker_id, step=step, t=time.time(), loss=loss.item(),
                   version=r.version, bytes_up=r.bytes_up, bytes_down=r.bytes_down)

@@ -29,8 +29,10 @@ Outer jobs (issue 17; --outer, one run per variant H/F/codec): each regional mas
 region's bsp inner loop (AdamW 3e-3, warm-up 20) and syncs a fragment's pseudo-gradient every
 H/F inner steps (outer SGD, Nesterov 0.9, lr 0.7); the variant names the codecs across the WAN
 (pseudo-gradients up, outer deltas down; inside a region everything is fp32) and whether the
-region trains on while a sync is in flight (overlap). Asynchronous outer steps (regions of
-unequal speed) are not built yet. --peer adds
+region trains on while a sync is in flight (overlap) and whether the regions wait for each other
+at a sync (async: the root applies each region's pseudo-gradient as it arrives).
+--slow-region F makes region us's two workers compute F times slower (each step sleeps F - 1
+times its forward and backward), in every run, flat included (not the --peer rows). --peer adds
 torchft's DiLoCo on the same model, data and links (benchmarks/_diloco_peer.py), or says why
 it could not run.
 """
@@ -61,7 +63,8 @@ GOAL_OUTER_SPEEDUP, GOAL_OUTER_BYTES = 8.0, 1000.0  # issue 17's goals for outer
 STEADY_AFTER = 20  # steps: top-k's density warm-up (25% -> 1%) is over by then
 
 
-def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: int, batch: int, logdir: str) -> dict:
+def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: int, batch: int, logdir: str,
+        slowdown: list[float] | None = None) -> dict:
     from ps.tools.launch import Cluster
     from ps.tools.status import fetch_status
 
@@ -72,7 +75,8 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
         for i, addr in enumerate(where):
             err = open(os.path.join(logdir, f"w{i}.log"), "wb")
             p = subprocess.Popen([sys.executable, WORKER, "--address", addr, "--worker-id", f"w{i}", "--seed", str(i),
-                                  "--steps", str(steps), "--batch", str(batch), "--job", json.dumps(job)],
+                                  "--steps", str(steps), "--batch", str(batch), "--job", json.dumps(job),
+                                  "--slowdown", str(slowdown[i] if slowdown else 1.0)],
                                  stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
                                  # one run: a worker starting late joins a job its peers began
                                  env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -180,15 +184,17 @@ def tree_job_for(mode: str, args) -> dict:
     return job
 
 
-def outer_job(h: int, f: int, codec: str, down: str, overlap: bool, args) -> dict:
+def outer_job(h: int, f: int, codec: str, down: str, overlap: bool, args, asynchronous: bool = False) -> dict:
     """An outer job: lossless pushes and deltas inside each region (LAN); across the WAN ``codec``
     pseudo-gradients up and ``down`` outer deltas down, each with error feedback. The regions
     start together (min_workers): a region whose workers start first would otherwise sync
     alone until the other's arrive."""
-    return dict(name=f"outer-h{h}-f{f}-{codec}-{down}" + ("-overlap" if overlap else ""), mode="outer",
+    return dict(name=f"outer-h{h}-f{f}-{codec}-{down}" + ("-overlap" if overlap else "")
+                + ("-async" if asynchronous else ""), mode="outer",
                 push_codec="fp32", relay_codec="fp32", delta_codec="fp32", topk=args.topk, min_workers=4,
                 optimizer=dict(kind="adamw", lr=3e-3, warmup_steps=20),
-                outer=dict(inner_steps=h, fragments=f, codec=codec, delta_codec=down, overlap=overlap))
+                outer=dict(inner_steps=h, fragments=f, codec=codec, delta_codec=down, overlap=overlap,
+                           asynchronous=asynchronous))
 
 
 def compare(flat: dict, tree: dict, target: float, goal_speedup: float = GOAL_SPEEDUP,
@@ -243,9 +249,11 @@ def main() -> int:
     p.add_argument("--target-loss", type=float, default=0.0, help="instead of flat BSP's final + 1%%")
     p.add_argument("--outer", default="10/1/int8/int8,50/1/int8/int8,10/4/int8/int8,50/1/topk/int8,"
                    "50/1/sign/sign,10/1/int8/int8/overlap,50/4/int8/int8/overlap",
-                   help="outer-job variants H/F/pseudo-gradient codec/outer delta codec[/overlap], "
+                   help="outer-job variants H/F/pseudo-gradient codec/outer delta codec[/overlap][/async], "
                    "comma-separated ('': none)")
     p.add_argument("--peer", default="10,50", help="torchft DiLoCo runs at these H ('': none)")
+    p.add_argument("--slow-region", type=float, default=1.0,
+                   help="region us's workers compute this many times slower (every run, flat included)")
     p.add_argument("--out")
     p.add_argument("--replot", metavar="RESULT.json", help="only draw a saved result's plots again")
     args = p.parse_args()
@@ -263,6 +271,7 @@ def main() -> int:
         if args.region_flush_ms:
             reg["flush_ms"] = args.region_flush_ms
     flat_job = dict(name="flat", mode="bsp")
+    slow = [1.0, 1.0, args.slow_region, args.slow_region]  # workers 2 and 3: region us (flat: us-wan)
     trees: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.only_hierarchy:
@@ -271,7 +280,8 @@ def main() -> int:
         else:
             os.makedirs(f"{tmp}/flat")
             flat = run("flat: 4 workers on the root, dense fp32, bsp, adam", flat_topo,
-                       ["eu-wan", "eu-wan", "us-wan", "us-wan"], flat_job, args.steps, args.batch, f"{tmp}/flat")
+                       ["eu-wan", "eu-wan", "us-wan", "us-wan"], flat_job, args.steps, args.batch, f"{tmp}/flat",
+                       slow)
         print(f"flat      wall {flat['wall_s']:7.1f}s  final loss {flat['final_train_loss']:.4f}  "
               f"val {flat['val_loss']:.4f}  WAN {flat['wan_bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
         for mode in filter(None, args.modes.split(",")):
@@ -285,7 +295,7 @@ def main() -> int:
             opt = job.get("optimizer", {}).get("kind", "adam")
             label = f"hierarchy: per-region aggregation, {args.codec}, {mode}, {opt}"
             tree = trees[mode] = run(label, tree_topo, ["eu-a", "eu-b", "us-a", "us-b"], job, tree_steps,
-                                     args.batch, f"{tmp}/tree-{mode}")
+                                     args.batch, f"{tmp}/tree-{mode}", slow)
             tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps) - 1][1]
             print(f"hierarchy {mode:5s} wall {tree['wall_s']:7.1f}s  final loss {tree['final_train_loss']:.4f} "
                   f"(at step {min(args.steps, tree_steps)}: {tree['loss_at_flat_steps']:.4f})  "
@@ -293,13 +303,13 @@ def main() -> int:
 
         for variant in filter(None, args.outer.split(",")):
             h, f, codec, down, *rest = variant.split("/")
-            overlap = rest == ["overlap"]
-            job = outer_job(int(h), int(f), codec, down, overlap, args)
+            overlap, asynchronous = "overlap" in rest, "async" in rest
+            job = outer_job(int(h), int(f), codec, down, overlap, args, asynchronous)
             os.makedirs(f"{tmp}/{job['name']}")
             label = (f"outer: H={h}, F={f}, {codec} pseudo-gradients, {down} outer deltas, "
-                     f"{'overlap' if overlap else 'no overlap'}")
+                     f"{'overlap' if overlap else 'no overlap'}" + (", asynchronous" if asynchronous else ""))
             tree = trees[job["name"]] = run(label, tree_topo, ["eu-a", "eu-b", "us-a", "us-b"], job, tree_steps,
-                                            args.batch, f"{tmp}/{job['name']}")
+                                            args.batch, f"{tmp}/{job['name']}", slow)
             tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps) - 1][1]
             print(f"{job['name']:18s} wall {tree['wall_s']:7.1f}s  final loss {tree['final_train_loss']:.4f}  "
                   f"val {tree['val_loss']:.4f}  WAN {tree['wan_bytes_per_step'] / 1e3:.2f} kB/step", flush=True)
@@ -325,13 +335,14 @@ def main() -> int:
         settings=dict(steps=args.steps, tree_steps=tree_steps, batch=args.batch, workers=4, regions=2, link=link,
                       link_latency_means="round trip", model="TinyLM 470,528 params (1.88 MB fp32)",
                       flat_job=dict(flat_job, optimizer="adam 3e-3, warm-up 20"),
-                      region_flush_ms=args.region_flush_ms or "deploy/wan.yaml (200)"),
+                      region_flush_ms=args.region_flush_ms or "deploy/wan.yaml (200)",
+                      slow_region=dict(region="us", factor=args.slow_region)),
         goals=dict(speedup_to_target=GOAL_SPEEDUP, wan_bytes_reduction=GOAL_BYTES, final_loss_within_pct=GOAL_LOSS_PCT),
         target_loss=target, target_loss_means="flat BSP's final smoothed train loss + 1%",
         flat=flat, hierarchies=trees, comparisons=comparisons), args.out)
 
     draw_all(dict(flat=flat, hierarchies=trees, target_loss=target, settings=dict(link=link)),
-             RESULTS / "wan_loss.png" if not args.out else (ROOT / args.out).with_suffix(".png"))
+             RESULTS / "wan_loss.png" if not args.out else Path(args.out).with_suffix(".png"))  # beside the JSON (relative to the working directory, as it is)
     return 0
 
 
