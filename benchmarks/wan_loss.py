@@ -342,7 +342,8 @@ def main() -> int:
         flat=flat, hierarchies=trees, comparisons=comparisons), args.out)
 
     draw_all(dict(flat=flat, hierarchies=trees, target_loss=target, settings=dict(link=link)),
-             RESULTS / "wan_loss.png" if not args.out else Path(args.out).with_suffix(".png"))  # beside the JSON (relative to the working directory, as it is)
+             # beside the JSON (both relative to the working directory)
+             RESULTS / "wan_loss.png" if not args.out else Path(args.out).with_suffix(".png"))
     return 0
 
 
