@@ -223,9 +223,9 @@ def load(f, e: Entry) -> WalRecord | None:
         n = (npay - _NUMEL.size) // 8
         idx = payload[_NUMEL.size:_NUMEL.size + 4 * n].view("<u4")
         vals = payload[_NUMEL.size + 4 * n:].view("<f4")
-        if n and (int(idx[-1]) >= numel or not bool(np.all(idx[1:] > idx[:-1]))):
+        if numel > 0xFFFFFFFF or (n and (int(idx[-1]) >= numel or not bool(np.all(idx[1:] > idx[:-1])))):
             raise ValueError(f"the sparse gradient of version {version} has indices out of order or "
-                             f"past its {numel} entries")
+                             f"past its {numel} entries (a writer writes at most 2^32 - 1 sparse)")
         grad = np.zeros(numel, np.float32)
         grad[idx] = vals
     return WalRecord(version, contributors, clock_min, grad, scale, keys)
