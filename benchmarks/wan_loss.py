@@ -30,7 +30,8 @@ region's bsp inner loop (AdamW 3e-3, warm-up 20) and syncs a fragment's pseudo-g
 H/F inner steps (outer SGD, Nesterov 0.9, lr 0.7); the variant names the codecs across the WAN
 (pseudo-gradients up, outer deltas down; inside a region everything is fp32) and whether the
 region trains on while a sync is in flight (overlap) and whether the regions wait for each other
-at a sync (async: the root applies each region's pseudo-gradient as it arrives).
+at a sync (async: the root applies each region's pseudo-gradient as it arrives; dn: with delayed
+Nesterov, the outer momentum moving once per two updates).
 --slow-region F makes region us's two workers compute F times slower (each step sleeps F - 1
 times its forward and backward), in every run, flat included (not the --peer rows). --peer adds
 torchft's DiLoCo on the same model, data and links (benchmarks/_diloco_peer.py), or says why
@@ -184,17 +185,18 @@ def tree_job_for(mode: str, args) -> dict:
     return job
 
 
-def outer_job(h: int, f: int, codec: str, down: str, overlap: bool, args, asynchronous: bool = False) -> dict:
+def outer_job(h: int, f: int, codec: str, down: str, overlap: bool, args, asynchronous: bool = False,
+              nesterov_delay: int = 0) -> dict:
     """An outer job: lossless pushes and deltas inside each region (LAN); across the WAN ``codec``
     pseudo-gradients up and ``down`` outer deltas down, each with error feedback. The regions
     start together (min_workers): a region whose workers start first would otherwise sync
     alone until the other's arrive."""
     return dict(name=f"outer-h{h}-f{f}-{codec}-{down}" + ("-overlap" if overlap else "")
-                + ("-async" if asynchronous else ""), mode="outer",
+                + ("-async" if asynchronous else "") + (f"-dn{nesterov_delay}" if nesterov_delay else ""), mode="outer",
                 push_codec="fp32", relay_codec="fp32", delta_codec="fp32", topk=args.topk, min_workers=4,
                 optimizer=dict(kind="adamw", lr=3e-3, warmup_steps=20),
                 outer=dict(inner_steps=h, fragments=f, codec=codec, delta_codec=down, overlap=overlap,
-                           asynchronous=asynchronous))
+                           asynchronous=asynchronous, nesterov_delay=nesterov_delay))
 
 
 def compare(flat: dict, tree: dict, target: float, goal_speedup: float = GOAL_SPEEDUP,
@@ -249,7 +251,8 @@ def main() -> int:
     p.add_argument("--target-loss", type=float, default=0.0, help="instead of flat BSP's final + 1%%")
     p.add_argument("--outer", default="10/1/int8/int8,50/1/int8/int8,10/4/int8/int8,50/1/topk/int8,"
                    "50/1/sign/sign,10/1/int8/int8/overlap,50/4/int8/int8/overlap",
-                   help="outer-job variants H/F/pseudo-gradient codec/outer delta codec[/overlap][/async], "
+                   help="outer-job variants H/F/pseudo-gradient codec/outer delta codec[/overlap][/async][/dn] "
+                   "(dn: delayed Nesterov over the 2 regions), "
                    "comma-separated ('': none)")
     p.add_argument("--peer", default="10,50", help="torchft DiLoCo runs at these H ('': none)")
     p.add_argument("--slow-region", type=float, default=1.0,
@@ -304,10 +307,12 @@ def main() -> int:
         for variant in filter(None, args.outer.split(",")):
             h, f, codec, down, *rest = variant.split("/")
             overlap, asynchronous = "overlap" in rest, "async" in rest
-            job = outer_job(int(h), int(f), codec, down, overlap, args, asynchronous)
+            dn = 2 if "dn" in rest else 0  # delayed Nesterov over the two regions
+            job = outer_job(int(h), int(f), codec, down, overlap, args, asynchronous, dn)
             os.makedirs(f"{tmp}/{job['name']}")
             label = (f"outer: H={h}, F={f}, {codec} pseudo-gradients, {down} outer deltas, "
-                     f"{'overlap' if overlap else 'no overlap'}" + (", asynchronous" if asynchronous else ""))
+                     f"{'overlap' if overlap else 'no overlap'}" + (", asynchronous" if asynchronous else "")
+                     + (", delayed Nesterov" if dn else ""))
             tree = trees[job["name"]] = run(label, tree_topo, ["eu-a", "eu-b", "us-a", "us-b"], job, tree_steps,
                                             args.batch, f"{tmp}/{job['name']}", slow)
             tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps) - 1][1]

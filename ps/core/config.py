@@ -225,6 +225,11 @@ class OuterConfig:
     # arrives, at its share of the workers (lr x its workers / all), and a region syncs its
     # fragments in its own turn. The job's ``damping`` scales each by 1 / (1 + its staleness).
     asynchronous: bool = False
+    # Asynchronous, with an SGD Nesterov outer optimizer: delayed Nesterov. Each region's update
+    # applies its own gradient step at once; the momentum moves once every ``nesterov_delay``
+    # updates (set it to the number of regions), on their sum: over one update from each region
+    # that is exactly one synchronous Nesterov step. 0: the momentum moves at every update.
+    nesterov_delay: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
@@ -240,6 +245,17 @@ class OuterConfig:
         _require(self.delta_codec in CODEC_NAMES,
                  f"outer delta codec {self.delta_codec!r} is not one of {CODEC_NAMES}")
         _require(isinstance(self.optimizer, OptimizerConfig), "outer optimizer must be an OptimizerConfig")
+        _require(not isinstance(self.nesterov_delay, bool) and isinstance(self.nesterov_delay, int)
+                 and 0 <= self.nesterov_delay <= 1024,
+                 f"outer nesterov_delay must be an integer in [0, 1024], got {self.nesterov_delay!r}")
+        if self.nesterov_delay:
+            o = self.optimizer
+            _require(self.asynchronous, "outer nesterov_delay applies to asynchronous outer steps (synchronous "
+                     "ones step the momentum once per round already)")
+            _require(o.kind == "sgd" and o.momentum > 0 and o.nesterov and o.weight_decay == 0 and not o.options
+                     and not o.groups and o.clip_grad_norm == 0,
+                     "outer nesterov_delay (delayed Nesterov) needs the outer optimizer SGD with momentum and "
+                     "nesterov, and no weight decay, options, groups or clipping")
         _require(self.inner_tier in ("regional", "zone"),
                  f"outer inner_tier must be 'regional' or 'zone' (the root's would be flat bsp), "
                  f"got {self.inner_tier!r}")

@@ -50,7 +50,7 @@ from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, NotPrimary, 
 from ps.core.exactly_once import decode_applied, encode_applied
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
-from ps.core.optim import ServerOptimizer, warm_up
+from ps.core.optim import DelayedNesterov, ServerOptimizer, warm_up
 from ps.core.ranks import RankInfo
 from ps.core.sharding import ShardPlan
 from ps.core.tensors import assemble, split
@@ -507,6 +507,8 @@ class Root(Tier):
         opt = cfg.outer.optimizer if cfg.outer is not None else cfg.optimizer
         if cfg.momentum_correction:  # the workers hold the momentum (DGC); it must not apply twice
             opt = dataclasses.replace(opt, momentum=0.0)
+        if cfg.outer is not None and cfg.outer.nesterov_delay:  # asynchronous outer steps
+            return DelayedNesterov(opt, params, layout, delay=cfg.outer.nesterov_delay)
         return ServerOptimizer(opt, params, layout)
 
     def _job_dir(self, job: str) -> str:
@@ -908,5 +910,6 @@ def _describe(cfg: JobConfig) -> str:
         text += (f"; outer {c.optimizer.kind} lr {c.optimizer.lr:g} every {c.inner_steps} inner steps "
                  f"in {c.fragments} fragment(s), {c.codec} pseudo-gradients, inner loop at the {c.inner_tier} tier"
                  + (", overlapped" if c.overlap else "")
-                 + (", asynchronous (each region's as it comes)" if c.asynchronous else ""))
+                 + (", asynchronous (each region's as it comes)" if c.asynchronous else "")
+                 + (f", delayed Nesterov every {c.nesterov_delay}" if c.nesterov_delay else ""))
     return text

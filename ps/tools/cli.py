@@ -316,7 +316,7 @@ def _outer_config(args):
     sgd = args.outer_optimizer.lower() == "sgd"
     return OuterConfig(inner_steps=int(args.inner_steps), fragments=int(args.fragments), codec=args.outer_codec,
                        delta_codec=args.outer_delta_codec, inner_tier=args.inner_tier, overlap=args.overlap,
-                       asynchronous=args.asynchronous,
+                       asynchronous=args.asynchronous, nesterov_delay=int(args.nesterov_delay),
                        optimizer=OptimizerConfig(kind=args.outer_optimizer, lr=float(args.outer_lr),
                                                  momentum=momentum if sgd else 0.0, nesterov=sgd and momentum > 0))
 
@@ -573,6 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--asynchronous", action="store_true",
                    help="--mode outer: regions do not wait for each other; the root applies each region's "
                    "pseudo-gradient as it arrives, at its share of the workers")
+    s.add_argument("--nesterov-delay", default="0",
+                   help="--mode outer --asynchronous: delayed Nesterov, the outer momentum moves once every this "
+                   "many region updates (the number of regions; 0: at every update)")
     s.add_argument("--optimizer", default="sgd",
                    help="the root's optimizer: any torch.optim class by name, any case (sgd, adam, adamw, "
                    "rmsprop, adagrad, adadelta, adamax, nadam, radam, asgd, rprop, ...; not lbfgs nor "

@@ -308,3 +308,81 @@ def test_bad_param_groups_are_refused():
     with pytest.raises(BadInput, match="printable"):
         ParamGroup(("",))
     assert ParamGroup("*.bias").match == ("*.bias",)
+
+
+# -- delayed Nesterov (asynchronous outer steps) ----------------------------------------------
+def _nesterov(lr: float = 0.7, beta: float = 0.9) -> OptimizerConfig:
+    return OptimizerConfig(kind="sgd", lr=lr, momentum=beta, nesterov=True)
+
+
+def test_delayed_nesterov_over_one_update_per_region_is_one_nesterov_step_on_their_sum():
+    """3 regions' updates per round, 4 rounds, a key absent from one update: after each round
+    the parameters are torch's Nesterov SGD stepped once on the round's sum (to fp32 rounding),
+    and in between each update has moved them by its own gradient alone."""
+    from ps.core.optim import DelayedNesterov
+
+    layout = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
+    rng = np.random.default_rng(0)
+    start = rng.standard_normal(layout.numel).astype(np.float32)
+    params = start.copy()
+    opt = DelayedNesterov(_nesterov(), params, layout, delay=3)
+    ref_p = [torch.from_numpy(start[:12].reshape(4, 3).copy()).requires_grad_(),
+             torch.from_numpy(start[12:].copy()).requires_grad_()]
+    ref = torch.optim.SGD(ref_p, lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(4):
+        total = np.zeros(layout.numel, np.float32)
+        before = params.copy()
+        for r in range(3):
+            g = rng.standard_normal(layout.numel).astype(np.float32)
+            absent = (1,) if r == 1 else ()
+            if absent:
+                g[12:] = 0
+            opt.step(g, lr_scale=1 / 3, step=StepInfo(absent=absent))
+            total += g / 3
+            if r < 2:  # the gradient alone, at once
+                np.testing.assert_allclose(params, before - 0.7 * total, rtol=1e-5, atol=1e-6)
+        ref.zero_grad()
+        ref_p[0].grad = torch.from_numpy(total[:12].reshape(4, 3).copy())
+        ref_p[1].grad = torch.from_numpy(total[12:].copy())
+        ref.step()
+        want = np.concatenate([t.detach().numpy().reshape(-1) for t in ref_p])
+        np.testing.assert_allclose(params, want, rtol=1e-5, atol=1e-5)
+
+
+def test_delayed_nesterov_state_round_trips_mid_round_and_rolls_back_exactly():
+    from ps.core.optim import DelayedNesterov
+
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(6).astype(np.float32) for _ in range(5)]
+    a = np.ones(6, np.float32)
+    one = DelayedNesterov(_nesterov(), a, delay=2)
+    for g in grads:
+        one.step(g)
+    b = np.ones(6, np.float32)
+    two = DelayedNesterov(_nesterov(), b, delay=2)
+    for g in grads[:3]:  # mid-round: a sum is pending
+        two.step(g)
+    saved = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in two.state_dict().items()}
+    assert "state.0.delayed_sum" in saved and saved["steps"] == 3
+    c = b.copy()
+    three = DelayedNesterov(_nesterov(), c, delay=2)
+    three.load_state_dict(saved)
+    three.save_point()
+    three.step(grads[3] * 100)  # undone below
+    three.roll_back()
+    for g in grads[3:]:
+        three.step(g)
+    assert np.array_equal(c, a)  # bit for bit: a restart from a checkpoint mid-round loses nothing
+
+
+def test_delayed_nesterov_is_refused_for_other_optimizers_and_synchronous_jobs():
+    from ps.core.config import OuterConfig
+    from ps.core.optim import DelayedNesterov
+
+    with pytest.raises(BadInput, match="delayed Nesterov needs SGD with momentum and nesterov"):
+        DelayedNesterov(OptimizerConfig(kind="adam", lr=0.1), np.zeros(2, np.float32), delay=2)
+    with pytest.raises(BadInput, match="applies to asynchronous outer steps"):
+        OuterConfig(nesterov_delay=2, optimizer=_nesterov())
+    with pytest.raises(BadInput, match="needs the outer optimizer SGD with momentum and nesterov"):
+        OuterConfig(nesterov_delay=2, asynchronous=True, optimizer=OptimizerConfig(kind="sgd", lr=0.7))
+    assert OuterConfig(nesterov_delay=2, asynchronous=True, optimizer=_nesterov()).nesterov_delay == 2

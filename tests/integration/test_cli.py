@@ -142,9 +142,11 @@ def test_job_create_takes_any_torch_optimizer_with_options_and_groups(tree):
     assert r.returncode == 2 and "closure" in r.stderr, r.stderr
     r = hps_job("u", "--group", "*.bias")
     assert r.returncode == 2 and "PATTERN[,PATTERN]:KEY=VALUE" in r.stderr, r.stderr
-    r = hps_job("o", "--mode", "outer", "--inner-steps", "4", "--asynchronous", "--overlap", "--damping")
+    r = hps_job("o", "--mode", "outer", "--inner-steps", "4", "--asynchronous", "--overlap", "--damping",
+                "--nesterov-delay", "3")
     assert r.returncode == 0 and "declared" in r.stdout, (r.stdout, r.stderr)
     outer = tree.lt.call(lambda: tree.tier("root").declared["o"])
     assert outer.damping and outer.outer.asynchronous and outer.outer.overlap and outer.outer.inner_steps == 4
+    assert outer.outer.nesterov_delay == 3
     r = hps_job("v", "--mode", "bsp", "--damping")
     assert r.returncode == 2 and "damping applies to ssp, async and asynchronous outer jobs" in r.stderr, r.stderr

@@ -140,6 +140,52 @@ def test_asynchronous_outer_steps_apply_each_regions_pseudo_gradient_at_its_shar
     np.testing.assert_allclose(root[3], flat, rtol=1e-5, atol=1e-6)
 
 
+def test_delayed_nesterov_moves_the_outer_momentum_once_per_round_of_regions(tree):
+    """The same alternating run with the outer optimizer SGD, Nesterov 0.9, lr 0.7 and
+    ``nesterov_delay=2`` (two regions): each region's update moves the outer parameters by its
+    own pseudo-gradient at once, and every second update adds the momentum (m = 0.9 m + the two
+    updates' sum), computed by hand beside it."""
+    zones = _two_regions(tree)
+    lr, steps, olr, beta = 0.1, 4, 0.7, 0.9
+    outer = OuterConfig(inner_steps=1, codec="fp32", delta_codec="fp32", asynchronous=True, nesterov_delay=2,
+                        optimizer=OptimizerConfig(kind="sgd", lr=olr, momentum=beta, nesterov=True))
+    job = JobConfig(name="as-dn", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr), outer=outer)
+    x, y = mlp_batches(steps, 2 * PER_WORKER)
+    models = [_model(), _model()]
+    ref = _model()
+    opts = [HpsOptimizer(m, zones[i], job, worker_id=f"dn-w{i}", timeout_s=10) for i, m in enumerate(models)]
+    try:
+        for s in range(steps):
+            for i, opt in enumerate(opts):
+                sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+                opt.zero_grad()
+                _loss(models[i], x[s, sl], y[s, sl]).backward()
+                assert opt.step().applied
+    finally:
+        for opt in opts:
+            opt.close()
+    outer_p = [p.detach().clone() for p in ref.parameters()]
+    bases = [[p.clone() for p in outer_p] for _ in range(2)]
+    momentum: list | None = None
+    for s in range(steps):
+        total = [torch.zeros_like(p) for p in outer_p]
+        for i in range(2):
+            sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+            for p, b in zip(ref.parameters(), bases[i], strict=True):
+                p.data.copy_(b)
+                p.grad = None
+            _loss(ref, x[s, sl], y[s, sl]).backward()
+            g = [0.5 * lr * p.grad for p in ref.parameters()]  # its pseudo-gradient at its share
+            outer_p = [o - olr * d for o, d in zip(outer_p, g, strict=True)]
+            total = [t + d for t, d in zip(total, g, strict=True)]
+            if i == 1:  # the second update of the round: the momentum
+                momentum = total if momentum is None else [beta * m + t for m, t in zip(momentum, total, strict=True)]
+                outer_p = [o - olr * beta * m for o, m in zip(outer_p, momentum, strict=True)]
+            bases[i] = [o.clone() for o in outer_p]
+    flat = np.concatenate([t.reshape(-1).numpy() for t in outer_p])
+    np.testing.assert_allclose(tree.view("root", job.name)[3], flat, rtol=1e-5, atol=1e-6)
+
+
 def test_a_slow_region_does_not_hold_a_fast_one_with_asynchronous_outer_steps(tree):
     """The slow region's worker does not step at all until the fast region's worker has done
     all of its steps (an event, not a timing): with synchronous outer steps the fast region's
