@@ -48,6 +48,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--job", required=True, help="JobConfig fields as JSON (optimizer: Adam 3e-3, warm-up 20)")
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="stop after this many seconds of training (0: run every step), whichever comes first")
     p.add_argument("--slowdown", type=float, default=1.0,
                    help="compute this many times slower: sleep (slowdown - 1) x each step's forward and backward")
     args = p.parse_args()
@@ -61,7 +63,10 @@ def main() -> int:
     sampler = BatchSampler(data, context=cfg.context, batch_size=args.batch, seed=1000 + args.seed)
     with HpsOptimizer(model, args.address, job, worker_id=args.worker_id, round_timeout_s=900) as opt:
         _emit(event="start", worker=args.worker_id, t=time.time())
+        deadline = time.monotonic() + args.seconds if args.seconds > 0 else math.inf
         for step in range(args.steps):
+            if time.monotonic() >= deadline:  # a time budget: a faster site gets more steps
+                break
             x, y = sampler.next_batch()
             t0 = time.perf_counter()
             opt.zero_grad()

@@ -33,7 +33,9 @@ region trains on while a sync is in flight (overlap) and whether the regions wai
 at a sync (async: the root applies each region's pseudo-gradient as it arrives; dn: with delayed
 Nesterov, the outer momentum moving once per two updates).
 --slow-region F makes region us's two workers compute F times slower (each step sleeps F - 1
-times its forward and backward), in every run, flat included (not the --peer rows). --peer adds
+times its forward and backward), in every run, flat included (not the --peer rows). --seconds S
+gives every worker a time budget instead (it stops after S seconds of training or --steps,
+whichever comes first): with a slower region, the equal-time comparison. --peer adds
 torchft's DiLoCo on the same model, data and links (benchmarks/_diloco_peer.py), or says why
 it could not run.
 """
@@ -65,7 +67,7 @@ STEADY_AFTER = 20  # steps: top-k's density warm-up (25% -> 1%) is over by then
 
 
 def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: int, batch: int, logdir: str,
-        slowdown: list[float] | None = None) -> dict:
+        slowdown: list[float] | None = None, seconds: float = 0.0) -> dict:
     from ps.tools.launch import Cluster
     from ps.tools.status import fetch_status
 
@@ -77,7 +79,7 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
             err = open(os.path.join(logdir, f"w{i}.log"), "wb")
             p = subprocess.Popen([sys.executable, WORKER, "--address", addr, "--worker-id", f"w{i}", "--seed", str(i),
                                   "--steps", str(steps), "--batch", str(batch), "--job", json.dumps(job),
-                                  "--slowdown", str(slowdown[i] if slowdown else 1.0)],
+                                  "--slowdown", str(slowdown[i] if slowdown else 1.0), "--seconds", str(seconds)],
                                  stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
                                  # one run: a worker starting late joins a job its peers began
                                  env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -137,7 +139,9 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
         raise RuntimeError(f"{label}: {len(done)} of {len(where)} workers finished:\n{tail}")
     t0, curve, smooth = loss_curve(events)
     wall = max(e["t"] for e in done) - t0
-    return dict(label=label, job=job, wall_s=wall, curve=curve, smoothed=smooth,
+    # the steps a worker took, on average (each took ``steps`` unless a time budget stopped it)
+    taken = sum(1 for e in events if e["event"] == "step") / len(where)
+    return dict(label=label, job=job, wall_s=wall, curve=curve, smoothed=smooth, steps_per_worker=taken,
                 final_train_loss=smooth[-1][1], val_loss=sum(e["val_loss"] for e in done) / len(done),
                 val_loss_before_sync=sum(e["val_loss_before_sync"] for e in done) / len(done),
                 train_eval_before_sync=sum(e["train_eval_before_sync"] for e in done) / len(done),
@@ -146,10 +150,10 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
                     {"0": up0 + down0, str(STEADY_AFTER): warm} if warm else {"0": up0 + down0})),
                 # per step, both directions: after the first STEADY_AFTER steps (top-k's density
                 # warm-up), and over every step after start-up (job creation, first snapshots)
-                wan_bytes_per_step=(up + down - warm) / (steps - STEADY_AFTER) if warm else
-                (up + down - up0 - down0) / steps,
-                wan_bytes_per_step_after_start_up=(up + down - up0 - down0) / steps,
-                wan_bytes_per_step_with_start_up=(up + down) / steps, tiers=tiers)
+                wan_bytes_per_step=(up + down - warm) / (taken - STEADY_AFTER) if warm else
+                (up + down - up0 - down0) / taken,
+                wan_bytes_per_step_after_start_up=(up + down - up0 - down0) / taken,
+                wan_bytes_per_step_with_start_up=(up + down) / taken, tiers=tiers)
 
 
 def time_to(smoothed: list, target: float) -> float | None:
@@ -255,6 +259,8 @@ def main() -> int:
                    "(dn: delayed Nesterov over the 2 regions), "
                    "comma-separated ('': none)")
     p.add_argument("--peer", default="10,50", help="torchft DiLoCo runs at these H ('': none)")
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="a time budget: every worker stops after this many seconds of training (0: --steps)")
     p.add_argument("--slow-region", type=float, default=1.0,
                    help="region us's workers compute this many times slower (every run, flat included)")
     p.add_argument("--out")
@@ -284,7 +290,7 @@ def main() -> int:
             os.makedirs(f"{tmp}/flat")
             flat = run("flat: 4 workers on the root, dense fp32, bsp, adam", flat_topo,
                        ["eu-wan", "eu-wan", "us-wan", "us-wan"], flat_job, args.steps, args.batch, f"{tmp}/flat",
-                       slow)
+                       slow, args.seconds)
         print(f"flat      wall {flat['wall_s']:7.1f}s  final loss {flat['final_train_loss']:.4f}  "
               f"val {flat['val_loss']:.4f}  WAN {flat['wan_bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
         for mode in filter(None, args.modes.split(",")):
@@ -298,8 +304,8 @@ def main() -> int:
             opt = job.get("optimizer", {}).get("kind", "adam")
             label = f"hierarchy: per-region aggregation, {args.codec}, {mode}, {opt}"
             tree = trees[mode] = run(label, tree_topo, ["eu-a", "eu-b", "us-a", "us-b"], job, tree_steps,
-                                     args.batch, f"{tmp}/tree-{mode}", slow)
-            tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps) - 1][1]
+                                     args.batch, f"{tmp}/tree-{mode}", slow, args.seconds)
+            tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps, len(tree["smoothed"])) - 1][1]
             print(f"hierarchy {mode:5s} wall {tree['wall_s']:7.1f}s  final loss {tree['final_train_loss']:.4f} "
                   f"(at step {min(args.steps, tree_steps)}: {tree['loss_at_flat_steps']:.4f})  "
                   f"val {tree['val_loss']:.4f}  WAN {tree['wan_bytes_per_step'] / 1e6:.4f} MB/step", flush=True)
@@ -314,8 +320,8 @@ def main() -> int:
                      f"{'overlap' if overlap else 'no overlap'}" + (", asynchronous" if asynchronous else "")
                      + (", delayed Nesterov" if dn else ""))
             tree = trees[job["name"]] = run(label, tree_topo, ["eu-a", "eu-b", "us-a", "us-b"], job, tree_steps,
-                                            args.batch, f"{tmp}/{job['name']}", slow)
-            tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps) - 1][1]
+                                            args.batch, f"{tmp}/{job['name']}", slow, args.seconds)
+            tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps, len(tree["smoothed"])) - 1][1]
             print(f"{job['name']:18s} wall {tree['wall_s']:7.1f}s  final loss {tree['final_train_loss']:.4f}  "
                   f"val {tree['val_loss']:.4f}  WAN {tree['wan_bytes_per_step'] / 1e3:.2f} kB/step", flush=True)
         for h in filter(None, args.peer.split(",")):
@@ -341,7 +347,7 @@ def main() -> int:
                       link_latency_means="round trip", model="TinyLM 470,528 params (1.88 MB fp32)",
                       flat_job=dict(flat_job, optimizer="adam 3e-3, warm-up 20"),
                       region_flush_ms=args.region_flush_ms or "deploy/wan.yaml (200)",
-                      slow_region=dict(region="us", factor=args.slow_region)),
+                      slow_region=dict(region="us", factor=args.slow_region), seconds=args.seconds),
         goals=dict(speedup_to_target=GOAL_SPEEDUP, wan_bytes_reduction=GOAL_BYTES, final_loss_within_pct=GOAL_LOSS_PCT),
         target_loss=target, target_loss_means="flat BSP's final smoothed train loss + 1%",
         flat=flat, hierarchies=trees, comparisons=comparisons), args.out)
