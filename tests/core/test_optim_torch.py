@@ -386,3 +386,35 @@ def test_delayed_nesterov_is_refused_for_other_optimizers_and_synchronous_jobs()
     with pytest.raises(BadInput, match="needs the outer optimizer SGD with momentum and nesterov"):
         OuterConfig(nesterov_delay=2, asynchronous=True, optimizer=OptimizerConfig(kind="sgd", lr=0.7))
     assert OuterConfig(nesterov_delay=2, asynchronous=True, optimizer=_nesterov()).nesterov_delay == 2
+
+
+@pytest.mark.parametrize("cfg", [
+    OptimizerConfig(kind="sgd", lr=0.1),                                    # read where it lies
+    OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9, weight_decay=0.01),   # read where it lies
+    OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9, nesterov=True),       # torch adds into it: copied
+    OptimizerConfig(kind="sgd", lr=0.1, clip_grad_norm=0.5),                # clipping scales it: copied
+    OptimizerConfig(kind="adamw", lr=0.01),
+], ids=["sgd", "sgd-momentum-wd", "nesterov", "clip", "adamw"])
+def test_the_callers_gradient_is_never_written_and_steps_equal_torch(cfg):
+    """The root logs the very array it stepped with (its write-ahead log record is written
+    after the step): the optimizer must not change it, whether it reads it in place (plain
+    SGD) or copies it first; and the parameters are torch's on one process."""
+    rng = np.random.default_rng(3)
+    start = rng.standard_normal(10).astype(np.float32)
+    params = start.copy()
+    opt = ServerOptimizer(cfg, params)
+    ref_p = torch.from_numpy(start.copy()).requires_grad_()
+    kw = dict(lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay) \
+        if cfg.kind == "sgd" else dict(lr=cfg.lr)
+    ref = (torch.optim.SGD if cfg.kind == "sgd" else torch.optim.AdamW)([ref_p], **kw)
+    for _ in range(5):
+        g = rng.standard_normal(10).astype(np.float32)
+        before = g.copy()
+        opt.step(g)
+        assert np.array_equal(g, before), "the optimizer wrote into the caller's gradient"
+        ref.zero_grad()
+        ref_p.grad = torch.from_numpy(before.copy())
+        if cfg.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_([ref_p], cfg.clip_grad_norm)
+        ref.step()
+        np.testing.assert_allclose(params, ref_p.detach().numpy(), rtol=1e-6, atol=1e-7)
