@@ -315,13 +315,17 @@ class ServerOptimizer:
         if borrowed:  # hold no reference to the caller's array past the step
             for i in self._keys:
                 self._p[i].grad = None
+        self._set_buffers(grad, step, contributors)
+        self.steps += 1
+
+    def _set_buffers(self, grad: np.ndarray, step: StepInfo | None, contributors: int) -> None:
+        """Buffer keys take the average of the values the pushes that carried them sent."""
         if step is not None and step.buffers > 0 and self._buffers:
             for off, n in self._buffers:
                 avg = grad[off:off + n]
                 if contributors != step.buffers:
                     avg = avg * np.float32(contributors / step.buffers)
                 self.params[off:off + n] = avg
-        self.steps += 1
 
     def _overrides(self, step: StepInfo | None) -> dict[int, dict[str, float]]:
         out: dict[int, dict[str, float]] = {}
@@ -475,12 +479,7 @@ class DelayedNesterov(ServerOptimizer):
                 buf = d if buf is None else buf.mul_(beta).add_(d)
                 state["momentum_buffer"] = buf
                 p.add_(buf, alpha=-lr * beta)
-        if step is not None and step.buffers > 0 and self._buffers:
-            for off, n in self._buffers:
-                avg = grad[off:off + n]
-                if contributors != step.buffers:
-                    avg = avg * np.float32(contributors / step.buffers)
-                self.params[off:off + n] = avg
+        self._set_buffers(grad, step, contributors)
         self.steps += 1
 
 

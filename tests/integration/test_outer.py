@@ -92,6 +92,25 @@ def test_wrong_outer_arithmetic_would_be_caught(tree):
     assert rel > 1e-3
 
 
+def _step_in_turn(zones: list[str], job: JobConfig, steps: int, tag: str) -> list[torch.nn.Module]:
+    """One worker per region (eu on zones[0], us on zones[1]), stepping in turn: eu, us, eu, ...
+    (one region's sync at a time), each on its half of every step's batch; their models."""
+    x, y = mlp_batches(steps, 2 * PER_WORKER)
+    models = [_model(), _model()]
+    opts = [HpsOptimizer(m, zones[i], job, worker_id=f"{tag}-w{i}", timeout_s=10) for i, m in enumerate(models)]
+    try:
+        for s in range(steps):
+            for i, opt in enumerate(opts):
+                sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+                opt.zero_grad()
+                _loss(models[i], x[s, sl], y[s, sl]).backward()
+                assert opt.step().applied
+    finally:
+        for opt in opts:
+            opt.close()
+    return models
+
+
 def test_asynchronous_outer_steps_apply_each_regions_pseudo_gradient_at_its_share(tree):
     """Asynchronous outer steps, H = 1, lossless, inner SGD, outer SGD at lr 1 without momentum,
     one worker per region, steps alternating eu, us, eu, ...: the root applies each region's
@@ -105,20 +124,8 @@ def test_asynchronous_outer_steps_apply_each_regions_pseudo_gradient_at_its_shar
     outer = OuterConfig(inner_steps=1, codec="fp32", delta_codec="fp32", asynchronous=True,
                         optimizer=OptimizerConfig(kind="sgd", lr=1.0))
     job = JobConfig(name="as-eq", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr), outer=outer)
-    x, y = mlp_batches(steps, 2 * PER_WORKER)
-    models = [_model(), _model()]
+    models, (x, y) = _step_in_turn(zones, job, steps, "as"), mlp_batches(steps, 2 * PER_WORKER)
     ref = _model()
-    opts = [HpsOptimizer(m, zones[i], job, worker_id=f"as-w{i}", timeout_s=10) for i, m in enumerate(models)]
-    try:
-        for s in range(steps):
-            for i, opt in enumerate(opts):  # eu, then us: one region's sync at a time
-                sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
-                opt.zero_grad()
-                _loss(models[i], x[s, sl], y[s, sl]).backward()
-                assert opt.step().applied
-    finally:
-        for opt in opts:
-            opt.close()
     # By hand: the outer parameters, and each region's base (what it last rebased on).
     outer_p = [p.detach().clone() for p in ref.parameters()]
     bases = [[p.clone() for p in outer_p] for _ in range(2)]
@@ -150,20 +157,9 @@ def test_delayed_nesterov_moves_the_outer_momentum_once_per_round_of_regions(tre
     outer = OuterConfig(inner_steps=1, codec="fp32", delta_codec="fp32", asynchronous=True, nesterov_delay=2,
                         optimizer=OptimizerConfig(kind="sgd", lr=olr, momentum=beta, nesterov=True))
     job = JobConfig(name="as-dn", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr), outer=outer)
+    _step_in_turn(zones, job, steps, "dn")
     x, y = mlp_batches(steps, 2 * PER_WORKER)
-    models = [_model(), _model()]
     ref = _model()
-    opts = [HpsOptimizer(m, zones[i], job, worker_id=f"dn-w{i}", timeout_s=10) for i, m in enumerate(models)]
-    try:
-        for s in range(steps):
-            for i, opt in enumerate(opts):
-                sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
-                opt.zero_grad()
-                _loss(models[i], x[s, sl], y[s, sl]).backward()
-                assert opt.step().applied
-    finally:
-        for opt in opts:
-            opt.close()
     outer_p = [p.detach().clone() for p in ref.parameters()]
     bases = [[p.clone() for p in outer_p] for _ in range(2)]
     momentum: list | None = None

@@ -111,20 +111,27 @@ def reference(tmp_path_factory) -> dict[int, np.ndarray]:
     return out
 
 
-def test_bsp_over_three_shards_of_unequal_weight_equals_one_process(roots, tmp_path):
-    rs = _shards(roots, tmp_path, 3)
-    opt = OptimizerConfig(kind="adam", lr=0.01)
-    job = JobConfig(name="eq", optimizer=opt, sharding=ShardingConfig(weights=(2.0, 1.0, 1.0), block_elems=64))
-    got = train_mlp([_address(rs)], job, steps=8, workers=2, per_worker=8)
-    model, (x, y) = small_mlp(), mlp_batches(8, 16)
-    ref = torch.optim.Adam(model.parameters(), lr=opt.lr)
-    for s in range(8):
+def _equals_local_adam(got: dict, lr: float, steps: int) -> torch.nn.Module:
+    """Assert every worker's model in ``got`` (``train_mlp``'s, 16 samples a step) is torch Adam
+    on one process over the same ``steps`` whole batches; return that process's model."""
+    model, (x, y) = small_mlp(), mlp_batches(steps, 16)
+    ref = torch.optim.Adam(model.parameters(), lr=lr)
+    for s in range(steps):
         ref.zero_grad()
         mlp_loss(model, x[s], y[s]).backward()
         ref.step()
     for w in got.values():
         for a, b in zip(w, model.parameters(), strict=True):
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
+    return model
+
+
+def test_bsp_over_three_shards_of_unequal_weight_equals_one_process(roots, tmp_path):
+    rs = _shards(roots, tmp_path, 3)
+    opt = OptimizerConfig(kind="adam", lr=0.01)
+    job = JobConfig(name="eq", optimizer=opt, sharding=ShardingConfig(weights=(2.0, 1.0, 1.0), block_elems=64))
+    got = train_mlp([_address(rs)], job, steps=8, workers=2, per_worker=8)
+    model = _equals_local_adam(got, opt.lr, steps=8)
     # the weights place the bytes: shard 0 (weight 2) holds about half the job, each shard its own
     blocks = [r.status().jobs[0].stats for r in rs]
     assert all(b.shard == f"{i}/3" and b.shard_blocks > 0 for i, b in enumerate(blocks))
@@ -257,7 +264,7 @@ def test_a_sharded_job_trains_through_a_relay_tree_per_shard(roots, tmp_path):
         zone_a, zone_b = _address(relays[:2]), _address(relays[2:])
         opt = OptimizerConfig(kind="adam", lr=0.01)
         job = JobConfig(name="relayed", optimizer=opt, sharding=ShardingConfig(weights=(2.0, 1.0), block_elems=64))
-        model, (x, y) = small_mlp(), mlp_batches(6, 16)
+        model = small_mlp()  # the values the workers start from
         values = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
         layout = Layout([KeySpec(n, tuple(p.shape)) for n, p in model.named_parameters()])
         creator = ShardedClient([r.address for r in relays[:2]], "relayed", "creator", timeout_s=10, retry_s=30,
@@ -271,14 +278,7 @@ def test_a_sharded_job_trains_through_a_relay_tree_per_shard(roots, tmp_path):
             got = train_mlp([zone_a, zone_b], job, steps=6, workers=2, per_worker=8)
         finally:
             del os.environ["HPS_TOKEN"]
-        ref = torch.optim.Adam(model.parameters(), lr=opt.lr)
-        for s in range(6):
-            ref.zero_grad()
-            mlp_loss(model, x[s], y[s]).backward()
-            ref.step()
-        for w in got.values():
-            for a, b in zip(w, model.parameters(), strict=True):
-                torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
+        _equals_local_adam(got, opt.lr, steps=6)
         assert [fetch_status(r.address, token=token).jobs[0].version for r in rs] == [6, 6]
         with pytest.raises(ValueError, match="sharded over 2 root shards.*separated by ';'"):
             HpsOptimizer(small_mlp(), relays[2].address, "relayed", worker_id="w9", timeout_s=10, token=token)
