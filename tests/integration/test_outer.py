@@ -111,6 +111,15 @@ def _step_in_turn(zones: list[str], job: JobConfig, steps: int, tag: str) -> lis
     return models
 
 
+def _grad_at(model: torch.nn.Module, values: list[torch.Tensor], x, y) -> list[torch.Tensor]:
+    """The loss gradient of ``model`` with its parameters set to ``values`` (a region's base)."""
+    for p, v in zip(model.parameters(), values, strict=True):
+        p.data.copy_(v)
+        p.grad = None
+    _loss(model, x, y).backward()
+    return [p.grad for p in model.parameters()]
+
+
 def test_asynchronous_outer_steps_apply_each_regions_pseudo_gradient_at_its_share(tree):
     """Asynchronous outer steps, H = 1, lossless, inner SGD, outer SGD at lr 1 without momentum,
     one worker per region, steps alternating eu, us, eu, ...: the root applies each region's
@@ -132,11 +141,7 @@ def test_asynchronous_outer_steps_apply_each_regions_pseudo_gradient_at_its_shar
     for s in range(steps):
         for i in range(2):
             sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
-            for p, b in zip(ref.parameters(), bases[i], strict=True):
-                p.data.copy_(b)
-                p.grad = None
-            _loss(ref, x[s, sl], y[s, sl]).backward()
-            pseudo = [lr * p.grad for p in ref.parameters()]    # base - (base - lr g)
+            pseudo = [lr * g for g in _grad_at(ref, bases[i], x[s, sl], y[s, sl])]  # base - (base - lr g)
             outer_p = [o - 0.5 * g for o, g in zip(outer_p, pseudo, strict=True)]  # its share: 1 of 2
             bases[i] = [o.clone() for o in outer_p]
     for a, b in zip(models[1].parameters(), outer_p, strict=True):  # us synced last: it holds the outer view
@@ -167,11 +172,7 @@ def test_delayed_nesterov_moves_the_outer_momentum_once_per_round_of_regions(tre
         total = [torch.zeros_like(p) for p in outer_p]
         for i in range(2):
             sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
-            for p, b in zip(ref.parameters(), bases[i], strict=True):
-                p.data.copy_(b)
-                p.grad = None
-            _loss(ref, x[s, sl], y[s, sl]).backward()
-            g = [0.5 * lr * p.grad for p in ref.parameters()]  # its pseudo-gradient at its share
+            g = [0.5 * lr * d for d in _grad_at(ref, bases[i], x[s, sl], y[s, sl])]  # its share of its own
             outer_p = [o - olr * d for o, d in zip(outer_p, g, strict=True)]
             total = [t + d for t, d in zip(total, g, strict=True)]
             if i == 1:  # the second update of the round: the momentum
