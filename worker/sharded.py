@@ -305,7 +305,7 @@ class ShardedClient:
                 # gradient was computed on, the gradient is as valid there, and goes again.
                 if contributors == 0 or (version is not None and version != held[1]):
                     raise
-                self._pull_epoch(c, held[1], exc.epoch)
+                self._pull_epoch(c, held[1], held[0] if exc.epoch is not None else None)
                 if c.view.epoch == held[0] or (c.view.version, c.view.checksum) != held[1:]:
                     raise
                 log.warning("%s: root shard %d restarted at version %d with the same parameters; the push "
@@ -320,14 +320,15 @@ class ShardedClient:
                       "only); their bsp rounds are apart from now on", self.worker_id, versions)
         return min(versions), sum(n for _, n in results)
 
-    def _pull_epoch(self, c: ParameterClient, version: int, epoch: int | None) -> None:
-        """Pull ``c`` to ``version``; when a tier above its relay refused on root ``epoch``,
-        until it holds that epoch (the relay moves there once it hears of the restart: within
-        its parent's heartbeat; measured: a zone below a region answered on the old epoch right
-        after the region had refused on the new one), for at most ``timeout_s``."""
+    def _pull_epoch(self, c: ParameterClient, version: int, old_epoch: int | None) -> None:
+        """Pull ``c`` to ``version``; when a tier refused the push for a newer root epoch than
+        ``old_epoch``, until ``c`` holds a view off ``old_epoch`` (its relay moves once it hears
+        of the restart, within its parent's heartbeat; seen: a zone below a region answered on
+        the old epoch right after the region had refused on the new one), for at most
+        ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         c.pull(min_version=version)
-        while epoch is not None and c.view.epoch != epoch and time.monotonic() < deadline:
+        while old_epoch is not None and c.view.epoch == old_epoch and time.monotonic() < deadline:
             time.sleep(0.05)
             c.pull(min_version=version)
 

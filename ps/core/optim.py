@@ -310,11 +310,13 @@ class ServerOptimizer:
             with_grad = [self._p[i] for i in self._keys if i not in absent]
             if with_grad:
                 torch.nn.utils.clip_grad_norm_(with_grad, self.cfg.clip_grad_norm)
-        if self._keys:
-            self._opt.step()
-        if borrowed:  # hold no reference to the caller's array past the step
-            for i in self._keys:
-                self._p[i].grad = None
+        try:
+            if self._keys:
+                self._opt.step()
+        finally:
+            if borrowed:  # hold no reference to the caller's array past the step
+                for i in self._keys:
+                    self._p[i].grad = None
         self._set_buffers(grad, step, contributors)
         self.steps += 1
 
@@ -456,11 +458,12 @@ class DelayedNesterov(ServerOptimizer):
             return
         if grad.shape != self._flat.shape:
             raise ValueError(f"gradient has {grad.size} elements, parameters {self._flat.numel()}")
-        group = self._opt.param_groups[0]
+        group, base = self._opt.param_groups[0], self._configured[0]
         over = self._overrides(step).get(0, {})
-        lr = float(over.get("lr", lr_at(self.cfg, self.steps, self._configured[0]["lr"])))
-        beta = float(over.get("momentum", self._configured[0]["momentum"]))
-        group.update(self._configured[0])
+        group.update(base)
+        apply_hparams(group, over, "param group 0")  # refuses what SGD does not have, as any step does
+        lr = float(group["lr"]) if "lr" in over else lr_at(self.cfg, self.steps, base["lr"])
+        beta = float(group["momentum"])
         self._gflat.copy_(torch.from_numpy(grad))
         absent = set(step.absent) if step is not None else set()
         boundary = (self.steps + 1) % self.delay == 0
@@ -472,7 +475,7 @@ class DelayedNesterov(ServerOptimizer):
                 if "delayed_sum" in state:
                     state["delayed_sum"].add_(g)
                 else:
-                    state["delayed_sum"] = g.clone()
+                    state["delayed_sum"] = g  # a fresh tensor (the product above)
             d = state.pop("delayed_sum", None) if boundary else None
             if d is not None:  # torch skips a key without a gradient: so does the momentum here
                 buf = state.get("momentum_buffer")

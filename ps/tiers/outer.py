@@ -108,7 +108,7 @@ class OuterState:
     inflight: asyncio.Task | None = None  # the sync in flight
     pending: Pending | None = None
     reported: set[int] = dataclasses.field(default_factory=set)  # old lineages whose loss is counted
-    sent: int = 0               # syncs started (an asynchronous job's fragments go in this turn)
+    sent: int = 0               # syncs made (an asynchronous job's fragments go in this turn)
 
 
 class InnerRoot(Root):
@@ -356,7 +356,6 @@ class OuterRelay(Relay):
         # its fragments in its own turn.
         asynchronous = ijs.config.outer is not None and ijs.config.outer.asynchronous
         f = st.plan.fragment(st.sent if asynchronous else u)
-        st.sent += 1
         st.scratch = st.plan.pseudo_gradient(st.base, ijs.params, f, st.workers, out=st.scratch)
         step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0)
         agg = Aggregate(round=u, grad=st.scratch, contributors=st.workers, clock_min=u, clock_max=u,
@@ -393,6 +392,7 @@ class OuterRelay(Relay):
                         "its steps go with the next sync", self.role, name, p.fragment, p.outer_version,
                         short(str(exc), 200), extra=event("outer.sync_failed", job=name, version=p.outer_version))
             return
+        st.sent += 1  # synced: the next fragment's turn (a failed sync tries the same one again)
         st.plan.rebase(ijs.params, st.base, ojs.view.values, p.fragment, sent=p.params)
         assert self.inner is not None
         self.inner._publish(ijs, ijs.view.clock_min, 0)

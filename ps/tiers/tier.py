@@ -344,6 +344,11 @@ class Tier:
 
     def _check_placement(self, js: JobState, meta: PushMeta) -> None:
         """Raise unless the push fits the open round or window now (changes nothing)."""
+        if js.outer_async and (js.window.pushed or js.inflight):
+            # Each region's update is a step of its own (delayed Nesterov counts them; damping
+            # is by its own staleness): never summed with another that came meanwhile.
+            raise Unavailable(f"another region's update of outer job {short(meta.job)} is being applied; "
+                              "asynchronous outer steps apply one at a time: retry shortly")
         if meta.view_epoch and js.view.ready and meta.view_epoch != js.view.epoch:
             raise Stale(f"gradient computed on a view of root epoch {meta.view_epoch:#x}; this tier "
                         f"holds epoch {js.view.epoch:#x} (the root restarted): pull a snapshot",

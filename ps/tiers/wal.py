@@ -203,10 +203,14 @@ class WriteAheadLog:
                         f"{e.version - 1} are missing (a gap)" if e.version > last.version else
                         f"version {e.version} in {path.name} (offset {e.offset}) is older than the "
                         f"log's first version {flat[0][0].version}")
-            if scan.old:  # cutting it would silently drop what an older build acknowledged
+            if scan.old:  # cutting it would silently drop what another build acknowledged
+                with open(path, "rb") as f:
+                    f.seek(scan.end)
+                    magic = f.read(4)
+                which = "an older format" if magic == OLD_MAGIC else "a format this build does not know"
                 raise self._corrupt(
-                    f"segment {path.name} holds records of an older format (magic {OLD_MAGIC!r} at "
-                    f"offset {scan.end}), which this build does not read",
+                    f"segment {path.name} holds records of {which} (magic {magic!r} at offset "
+                    f"{scan.end}), which this build does not read",
                     "Start the build that wrote it once and stop it cleanly (a clean stop "
                     "checkpoints and empties the log), then start this one.")
             if scan.end < scan.size:

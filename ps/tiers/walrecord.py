@@ -107,7 +107,7 @@ class Scan(NamedTuple):
     end: int   # where the valid records end
     size: int
     why: str     # why the bytes at ``end`` are not a record ("" when end == size)
-    old: bool    # they are a record of the older format
+    old: bool    # they are a record of another format of ours (b"HPS" and a magic this build does not read)
     beyond: int  # bytes after a damaged record whose lengths fit the file
 
 
@@ -172,8 +172,9 @@ def scan_file(f, size: int) -> Scan:
     while pos < size:
         head = f.read(HEAD)
         why, fields = _check_head(head, pos, size)
-        if why:
-            return Scan(entries, pos, size, why, head[:4] == OLD_MAGIC, 0)
+        if why:  # another format of ours (older, or newer than this build) is refused, never cut
+            other = head[:3] == b"HPS" and head[:4] not in (MAGIC, SPARSE_MAGIC)
+            return Scan(entries, pos, size, why, other, 0)
         h = xxhash.xxh3_64(head[:_FIELDS.size])
         left = fields[5] + fields[6]
         while left:

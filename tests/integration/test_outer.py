@@ -183,6 +183,34 @@ def test_delayed_nesterov_moves_the_outer_momentum_once_per_round_of_regions(tre
     np.testing.assert_allclose(tree.view("root", job.name)[3], flat, rtol=1e-5, atol=1e-6)
 
 
+def test_asynchronous_updates_arriving_together_are_applied_one_at_a_time(tree, monkeypatch):
+    """Three regions sync every inner step, at the same time (a worker each, in threads), and
+    the root takes 50 ms over each version (its event loop free meanwhile), so two regions'
+    updates arrive while a third's is applied: each is still an outer version of its own, never
+    summed with another (delayed Nesterov counts them, damping is by each one's staleness).
+    The root's version is the regions' syncs, exactly (summed when they met, as before this
+    was refused: 17 and 18 of 24 in two runs)."""
+    import asyncio
+
+    from ps.tiers.root import Root
+
+    async def slow(self, js, rec):
+        await asyncio.sleep(0.05)
+    monkeypatch.setattr(Root, "_after_version", slow)  # the global root's (a region's own root overrides it)
+    tree.add("root", "global")
+    regions = ("eu", "us", "ap")
+    for r in regions:
+        tree.add(r, "regional", parent="root")
+    zones = [tree.add(f"{r}-a", "zone", parent=r) for r in regions]
+    outer = OuterConfig(inner_steps=1, codec="fp32", delta_codec="fp32", asynchronous=True, nesterov_delay=3,
+                        optimizer=OptimizerConfig(kind="sgd", lr=0.7, momentum=0.9, nesterov=True))
+    job = JobConfig(name="as-together", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1), outer=outer)
+    train_mlp(zones, job, 8, 3, PER_WORKER)
+    syncs = [tree.lt.call(lambda r=r: tree.tier(r).inner.jobs[job.name].stats.outer_syncs) for r in regions]
+    assert syncs == [8, 8, 8]
+    assert tree.view("root", job.name)[1] == 24
+
+
 def test_a_slow_region_does_not_hold_a_fast_one_with_asynchronous_outer_steps(tree):
     """The slow region's worker does not step at all until the fast region's worker has done
     all of its steps (an event, not a timing): with synchronous outer steps the fast region's

@@ -316,6 +316,16 @@ def test_an_older_format_is_refused_rather_than_cut(tmp_path):
     assert _seg(tmp_path, 1).stat().st_size == 64
 
 
+def test_a_newer_format_after_good_records_is_refused_rather_than_cut(tmp_path):
+    """A record this build cannot read behind ones it can (a downgrade after a newer build
+    wrote): refused by name, nothing cut, rather than taken for a torn tail and dropped."""
+    good = _write_segment(tmp_path, 1, [1, 2])
+    _seg(tmp_path, 1).write_bytes(good + b"HPS9" + bytes(60))
+    with pytest.raises(WalCorrupt, match="a format this build does not know .*HPS9"):
+        WriteAheadLog(tmp_path)
+    assert _seg(tmp_path, 1).stat().st_size == len(good) + 64
+
+
 def test_replay_refuses_when_the_log_resumes_after_the_checkpoint(tmp_path):
     _write_segment(tmp_path, 5, range(5, 9))
     wal = WriteAheadLog(tmp_path)
