@@ -50,7 +50,8 @@ from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, NotPrimary, 
 from ps.core.exactly_once import decode_applied, encode_applied
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
-from ps.core.optim import DelayedNesterov, ServerOptimizer, warm_up
+from ps.core.nesterov import DelayedNesterov
+from ps.core.optim import ServerOptimizer, warm_up
 from ps.core.ranks import RankInfo
 from ps.core.sharding import ShardPlan
 from ps.core.tensors import assemble, split

@@ -319,7 +319,7 @@ def test_delayed_nesterov_over_one_update_per_region_is_one_nesterov_step_on_the
     """3 regions' updates per round, 4 rounds, a key absent from one update: after each round
     the parameters are torch's Nesterov SGD stepped once on the round's sum (to fp32 rounding),
     and in between each update has moved them by its own gradient alone."""
-    from ps.core.optim import DelayedNesterov
+    from ps.core.nesterov import DelayedNesterov
 
     layout = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
     rng = np.random.default_rng(0)
@@ -350,7 +350,7 @@ def test_delayed_nesterov_over_one_update_per_region_is_one_nesterov_step_on_the
 
 
 def test_delayed_nesterov_state_round_trips_mid_round_and_rolls_back_exactly():
-    from ps.core.optim import DelayedNesterov
+    from ps.core.nesterov import DelayedNesterov
 
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal(6).astype(np.float32) for _ in range(5)]
@@ -377,7 +377,7 @@ def test_delayed_nesterov_state_round_trips_mid_round_and_rolls_back_exactly():
 
 def test_delayed_nesterov_is_refused_for_other_optimizers_and_synchronous_jobs():
     from ps.core.config import OuterConfig
-    from ps.core.optim import DelayedNesterov
+    from ps.core.nesterov import DelayedNesterov
 
     with pytest.raises(BadInput, match="delayed Nesterov needs SGD with momentum and nesterov"):
         DelayedNesterov(OptimizerConfig(kind="adam", lr=0.1), np.zeros(2, np.float32), delay=2)

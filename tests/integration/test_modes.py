@@ -32,6 +32,20 @@ def _model(seed: int, n_in: int = 6) -> torch.nn.Module:
     return torch.nn.Linear(n_in, 1)
 
 
+def _fast_ones_never_wait(opts, steps: int) -> None:
+    """Workers 0 and 1 step at full speed, worker 2 sleeps 0.25 s a step: the fast ones must
+    finish all ``steps`` while the slow one is still short of them (async never waits)."""
+    done = {0: 0, 1: 0, 2: 0}
+    ts, errors = _run(opts, steps, [0.0, 0.0, 0.25], _problem(2), done=done)
+    ts[0].join(60)
+    ts[1].join(60)
+    slow_when_fast_finished = done[2]
+    [t.join(60) for t in ts]
+    assert not errors, errors
+    assert done[0] == done[1] == steps
+    assert slow_when_fast_finished < steps, "the fast workers waited for the slow one"
+
+
 def _run(opts, steps, sleeps, problem, losses=None, done=None, errors=None):
     """One thread per worker; returns when all finished."""
     x, y = problem
@@ -105,15 +119,7 @@ def test_async_a_slow_worker_never_blocks_the_others_and_staleness_is_measured(t
     zone = tree.add("z", "zone", parent="root")
     job = JobConfig(name="as", mode="async", damping=True, optimizer=OptimizerConfig(lr=0.05))
     opts = _workers(lambda i: zone, job, 3, record=False)
-    done = {0: 0, 1: 0, 2: 0}
-    ts, errors = _run(opts, 20, [0.0, 0.0, 0.25], _problem(2), done=done)
-    ts[0].join(60)
-    ts[1].join(60)
-    slow_when_fast_finished = done[2]
-    [t.join(60) for t in ts]
-    assert not errors, errors
-    assert done[0] == done[1] == 20
-    assert slow_when_fast_finished < 20, "the fast workers waited for the slow one"
+    _fast_ones_never_wait(opts, 20)
     stats = tree.lt.call(lambda: tree.tier("root").status().jobs[0].stats)
     assert stats.staleness_count > 0 and stats.staleness_max >= 1
     for o, _ in opts:

@@ -356,7 +356,7 @@ def test_ssp_and_async_keep_their_bounds_at_every_shard(roots, tmp_path):
     """ssp over 2 shards: a worker 5x slower holds the fast ones back at every shard, by no
     more than the bound (each shard measures the staleness of what it applies, in clocks), and
     they do run ahead of it; async over 2 shards: the slow worker blocks no one."""
-    from tests.integration.test_modes import _model, _problem, _run
+    from tests.integration.test_modes import _fast_ones_never_wait, _model, _problem, _run
 
     s = 2
     rs = _shards(roots, tmp_path, 2, tag="ssp")
@@ -377,14 +377,7 @@ def test_ssp_and_async_keep_their_bounds_at_every_shard(roots, tmp_path):
     job = JobConfig(name="as", mode="async", optimizer=OptimizerConfig(lr=0.05), sharding=sharding)
     models = [_model(1) for _ in range(3)]
     opts = [(HpsOptimizer(m, _address(rs), job, worker_id=f"as-w{i}"), m) for i, m in enumerate(models)]
-    done = {0: 0, 1: 0, 2: 0}
-    ts, errors = _run(opts, 16, [0.0, 0.0, 0.25], _problem(2), done=done)
-    ts[0].join(60)
-    ts[1].join(60)
-    slow_when_fast_finished = done[2]
-    [t.join(60) for t in ts]
-    assert not errors, errors
-    assert done[0] == done[1] == 16 and slow_when_fast_finished < 16, "the fast workers waited for the slow one"
+    _fast_ones_never_wait(opts, 16)
     for o, _ in opts:
         o.close()
 
