@@ -230,10 +230,21 @@ class OuterConfig:
     # updates (set it to the number of regions), on their sum: over one update from each region
     # that is exactly one synchronous Nesterov step. 0: the momentum moves at every update.
     nesterov_delay: int = 0
+    # Asynchronous: dynamic local steps (Async Local-SGD's DyLU). ``inner_steps`` is the fastest
+    # region's H; each region syncs every ``period * its inner steps per second / the fastest
+    # region's`` inner steps (at least 1), so the regions sync about equally often in wall time
+    # and a slow region's pseudo-gradient is no staler than a fast one's. The root hears each
+    # region's rate with its pseudo-gradients and answers the fastest with its acknowledgement.
+    dynamic_steps: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
             object.__setattr__(self, "optimizer", OptimizerConfig(**self.optimizer))
+        _require(isinstance(self.dynamic_steps, bool), f"outer dynamic_steps must be true or false, "
+                 f"got {self.dynamic_steps!r}")
+        _require(not self.dynamic_steps or self.asynchronous,
+                 "outer dynamic_steps applies to asynchronous outer steps (synchronous regions wait for "
+                 "each other at every sync, so each must take the same inner steps)")
         _require(not isinstance(self.inner_steps, bool) and isinstance(self.inner_steps, int)
                  and 1 <= self.inner_steps <= 1_000_000,
                  f"outer inner_steps must be an integer in [1, 1000000], got {self.inner_steps!r}")

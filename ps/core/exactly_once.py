@@ -29,7 +29,7 @@ import json
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ps.core.errors import BadInput, Conflict
@@ -219,6 +219,8 @@ def encode_applied(keys: Iterable[PushKey], step: StepInfo) -> bytes:
     ('w0', True, True)
     """
     body = encode_keys(keys)
+    if step.inner_rate:  # it steers the regions; it is not part of what the version applied
+        step = replace(step, inner_rate=0.0)
     if step.empty:
         return body
     data = json.dumps([step.hparams, step.absent, step.skip, step.buffers, step.progress],

@@ -37,7 +37,7 @@ from ps.core.config import JobConfig
 from ps.core.errors import BadInput
 from ps.core.view import Layout
 
-__all__ = ["OuterPlan", "check_outer_member", "above_inner"]
+__all__ = ["OuterPlan", "check_outer_member", "above_inner", "Pace", "StepRate", "dynamic_period"]
 
 _RANK = {"worker": 0, "zone": 1, "regional": 2, "global": 3}
 
@@ -171,3 +171,99 @@ class OuterPlan:
         if steps == self.period and outer_version > synced_to:
             return 0
         return steps
+
+
+# Dynamic local steps (OuterConfig.dynamic_steps; Async Local-SGD's DyLU, Liu et al. 2024):
+# every region syncs after about the same wall time, the fastest after ``period`` steps.
+
+def dynamic_period(period: int, rate: float, pace: float) -> int:
+    """A region's inner steps per sync: ``period`` scaled by its speed against the fastest
+    region's (``pace``), at least 1 and at most ``period``; ``period`` while either is unknown.
+
+    >>> dynamic_period(10, rate=5.0, pace=10.0), dynamic_period(10, 1.0, 40.0), dynamic_period(10, 12.0, 10.0)
+    (5, 1, 10)
+    >>> dynamic_period(10, 0.0, 10.0), dynamic_period(10, 5.0, 0.0)
+    (10, 10)
+    """
+    if rate <= 0 or pace <= 0:
+        return period
+    return max(1, min(period, round(period * rate / pace)))
+
+
+class StepRate:
+    """A region's inner steps per second, timed from one inner version to the next, leaving out
+    the time the region spent waiting for its own syncs (so a region that waits on the WAN does
+    not read as slow and shrink its H further). Smoothed across syncs.
+
+    >>> r = StepRate()
+    >>> for t in (0.0, 0.5, 1.0, 1.5):  # a step every 0.5 s
+    ...     r.step(t)
+    >>> r.waited(2.0); r.step(4.0)      # 2 s of it waiting for a sync: 0.5 s of training
+    >>> r.close()                       # at a sync: this interval's rate joins the average
+    2.0
+    >>> r.step(4.25); r.step(4.5); r.close()   # 4 steps per second now: halfway there
+    3.0
+    """
+
+    def __init__(self, smoothing: float = 0.5) -> None:
+        self.smoothing = smoothing
+        self.rate = 0.0        # the smoothed inner steps per second (0: not measured yet)
+        self._last: float | None = None
+        self._steps = 0
+        self._seconds = 0.0
+        self._waited = 0.0
+
+    def step(self, now: float) -> None:
+        """An inner step was published at ``now``."""
+        if self._last is not None:
+            self._steps += 1
+            self._seconds += max(0.0, now - self._last - self._waited)
+        self._last, self._waited = now, 0.0
+
+    def waited(self, seconds: float) -> None:
+        """The region waited ``seconds`` for a sync since the last step."""
+        self._waited += seconds
+
+    def close(self) -> float:
+        """A sync is sent: fold the steps since the last one into the rate; return it."""
+        if self._steps and self._seconds > 0:
+            fresh = self._steps / self._seconds
+            self.rate = fresh if self.rate == 0 else self.smoothing * self.rate + (1 - self.smoothing) * fresh
+        self._steps, self._seconds = 0, 0.0
+        return self.rate
+
+
+class Pace:
+    """At the root: the regions' inner step rates as their pseudo-gradients report them, and the
+    fastest (what each region's H is scaled against). A region not heard from for ``horizon``
+    times its own interval between reports (at least ``min_horizon_s``) has stopped or died and
+    no longer counts, so a dead fast region does not keep the others' H small.
+
+    >>> pace = Pace()
+    >>> pace.heard("eu", 10.0, now=0.0); pace.heard("us", 5.0, now=0.5)
+    >>> pace.fastest(now=1.0)
+    10.0
+    >>> pace.heard("us", 5.0, now=31.0); pace.fastest(now=60.0)   # eu silent for a minute
+    5.0
+    """
+
+    def __init__(self, horizon: float = 4.0, min_horizon_s: float = 30.0) -> None:
+        self.horizon, self.min_horizon_s = horizon, min_horizon_s
+        self._heard: dict[str, tuple[float, float, float]] = {}  # source: (rate, when, interval)
+
+    def heard(self, source: str, rate: float, now: float) -> None:
+        if not rate > 0:
+            return
+        prev = self._heard.get(source)
+        self._heard[source] = (rate, now, now - prev[1] if prev is not None else 0.0)
+        if len(self._heard) > 4096:  # bounded: sources are regions (or zones), never workers
+            self._heard.pop(next(iter(self._heard)))
+
+    def fastest(self, now: float) -> float:
+        best = 0.0
+        for source, (rate, when, interval) in list(self._heard.items()):
+            if now - when > max(self.min_horizon_s, self.horizon * interval):
+                del self._heard[source]
+            else:
+                best = max(best, rate)
+        return best

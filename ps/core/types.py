@@ -63,6 +63,8 @@ class StepInfo:
     (an AMP overflow): the round is skipped by everyone. ``buffers``: how many contributions
     carry their buffers' values (averaged at the root). ``progress``: (epoch, shard, end offset)
     of the leased data shards the step trained (recorded with the version that applies it).
+    ``inner_rate``: an outer job's region, its inner steps per second (dynamic local steps,
+    ``OuterConfig.dynamic_steps``; not recorded with the version: it steers, it is not applied).
     """
 
     hparams: tuple[tuple[int, str, float], ...] = ()
@@ -70,6 +72,7 @@ class StepInfo:
     skip: bool = False
     buffers: int = 0
     progress: tuple[tuple[int, int, int], ...] = ()
+    inner_rate: float = 0.0
 
     @property
     def empty(self) -> bool:
@@ -96,7 +99,8 @@ class StepInfo:
             furthest[(e, s)] = max(end, furthest.get((e, s), end))
         return StepInfo(other.hparams if (other_newer and other.hparams) or not self.hparams else self.hparams,
                         absent, self.skip or other.skip, self.buffers + other.buffers,
-                        tuple((e, s, end) for (e, s), end in sorted(furthest.items())))
+                        tuple((e, s, end) for (e, s), end in sorted(furthest.items())),
+                        max(self.inner_rate, other.inner_rate))
 
 
 NO_STEP = StepInfo()
@@ -149,6 +153,7 @@ class Ack:
     view_epoch: int
     duplicate: bool = False
     skipped: bool = False  # the version skipped its step (a contribution overflowed under AMP)
+    pace: float = 0.0      # an outer job with dynamic steps: the fastest region's inner steps per second
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,7 @@ class JobStats:
     pseudo_grad_norm: float = 0.0  # L2 norm of the last pseudo-gradient, per worker
     inner_steps_since_sync: int = 0  # inner steps not yet in any pseudo-gradient
     inner_steps_lost: int = 0    # inner steps lost to restarts of this tier (reported, never silent)
+    inner_steps_per_sync: int = 0  # the region's inner steps between syncs now (dynamic steps: by its speed)
 
     def staleness(self, s: int) -> None:
         self.staleness_count += 1

@@ -183,7 +183,7 @@ class Upstream:
 
     async def push(self, frames: list[bytes], timeout: float, job: str | None = None) -> Ack:
         r = await self._call("Push", iter(frames), timeout=timeout, job=job)
-        return Ack(r.applied_version, r.view_epoch, r.duplicate, r.skipped)
+        return Ack(r.applied_version, r.view_epoch, r.duplicate, r.skipped, r.pace)
 
     async def list_jobs(self) -> list[dict]:
         return jobs_from_pb(await self._call("ListJobs", pb.ListJobsRequest()))

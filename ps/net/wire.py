@@ -165,7 +165,8 @@ def step_to_pb(step: StepInfo) -> pb.StepInfo | None:
         return None
     return pb.StepInfo(hparams=[pb.HParam(group=g, name=n, value=v) for g, n, v in step.hparams],
                        absent=step.absent, skip=step.skip, buffers=step.buffers,
-                       progress=[pb.ShardProgress(epoch=e, shard=s, end=n) for e, s, n in step.progress])
+                       progress=[pb.ShardProgress(epoch=e, shard=s, end=n) for e, s, n in step.progress],
+                       inner_rate=step.inner_rate)
 
 
 def step_from_pb(m: pb.StepInfo) -> StepInfo:
@@ -184,8 +185,10 @@ def step_from_pb(m: pb.StepInfo) -> StepInfo:
     absent = tuple(m.absent)
     if list(absent) != sorted(set(absent)):
         raise BadInput("a push's absent keys must be increasing key indices")
+    if not (math.isfinite(m.inner_rate) and m.inner_rate >= 0):
+        raise BadInput(f"a push's inner_rate must be a finite number >= 0, got {m.inner_rate!r}")
     return StepInfo(tuple(hparams), absent, m.skip, m.buffers,
-                    tuple((p.epoch, p.shard, p.end) for p in m.progress))
+                    tuple((p.epoch, p.shard, p.end) for p in m.progress), m.inner_rate)
 
 
 def encode_push(meta: PushMeta, chunks: Iterable[Chunk]) -> list[bytes]:
@@ -311,7 +314,7 @@ def _outer_to_pb(c: OuterConfig | None) -> pb.OuterConfig | None:
     return pb.OuterConfig(inner_steps=c.inner_steps, fragments=c.fragments, codec=_CODEC[c.codec],
                           optimizer=_optimizer_to_pb(c.optimizer), inner_tier=ROLE[c.inner_tier],
                           overlap=c.overlap, asynchronous=c.asynchronous, delta_codec=_CODEC[c.delta_codec],
-                          nesterov_delay=c.nesterov_delay)
+                          nesterov_delay=c.nesterov_delay, dynamic_steps=c.dynamic_steps)
 
 
 def _outer_from_pb(m: pb.JobConfig) -> OuterConfig | None:
@@ -322,7 +325,7 @@ def _outer_from_pb(m: pb.JobConfig) -> OuterConfig | None:
                        optimizer=_optimizer_from_pb(c.optimizer), inner_tier=ROLE_NAME.get(c.inner_tier, "?"),
                        overlap=c.overlap, asynchronous=c.asynchronous,
                        delta_codec=_name(_CODEC, c.delta_codec, "codec") if c.delta_codec else "int8",
-                       nesterov_delay=c.nesterov_delay)
+                       nesterov_delay=c.nesterov_delay, dynamic_steps=c.dynamic_steps)
 
 
 def _sharding_to_pb(c: ShardingConfig | None) -> pb.ShardingConfig | None:

@@ -294,7 +294,7 @@ class _Servicer:
                 digest = reader.finish()
                 ack = await self.tier.commit_push(intake, digest)
             return pb.PushAck(applied_version=ack.applied_version, duplicate=ack.duplicate,
-                              view_epoch=ack.view_epoch, skipped=ack.skipped)
+                              view_epoch=ack.view_epoch, skipped=ack.skipped, pace=ack.pace)
         finally:
             if intake is not None:
                 intake.close()

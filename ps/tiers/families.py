@@ -136,7 +136,9 @@ def families(snap: dict, labels: dict[str, str]) -> list:
     o_since = gauge("hps_outer_inner_steps_since_sync", "Inner steps not yet in any pseudo-gradient")
     o_lost = counter("hps_outer_inner_steps_lost_total", "Inner steps lost to restarts of this tier or "
                                                          "dropped when every member left (never silent)")
-    outer_fams = [o_version, o_syncs, o_failed, o_latency, o_bytes, o_norm, o_since, o_lost]
+    o_period = gauge("hps_outer_inner_steps_per_sync", "Inner steps between this region's syncs now "
+                     "(H / F; with dynamic steps scaled by the region's speed against the fastest region's)")
+    outer_fams = [o_version, o_syncs, o_failed, o_latency, o_bytes, o_norm, o_since, o_lost, o_period]
     staleness = stale_max = None
     if s.role == "global":
         # A summary, not a histogram: the root keeps only the count, sum and maximum.
@@ -211,6 +213,7 @@ def families(snap: dict, labels: dict[str, str]) -> list:
             o_norm.add_metric(lv, st.pseudo_grad_norm)
             o_since.add_metric(lv, st.inner_steps_since_sync)
             o_lost.add_metric(lv, st.inner_steps_lost)
+            o_period.add_metric(lv, st.inner_steps_per_sync)
         if staleness is not None:
             staleness.add_metric(lv, count_value=st.staleness_count, sum_value=st.staleness_sum)
             stale_max.add_metric(lv, st.staleness_max)

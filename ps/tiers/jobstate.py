@@ -35,6 +35,7 @@ from ps.core.exactly_once import AppliedBook, SeqBook
 from ps.core.leases import LeaseBook
 from ps.core.losswatch import LossWatch
 from ps.core.optim import ServerOptimizer
+from ps.core.outer import Pace
 from ps.core.ranks import RankBook
 from ps.core.tensors import Chunk, split
 from ps.core.types import JobStats, PushKey
@@ -233,6 +234,7 @@ class RootJob(JobState):
     leases: LeaseBook = field(default_factory=LeaseBook)   # the dataset's shards: trained, leased
     roster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one roster.json write at a time
     roster_saved: dict | None = None     # what roster.json holds (ranks, dataset, leases)
+    pace: Pace = field(default_factory=Pace)  # outer jobs with dynamic steps: the regions' step rates
 
 
 @dataclass

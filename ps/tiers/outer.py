@@ -59,7 +59,7 @@ from ps.core.intake import PushIntake
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
 from ps.core.optim import ServerOptimizer, warm_up
-from ps.core.outer import OuterPlan
+from ps.core.outer import OuterPlan, StepRate, dynamic_period
 from ps.core.ranks import RankInfo
 from ps.core.tensors import Chunk
 from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration, StepInfo, TierStatus, VersionMeta
@@ -109,6 +109,13 @@ class OuterState:
     pending: Pending | None = None
     reported: set[int] = dataclasses.field(default_factory=set)  # old lineages whose loss is counted
     sent: int = 0               # syncs made (an asynchronous job's fragments go in this turn)
+    rate: StepRate = dataclasses.field(default_factory=StepRate)  # the region's inner steps per second
+    pace: float = 0.0           # dynamic steps: the fastest region's rate, as the root last answered
+
+    def due(self, dynamic: bool) -> int:
+        """Inner steps between two syncs now: the plan's period, or with dynamic steps that
+        scaled by this region's speed against the fastest region's."""
+        return dynamic_period(self.plan.period, self.rate.rate, self.pace) if dynamic else self.plan.period
 
 
 class InnerRoot(Root):
@@ -229,6 +236,7 @@ class OuterRelay(Relay):
             ijs.view.load_snapshot(new_epoch(), ijs.view.version, ijs.view.values.copy(), ijs.view.checksum)
             ijs.stats.outer_version, ijs.stats.outer_checksum = u, ojs.view.checksum
             self.outer[name] = OuterState(plan, ojs.view.values.copy())
+            ijs.stats.inner_steps_per_sync = plan.period
             log.info("%s: job %s runs its inner loop here from outer version %d (inner version %d; "
                      "%d inner steps per sync, %d fragment(s))", self.role, name, u, ijs.view.version,
                      plan.period, plan.fragments,
@@ -328,18 +336,26 @@ class OuterRelay(Relay):
         if contributors:
             st.workers = contributors
             ijs.stats.inner_steps_since_sync += 1
+            st.rate.step(time.perf_counter())
         if st.inflight is not None and st.inflight.done():
             self._merge(ijs, st)
-        if ijs.stats.inner_steps_since_sync < st.plan.period:
+        outer = ijs.config.outer
+        if ijs.stats.inner_steps_since_sync < st.due(outer is not None and outer.dynamic_steps):
             return
         if st.inflight is not None:
-            await asyncio.wait([st.inflight])
+            await self._wait_sync(st)
             self._merge(ijs, st)
         self._send(ijs, st)
-        outer = ijs.config.outer
         if st.inflight is not None and (outer is None or not outer.overlap):
-            await asyncio.wait([st.inflight])
+            await self._wait_sync(st)
             self._merge(ijs, st)
+
+    @staticmethod
+    async def _wait_sync(st: OuterState) -> None:
+        """Wait for the sync in flight (the region's training waits too: not counted in its rate)."""
+        t0 = time.perf_counter()
+        await asyncio.wait([st.inflight])
+        st.rate.waited(time.perf_counter() - t0)
 
     def _send(self, ijs: RootJob, st: OuterState) -> None:
         """Start the sync of the due fragment: its pseudo-gradient up, then the outer version
@@ -357,7 +373,9 @@ class OuterRelay(Relay):
         asynchronous = ijs.config.outer is not None and ijs.config.outer.asynchronous
         f = st.plan.fragment(st.sent if asynchronous else u)
         st.scratch = st.plan.pseudo_gradient(st.base, ijs.params, f, st.workers, out=st.scratch)
-        step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0)
+        dynamic = ijs.config.outer is not None and ijs.config.outer.dynamic_steps
+        step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0,
+                        inner_rate=st.rate.close() if dynamic else 0.0)
         agg = Aggregate(round=u, grad=st.scratch, contributors=st.workers, clock_min=u, clock_max=u,
                         members=(), step=step)
         overlap = ijs.config.outer is not None and ijs.config.outer.overlap
@@ -393,6 +411,16 @@ class OuterRelay(Relay):
                         short(str(exc), 200), extra=event("outer.sync_failed", job=name, version=p.outer_version))
             return
         st.sent += 1  # synced: the next fragment's turn (a failed sync tries the same one again)
+        ack: Ack = task.result()
+        outer = ijs.config.outer
+        if outer is not None and outer.dynamic_steps and ack.pace > 0:
+            st.pace = ack.pace
+            period = st.due(True)
+            if period != ijs.stats.inner_steps_per_sync:
+                log.info("%s: job %s: %d inner steps per sync now (%.2f inner steps per second here, "
+                         "%.2f at the fastest region)", self.role, name, period, st.rate.rate, st.pace,
+                         extra=event("outer.steps_per_sync", job=name, steps=period))
+            ijs.stats.inner_steps_per_sync = period
         st.plan.rebase(ijs.params, st.base, ojs.view.values, p.fragment, sent=p.params)
         assert self.inner is not None
         self.inner._publish(ijs, ijs.view.clock_min, 0)

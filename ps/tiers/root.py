@@ -601,9 +601,20 @@ class Root(Tier):
                              "applied already", js.config.name, js.view.version, doubles)
             await self._after_version(js, rec)
             if not fut.done():
-                fut.set_result(Ack(js.view.version, js.view.epoch, skipped=step.skip))
+                fut.set_result(Ack(js.view.version, js.view.epoch, skipped=step.skip, pace=self._pace(js, keys, step)))
             if js.view.version % self.config.checkpoint_every == 0:
                 self._checkpoint(js)
+
+    def _pace(self, js: RootJob, keys: tuple[PushKey, ...], step: StepInfo) -> float:
+        """An outer job with dynamic steps: note the inner step rate the applied pseudo-gradient
+        reported (keyed by the regions that sent it) and answer the fastest rate heard lately."""
+        oc = js.config.outer
+        if oc is None or not oc.dynamic_steps:
+            return 0.0
+        now = self.clock()
+        for k in keys:
+            js.pace.heard(k.member, step.inner_rate, now)
+        return js.pace.fastest(now)
 
     async def _after_version(self, js: RootJob, rec: WalRecord) -> None:
         """A version was published and is about to be acknowledged (the job's apply lock held):
@@ -912,5 +923,6 @@ def _describe(cfg: JobConfig) -> str:
                  f"in {c.fragments} fragment(s), {c.codec} pseudo-gradients, inner loop at the {c.inner_tier} tier"
                  + (", overlapped" if c.overlap else "")
                  + (", asynchronous (each region's as it comes)" if c.asynchronous else "")
-                 + (f", delayed Nesterov every {c.nesterov_delay}" if c.nesterov_delay else ""))
+                 + (f", delayed Nesterov every {c.nesterov_delay}" if c.nesterov_delay else "")
+                 + (", dynamic inner steps" if c.dynamic_steps else ""))
     return text

@@ -173,7 +173,8 @@ def print_tree(address: str, out, token: str | None = None) -> int:
                 per = human_bytes(s.outer_bytes_up // s.outer_syncs) if s.outer_syncs else "-"
                 lost = f"; INNER STEPS LOST {s.inner_steps_lost}" if s.inner_steps_lost else ""
                 print(f"{pad}    outer: version {s.outer_version}, {s.outer_syncs} syncs ({s.outer_sync_failures} "
-                      f"failed), {mean:.2f}s each; {s.inner_steps_since_sync} inner steps since the last; "
+                      f"failed), {mean:.2f}s each, every {s.inner_steps_per_sync} inner steps; "
+                      f"{s.inner_steps_since_sync} since the last; "
                       f"pseudo-gradient norm {s.pseudo_grad_norm:.3g}; WAN up {human_bytes(s.outer_bytes_up)} "
                       f"({per} per sync), down {human_bytes(s.outer_bytes_down)}{lost}", file=out)
             if j.mode not in ("bsp", "outer") or s.staleness_count:

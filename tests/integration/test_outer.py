@@ -17,7 +17,7 @@ import torch
 
 from ps.core.config import JobConfig, OptimizerConfig, OuterConfig, ServerConfig
 from ps.core.errors import BadInput, HpsError
-from ps.core.outer import OuterPlan
+from ps.core.outer import OuterPlan, StepRate
 from ps.core.view import KeySpec, Layout
 from ps.server import create_server
 from tests.helpers import FAST, ServeProcess, mlp_batches, mlp_loss, same_bits, small_mlp, train_mlp
@@ -253,6 +253,60 @@ def test_a_slow_region_does_not_hold_a_fast_one_with_asynchronous_outer_steps(tr
     assert eu.outer_sync_failures == us.outer_sync_failures == 0
     root = tree.view("root", job.name)
     assert root[1] == STEPS // 2 + 2 and tree.view("us", job.name)[1] == root[1]
+
+
+class _FixedRate(StepRate):
+    """A region's inner step rate, fixed (the plumbing under test, not the clock)."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def step(self, now: float) -> None:
+        pass
+
+    def close(self) -> float:
+        return self.rate
+
+
+def test_dynamic_steps_scale_each_regions_h_by_its_speed_against_the_fastest(tree):
+    """H = 4 is the fastest region's. The regions report 10 and 5 inner steps per second (fixed
+    here, so no timing is involved) with their pseudo-gradients; the root answers the fastest
+    rate it heard, and the slower region then syncs every 4 * 5 / 10 = 2 inner steps while the
+    fast one keeps 4. eu trains its 12 steps first (asynchronous: nobody waits), so us's first
+    acknowledgement already carries eu's rate: us syncs at 4, 6, 8, 10, 12."""
+    zones = _two_regions(tree)
+    outer = OuterConfig(inner_steps=4, codec="fp32", delta_codec="fp32", asynchronous=True, dynamic_steps=True)
+    job = JobConfig(name="as-dyn", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.05), outer=outer)
+    x, y = mlp_batches(STEPS, 2 * PER_WORKER)
+    models = [_model(), _model()]
+    opts = [HpsOptimizer(m, zones[i], job, worker_id=f"dy-w{i}", timeout_s=10) for i, m in enumerate(models)]
+    try:
+        for region, rate in (("eu", 10.0), ("us", 5.0)):
+            def fix(region=region, rate=rate):
+                tree.tier(region).outer[job.name].rate = _FixedRate(rate)
+            tree.lt.call(fix)
+        for i in (0, 1):
+            for s in range(STEPS):
+                sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+                opts[i].zero_grad()
+                _loss(models[i], x[s, sl], y[s, sl]).backward()
+                assert opts[i].step().applied
+    finally:
+        for opt in opts:
+            opt.close()
+    eu = tree.lt.call(lambda: tree.tier("eu").inner.jobs[job.name].stats)
+    us = tree.lt.call(lambda: tree.tier("us").inner.jobs[job.name].stats)
+    assert (eu.inner_steps_per_sync, us.inner_steps_per_sync) == (4, 2)
+    assert (eu.outer_syncs, us.outer_syncs) == (3, 5)
+    assert eu.inner_steps_since_sync == us.inner_steps_since_sync == 0
+    assert eu.outer_sync_failures == us.outer_sync_failures == 0
+    assert tree.view("root", job.name)[1] == 8
+
+
+def test_dynamic_steps_need_asynchronous_outer_steps():
+    with pytest.raises(BadInput, match="dynamic_steps applies to asynchronous"):
+        OuterConfig(inner_steps=4, dynamic_steps=True)
 
 
 @pytest.mark.parametrize("fragments", [1, 2])

@@ -222,7 +222,8 @@ def test_an_outer_jobs_inner_tier_exports_its_wan_side_and_the_steps_it_lost():
 
     outer = dataclasses.replace(_job().stats, outer_version=7, outer_syncs=6, outer_sync_failures=1,
                                 outer_sync_seconds_sum=1.5, outer_bytes_up=3000, outer_bytes_down=5000,
-                                pseudo_grad_norm=0.25, inner_steps_since_sync=3, inner_steps_lost=2)
+                                pseudo_grad_norm=0.25, inner_steps_since_sync=3, inner_steps_lost=2,
+                                inner_steps_per_sync=5)
     labels = {"tier": "regional", "region": "eu"}
     text = _render(_families(_snap("regional", _UP, mode="outer", staleness=0, inner_loop=True, stats=outer), labels))
     assert _value(text, "hps_outer_version", job="lm") == 7
@@ -234,5 +235,6 @@ def test_an_outer_jobs_inner_tier_exports_its_wan_side_and_the_steps_it_lost():
     assert _value(text, "hps_outer_pseudo_gradient_norm", job="lm") == 0.25
     assert _value(text, "hps_outer_inner_steps_since_sync", job="lm") == 3
     assert _value(text, "hps_outer_inner_steps_lost_total", job="lm") == 2
+    assert _value(text, "hps_outer_inner_steps_per_sync", job="lm") == 5
     below = _render(_families(_snap("zone", _UP, mode="outer", staleness=0, stats=outer), {"tier": "zone"}))
     assert "hps_outer_syncs_total{" not in below
