@@ -31,7 +31,8 @@ H/F inner steps (outer SGD, Nesterov 0.9, lr 0.7); the variant names the codecs 
 (pseudo-gradients up, outer deltas down; inside a region everything is fp32) and whether the
 region trains on while a sync is in flight (overlap) and whether the regions wait for each other
 at a sync (async: the root applies each region's pseudo-gradient as it arrives; dn: with delayed
-Nesterov, the outer momentum moving once per two updates).
+Nesterov, the outer momentum moving once per two updates; dyn: dynamic H, H being the fastest
+region's and each region's scaled by its inner steps per second against the fastest's).
 --slow-region F makes region us's two workers compute F times slower (each step sleeps F - 1
 times its forward and backward), in every run, flat included (not the --peer rows). --seconds S
 gives every worker a time budget instead (it stops after S seconds of training or --steps,
@@ -115,7 +116,8 @@ def run(label: str, topo: dict, addresses: list[str] | None, job: dict, steps: i
                     if j.inner_loop:  # an outer job's region: its syncs with the root
                         s = j.stats
                         tiers[name].update(outer_syncs=s.outer_syncs, outer_sync_failures=s.outer_sync_failures,
-                                           outer_sync_s_mean=s.outer_sync_seconds_sum / max(1, s.outer_syncs))
+                                           outer_sync_s_mean=s.outer_sync_seconds_sum / max(1, s.outer_syncs),
+                                           inner_steps_per_sync=s.inner_steps_per_sync)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -189,18 +191,22 @@ def tree_job_for(mode: str, args) -> dict:
     return job
 
 
+REGIONS = ("eu", "us", "ap", "sa")
+
+
 def outer_job(h: int, f: int, codec: str, down: str, overlap: bool, args, asynchronous: bool = False,
-              nesterov_delay: int = 0) -> dict:
+              nesterov_delay: int = 0, dynamic: bool = False) -> dict:
     """An outer job: lossless pushes and deltas inside each region (LAN); across the WAN ``codec``
     pseudo-gradients up and ``down`` outer deltas down, each with error feedback. The regions
     start together (min_workers): a region whose workers start first would otherwise sync
     alone until the other's arrive."""
     return dict(name=f"outer-h{h}-f{f}-{codec}-{down}" + ("-overlap" if overlap else "")
-                + ("-async" if asynchronous else "") + (f"-dn{nesterov_delay}" if nesterov_delay else ""), mode="outer",
+                + ("-async" if asynchronous else "") + (f"-dn{nesterov_delay}" if nesterov_delay else "")
+                + ("-dyn" if dynamic else ""), mode="outer",
                 push_codec="fp32", relay_codec="fp32", delta_codec="fp32", topk=args.topk, min_workers=4,
                 optimizer=dict(kind="adamw", lr=3e-3, warmup_steps=20),
                 outer=dict(inner_steps=h, fragments=f, codec=codec, delta_codec=down, overlap=overlap,
-                           asynchronous=asynchronous, nesterov_delay=nesterov_delay))
+                           asynchronous=asynchronous, nesterov_delay=nesterov_delay, dynamic_steps=dynamic))
 
 
 def compare(flat: dict, tree: dict, target: float, goal_speedup: float = GOAL_SPEEDUP,
@@ -255,14 +261,17 @@ def main() -> int:
     p.add_argument("--target-loss", type=float, default=0.0, help="instead of flat BSP's final + 1%%")
     p.add_argument("--outer", default="10/1/int8/int8,50/1/int8/int8,10/4/int8/int8,50/1/topk/int8,"
                    "50/1/sign/sign,10/1/int8/int8/overlap,50/4/int8/int8/overlap",
-                   help="outer-job variants H/F/pseudo-gradient codec/outer delta codec[/overlap][/async][/dn] "
-                   "(dn: delayed Nesterov over the 2 regions), "
+                   help="outer-job variants H/F/pseudo-gradient codec/outer delta codec[/overlap][/async][/dn][/dyn] "
+                   "(dn: delayed Nesterov over the --regions; dyn: dynamic H, each region's by its speed), "
                    "comma-separated ('': none)")
     p.add_argument("--peer", default="10,50", help="torchft DiLoCo runs at these H ('': none)")
     p.add_argument("--seconds", type=float, default=0.0,
                    help="a time budget: every worker stops after this many seconds of training (0: --steps)")
     p.add_argument("--slow-region", type=float, default=1.0,
                    help="region us's workers compute this many times slower (every run, flat included)")
+    p.add_argument("--regions", type=int, default=2, choices=(2, 4),
+                   help="2: deploy/wan.yaml (2 regions x 2 zones, a worker each); 4: four regions of one zone "
+                   "and one worker each (the same 4 workers), region us the slow one")
     p.add_argument("--out")
     p.add_argument("--replot", metavar="RESULT.json", help="only draw a saved result's plots again")
     args = p.parse_args()
@@ -281,6 +290,14 @@ def main() -> int:
             reg["flush_ms"] = args.region_flush_ms
     flat_job = dict(name="flat", mode="bsp")
     slow = [1.0, 1.0, args.slow_region, args.slow_region]  # workers 2 and 3: region us (flat: us-wan)
+    flat_at, tree_at = ["eu-wan", "eu-wan", "us-wan", "us-wan"], ["eu-a", "eu-b", "us-a", "us-b"]
+    if args.regions != 2:  # the same 4 workers, one per region, each region one zone
+        names = REGIONS[:args.regions]
+        eu = tree_topo["regions"][0]
+        tree_topo["regions"] = [dict(eu, name=r, zones=[dict(eu["zones"][0], name=f"{r}-a")]) for r in names]
+        flat_topo["links"] = [dict(flat_topo["links"][0], name=f"{r}-wan") for r in names]
+        flat_at, tree_at = [f"{r}-wan" for r in names], [f"{r}-a" for r in names]
+        slow = [args.slow_region if r == "us" else 1.0 for r in names]
     trees: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.only_hierarchy:
@@ -289,8 +306,7 @@ def main() -> int:
         else:
             os.makedirs(f"{tmp}/flat")
             flat = run("flat: 4 workers on the root, dense fp32, bsp, adam", flat_topo,
-                       ["eu-wan", "eu-wan", "us-wan", "us-wan"], flat_job, args.steps, args.batch, f"{tmp}/flat",
-                       slow, args.seconds)
+                       flat_at, flat_job, args.steps, args.batch, f"{tmp}/flat", slow, args.seconds)
         print(f"flat      wall {flat['wall_s']:7.1f}s  final loss {flat['final_train_loss']:.4f}  "
               f"val {flat['val_loss']:.4f}  WAN {flat['wan_bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
         for mode in filter(None, args.modes.split(",")):
@@ -303,7 +319,7 @@ def main() -> int:
             os.makedirs(f"{tmp}/tree-{mode}")
             opt = job.get("optimizer", {}).get("kind", "adam")
             label = f"hierarchy: per-region aggregation, {args.codec}, {mode}, {opt}"
-            tree = trees[mode] = run(label, tree_topo, ["eu-a", "eu-b", "us-a", "us-b"], job, tree_steps,
+            tree = trees[mode] = run(label, tree_topo, tree_at, job, tree_steps,
                                      args.batch, f"{tmp}/tree-{mode}", slow, args.seconds)
             tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps, len(tree["smoothed"])) - 1][1]
             print(f"hierarchy {mode:5s} wall {tree['wall_s']:7.1f}s  final loss {tree['final_train_loss']:.4f} "
@@ -313,13 +329,14 @@ def main() -> int:
         for variant in filter(None, args.outer.split(",")):
             h, f, codec, down, *rest = variant.split("/")
             overlap, asynchronous = "overlap" in rest, "async" in rest
-            dn = 2 if "dn" in rest else 0  # delayed Nesterov over the two regions
-            job = outer_job(int(h), int(f), codec, down, overlap, args, asynchronous, dn)
+            dn = args.regions if "dn" in rest else 0  # delayed Nesterov over the regions
+            dyn = "dyn" in rest
+            job = outer_job(int(h), int(f), codec, down, overlap, args, asynchronous, dn, dyn)
             os.makedirs(f"{tmp}/{job['name']}")
             label = (f"outer: H={h}, F={f}, {codec} pseudo-gradients, {down} outer deltas, "
                      f"{'overlap' if overlap else 'no overlap'}" + (", asynchronous" if asynchronous else "")
-                     + (", delayed Nesterov" if dn else ""))
-            tree = trees[job["name"]] = run(label, tree_topo, ["eu-a", "eu-b", "us-a", "us-b"], job, tree_steps,
+                     + (", delayed Nesterov" if dn else "") + (", dynamic H" if dyn else ""))
+            tree = trees[job["name"]] = run(label, tree_topo, tree_at, job, tree_steps,
                                             args.batch, f"{tmp}/{job['name']}", slow, args.seconds)
             tree["loss_at_flat_steps"] = tree["smoothed"][min(args.steps, tree_steps, len(tree["smoothed"])) - 1][1]
             print(f"{job['name']:18s} wall {tree['wall_s']:7.1f}s  final loss {tree['final_train_loss']:.4f}  "
@@ -343,7 +360,8 @@ def main() -> int:
                                                  else (GOAL_SPEEDUP, GOAL_BYTES)))
                    for m, t in trees.items() if t.get("smoothed")}
     write("wan_loss", dict(
-        settings=dict(steps=args.steps, tree_steps=tree_steps, batch=args.batch, workers=4, regions=2, link=link,
+        settings=dict(steps=args.steps, tree_steps=tree_steps, batch=args.batch, workers=4, regions=args.regions,
+                      link=link,
                       link_latency_means="round trip", model="TinyLM 470,528 params (1.88 MB fp32)",
                       flat_job=dict(flat_job, optimizer="adam 3e-3, warm-up 20"),
                       region_flush_ms=args.region_flush_ms or "deploy/wan.yaml (200)",
@@ -352,7 +370,7 @@ def main() -> int:
         target_loss=target, target_loss_means="flat BSP's final smoothed train loss + 1%",
         flat=flat, hierarchies=trees, comparisons=comparisons), args.out)
 
-    draw_all(dict(flat=flat, hierarchies=trees, target_loss=target, settings=dict(link=link)),
+    draw_all(dict(flat=flat, hierarchies=trees, target_loss=target, settings=dict(link=link, regions=args.regions)),
              # beside the JSON (both relative to the working directory)
              RESULTS / "wan_loss.png" if not args.out else Path(args.out).with_suffix(".png"))
     return 0
@@ -364,7 +382,9 @@ def draw_all(result: dict, png: Path) -> None:
     links count bytes, not steps, so it is the measured rate spread evenly, not a per-step trace."""
     rows = [r for r in (result["flat"], *result["hierarchies"].values()) if r.get("smoothed")]
     target, link = result["target_loss"], result["settings"]["link"]
-    title = f"2 regions x 2 workers, {link['latency_ms']:g} ms RTT / {link['bandwidth_mbit']:g} Mbit/s to the root"
+    regions = result["settings"].get("regions", 2)
+    title = (f"{regions} regions x {4 // regions} workers, {link['latency_ms']:g} ms RTT / "
+             f"{link['bandwidth_mbit']:g} Mbit/s to the root")
 
     def draw(ax, bytes_axis: bool):
         for r in rows:
