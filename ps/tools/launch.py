@@ -100,6 +100,48 @@ def shard_specs(root: dict) -> list[dict]:
     return [dict(s) for s in specs]
 
 
+def check_ports(topo: dict) -> None:
+    """BadInput, before anything starts, when two processes of ``topo`` would take one fixed port
+    (a service or metrics port). A sharded root's shards, their standbys and the relays below
+    them take their entry's port plus their index, so entries a few ports apart can collide.
+
+    >>> try:
+    ...     check_ports({"root": {"port": 7000, "shards": 2, "standby": {"port": 7001}}})
+    ... except BadInput as exc:
+    ...     print(str(exc)[:72])
+    tiers 'root-1' and 'root-standby-0' would both take port 7001 (port): sh
+    """
+    r = topo.get("root") or {}
+    n = len(shard_specs(r))
+    entries: list[tuple[str, dict]] = []  # (process name, its settings)
+
+    def each(name: str, spec: dict) -> None:
+        entries.extend([(name, spec)] if not n else [(f"{name}-{i}", Cluster._nth(spec, i)) for i in range(n)])
+    if n:
+        for i, spec in enumerate(shard_specs(r)):
+            entries.append((f"{r.get('name', 'root')}-{i}", {**Cluster._nth(r, i), **spec}))
+    else:
+        entries.append((r.get("name", "root"), r))
+    if isinstance(r.get("standby"), dict):
+        each(r["standby"].get("name", "root-standby"), r["standby"])
+    for z in r.get("zones") or []:
+        each(z.get("name", "?"), z)
+    for reg in topo.get("regions") or []:
+        each(reg.get("name", "?"), reg)
+        for z in reg.get("zones") or []:
+            each(z.get("name", "?"), z)
+    taken: dict[int, str] = {}
+    for name, spec in entries:
+        for key in ("port", "metrics_port"):
+            port = spec.get(key)
+            if isinstance(port, int) and not isinstance(port, bool) and port > 0:
+                if port in taken:
+                    raise BadInput(f"tiers {taken[port]!r} and {name!r} would both take port {port} ({key}): "
+                                   "shards, their standbys and the relays below them take their entry's port "
+                                   "plus their index; give the topology entries ports further apart")
+                taken[port] = name
+
+
 def default_topology() -> dict:
     """The embedded default (package data, also at deploy/topology.yaml): one root, regions eu
     and us with two zones each."""
@@ -161,6 +203,7 @@ class Cluster:
         for k, v in (topo.get("settings") or {}).items():
             common += [f"--{k.replace('_', '-')}", str(v)]
         try:
+            check_ports(topo)
             r = topo["root"]
             if "shards" in r:
                 c._spawn_shards(r, host, common + list(extra_root_args), common, topo)

@@ -277,3 +277,14 @@ def test_a_sharded_root_with_declared_links_is_refused(tmp_path, launches):
     launches(lc)
     assert lc.proc.wait(timeout=60) == 2
     assert "declared links and zones with alternates in front of root shards are not built" in lc.text()
+
+
+def test_shards_and_standbys_whose_fixed_ports_collide_are_refused_before_anything_starts(tmp_path, launches):
+    """Shard I and its standby take their entry's port + I: a standby entry one port above the
+    root's would share shard 1's. Refused before any process starts (so no port is ever bound)."""
+    topo = {**TOPO, "root": {"name": "root", "port": 47000, "shards": 2, "standby": {"port": 47001}}}
+    lc = Launch(tmp_path, topo=topo)
+    launches(lc)
+    assert lc.proc.wait(timeout=60) == 2
+    assert "'root-1' and 'root-standby-0' would both take port 47001" in lc.text()
+    assert not list(lc.dir.glob("root-*.log"))  # no tier was started
