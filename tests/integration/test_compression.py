@@ -173,7 +173,7 @@ def test_topk_one_percent_with_error_feedback_trains_as_well_as_dense(tree):
     tree.add("root", "global")
     tree.add("eu", "regional", parent="root")
     zones = [tree.add("eu-a", "zone", parent="eu"), tree.add("eu-b", "zone", parent="eu")]
-    steps, sgdm = 150, OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9)
+    steps, sgdm = 100, OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9)
     dense = _train(tree, zones, "fp32", steps, opt=sgdm)
     sparse = _train(tree, zones, "topk", steps, opt=sgdm, mc=True)
     print(f"held-out loss after {steps} steps: dense {dense:.4f}, top-1% + EF + DGC {sparse:.4f}")
