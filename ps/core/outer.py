@@ -37,7 +37,7 @@ from ps.core.config import JobConfig
 from ps.core.errors import BadInput
 from ps.core.view import Layout
 
-__all__ = ["OuterPlan", "check_outer_member", "above_inner", "Pace", "StepRate", "dynamic_period"]
+__all__ = ["OuterPlan", "check_outer_member", "above_inner", "Pace", "StepRate", "dynamic_period", "PendingProgress"]
 
 _RANK = {"worker": 0, "zone": 1, "regional": 2, "global": 3}
 
@@ -267,3 +267,56 @@ class Pace:
             else:
                 best = max(best, rate)
         return best
+
+
+class PendingProgress:
+    """Leased data a region trained (its inner versions' ``StepInfo.progress``), held until the
+    data's gradient is in the outer model: after ``fragments`` syncs that succeeded (each
+    carries one fragment), so the root counts a sample as trained iff every fragment of its
+    gradient was applied there. ``due`` is what the next sync carries; ``synced(n)`` when it
+    succeeded (``n``: what ``due`` saw; data trained after it waits for the next syncs).
+
+    >>> p = PendingProgress(fragments=2)
+    >>> p.add(((0, 3, 8),)); n, carried = p.due(); carried     # one fragment of it is not enough
+    ()
+    >>> p.synced(n); p.add(((0, 3, 16), (0, 4, 4))); n, carried = p.due(); carried
+    ((0, 3, 8),)
+    >>> p.synced(n); p.due()[1], bool(p)
+    (((0, 3, 16), (0, 4, 4)), True)
+    """
+
+    def __init__(self, fragments: int) -> None:
+        self.fragments = fragments
+        self._items: list[list] = []  # [{(epoch, shard): furthest end}, syncs still needed]
+        self._open = False            # the last item takes more data (no sync has seen it yet)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def add(self, entries) -> None:
+        if not entries:
+            return
+        if not self._open:
+            self._items.append([{}, self.fragments])
+            self._open = True
+        furthest = self._items[-1][0]
+        for e, s, end in entries:
+            furthest[(e, s)] = max(end, furthest.get((e, s), end))
+
+    def due(self) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+        """(how many items this sync covers, the progress it completes: furthest per shard)."""
+        self._open = False
+        furthest: dict[tuple[int, int], int] = {}
+        for done, left in self._items:
+            if left == 1:
+                for k, end in done.items():
+                    furthest[k] = max(end, furthest.get(k, end))
+        return len(self._items), tuple((e, s, end) for (e, s), end in sorted(furthest.items()))
+
+    def synced(self, n: int) -> None:
+        for item in self._items[:n]:
+            item[1] -= 1
+        self._items = [item for item in self._items if item[1] > 0]
+
+    def clear(self) -> None:
+        self._items, self._open = [], False

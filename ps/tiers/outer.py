@@ -36,6 +36,15 @@ once) and the root applies it at the region's share of the workers (``workers_be
 inner root's members); a region then takes the fragments in its own turn (``OuterState.sent``),
 since the outer version moves with every region's sync.
 
+Leased data (``worker.sampler``): the root leases shards for every region (a relay forwards
+the calls); the data an inner version trained waits at the region (``PendingProgress``) and
+goes to the root with the syncs that carry every fragment of its gradient, so a sample counts
+as trained once it is in the outer model. A round of empty pushes (workers waiting for shards
+others hold) counts towards the next sync, so that data is not held back by idle workers. The
+root keeps an outer job's leases when a worker leaves cleanly (its data may not have been
+synced yet); they end with that data's arrival or by expiry, so the lease timeout must exceed
+a region's time between syncs.
+
 The inner state is in memory only. A restarted region starts a new lineage from the outer view;
 the inner steps its old lineage held beyond its last sync are counted (``inner_steps_lost``,
 ``hps_outer_inner_steps_lost_total``) and logged as soon as a child pulls with the old lineage.
@@ -54,12 +63,11 @@ import numpy as np
 from ps.core.config import JobConfig, ServerConfig
 from ps.core.consistency import Aggregate
 from ps.core.encoder import Encoder
-from ps.core.errors import BadInput, HpsError, NotReady, short
+from ps.core.errors import HpsError, NotReady, short
 from ps.core.intake import PushIntake
-from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
 from ps.core.optim import ServerOptimizer, warm_up
-from ps.core.outer import OuterPlan, StepRate, dynamic_period
+from ps.core.outer import OuterPlan, PendingProgress, StepRate, dynamic_period
 from ps.core.ranks import RankInfo
 from ps.core.tensors import Chunk
 from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration, StepInfo, TierStatus, VersionMeta
@@ -94,6 +102,7 @@ class Pending:
     norm: float
     steps: int                  # the inner steps it carries
     params: np.ndarray | None   # overlap: the parameters when it was sent (the region trains on)
+    progress: int = 0           # the leased data it completes (PendingProgress.due's count)
 
 
 @dataclass
@@ -111,6 +120,11 @@ class OuterState:
     sent: int = 0               # syncs made (an asynchronous job's fragments go in this turn)
     rate: StepRate = dataclasses.field(default_factory=StepRate)  # the region's inner steps per second
     pace: float = 0.0           # dynamic steps: the fastest region's rate, as the root last answered
+    idle_rounds: int = 0        # inner versions without a gradient since the last sync (leased data ran out)
+    progress: PendingProgress | None = None  # leased data trained, not yet in every fragment's sync
+
+    def __post_init__(self) -> None:
+        self.progress = PendingProgress(self.plan.fragments)
 
     def due(self, dynamic: bool) -> int:
         """Inner steps between two syncs now: the plan's period, or with dynamic steps that
@@ -145,6 +159,9 @@ class InnerRoot(Root):
 
     async def _after_version(self, js: RootJob, rec: WalRecord) -> None:
         await self.relay.after_inner_version(js, rec.contributors)
+
+    def _trained(self, js: RootJob, progress: tuple[tuple[int, int, int], ...]) -> None:
+        self.relay.trained(js.config.name, progress)  # to the root with the syncs that carry it
 
     def _telemetry(self, js: RootJob, meta: PushMeta) -> bool:
         if not super()._telemetry(js, meta):
@@ -294,6 +311,8 @@ class OuterRelay(Relay):
                 st.inflight.cancel()
                 st.inflight, st.pending = None, None
             lost = ijs.stats.inner_steps_since_sync
+            if st.progress is not None:
+                st.progress.clear()  # the data of the dropped steps is not in the outer model
             for f in range(st.plan.fragments):
                 st.plan.rebase(ijs.params, st.base, ojs.view.values, f)
             inner._publish(ijs, ijs.view.clock_min, 0)
@@ -322,6 +341,13 @@ class OuterRelay(Relay):
                     "step(s) since its last sync are in no outer version and were lost", self.role, job,
                     since, view_epoch, lost, extra=event("outer.steps_lost", job=job, steps=lost))
 
+    def trained(self, job: str, progress: tuple[tuple[int, int, int], ...]) -> None:
+        """An inner version applied gradients of this leased data: it goes to the root with the
+        syncs that carry every fragment of it (``PendingProgress``)."""
+        st = self.outer.get(job)
+        if st is not None and st.progress is not None:
+            st.progress.add(progress)
+
     # -- the sync ---------------------------------------------------------------------------
     async def after_inner_version(self, ijs: RootJob, contributors: int) -> None:
         """The inner root published a version (its apply lock held): take in a sync that has
@@ -337,10 +363,16 @@ class OuterRelay(Relay):
             st.workers = contributors
             ijs.stats.inner_steps_since_sync += 1
             st.rate.step(time.perf_counter())
+        else:  # a round of empty pushes: the workers wait for leased data (held by others)
+            st.idle_rounds += 1
         if st.inflight is not None and st.inflight.done():
             self._merge(ijs, st)
         outer = ijs.config.outer
-        if ijs.stats.inner_steps_since_sync < st.due(outer is not None and outer.dynamic_steps):
+        # Idle rounds count towards a sync, so a region whose workers wait for data still takes
+        # part in the root's synchronous rounds; and while they wait, trained data held here goes
+        # up at once (the shards they wait for may be finished by it).
+        due = st.due(outer is not None and outer.dynamic_steps)
+        if ijs.stats.inner_steps_since_sync + st.idle_rounds < due and not (st.idle_rounds and st.progress):
             return
         if st.inflight is not None:
             await self._wait_sync(st)
@@ -374,15 +406,17 @@ class OuterRelay(Relay):
         f = st.plan.fragment(st.sent if asynchronous else u)
         st.scratch = st.plan.pseudo_gradient(st.base, ijs.params, f, st.workers, out=st.scratch)
         dynamic = ijs.config.outer is not None and ijs.config.outer.dynamic_steps
+        assert st.progress is not None
+        n, progress = st.progress.due()
         step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0,
-                        inner_rate=st.rate.close() if dynamic else 0.0)
+                        progress=progress, inner_rate=st.rate.close() if dynamic else 0.0)
         agg = Aggregate(round=u, grad=st.scratch, contributors=st.workers, clock_min=u, clock_max=u,
                         members=(), step=step)
         overlap = ijs.config.outer is not None and ijs.config.outer.overlap
         st.pending = Pending(f, u, time.perf_counter(), ojs.stats.bytes_pushed_up,
                              st.plan.norm(st.scratch, f, st.workers), ijs.stats.inner_steps_since_sync,
-                             ijs.params.copy() if overlap else None)
-        ijs.stats.inner_steps_since_sync = 0
+                             ijs.params.copy() if overlap else None, n)
+        ijs.stats.inner_steps_since_sync, st.idle_rounds = 0, 0
         st.inflight = asyncio.create_task(self._round_trip(ojs, agg), name=f"outer-sync-{name}")
 
     async def _round_trip(self, ojs: RelayJob, agg: Aggregate) -> Ack:
@@ -411,6 +445,8 @@ class OuterRelay(Relay):
                         short(str(exc), 200), extra=event("outer.sync_failed", job=name, version=p.outer_version))
             return
         st.sent += 1  # synced: the next fragment's turn (a failed sync tries the same one again)
+        assert st.progress is not None
+        st.progress.synced(p.progress)
         ack: Ack = task.result()
         outer = ijs.config.outer
         if outer is not None and outer.dynamic_steps and ack.pace > 0:
@@ -482,14 +518,6 @@ class OuterRelay(Relay):
     async def rank(self, job: str, member: str, incarnation: int, requested: int | None = None,
                    release: bool = False) -> RankInfo:
         return await super().rank(job, member, incarnation, requested, release)  # the root's, across regions
-
-    async def lease(self, job: str, member: str, incarnation: int, dataset: Dataset, epoch: int,
-                    want: bool = True, held: tuple[tuple[int, int], ...] = ()) -> Grant:
-        if self._inner(job):
-            raise BadInput(f"job {short(job)} is an outer job: leased data shards are not built for outer "
-                           "jobs yet (a sample's progress would have to wait for its fragment's sync); "
-                           "shard the data by rank instead")
-        return await super().lease(job, member, incarnation, dataset, epoch, want, held)
 
     def _may_read(self, js: JobState, member: str) -> bool:
         return super()._may_read(js, member) or (self.inner is not None and member in self.inner.children)

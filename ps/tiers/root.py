@@ -593,7 +593,7 @@ class Root(Tier):
             self._publish(js, rec.clock_min, rec.contributors, step.skip, self._published_keys(js, step))
             # With the version that applied their gradients: a sample counts as trained iff
             # its gradient was applied (replayed from the log by ``_apply``).
-            js.leases.progress(step.progress, self.clock())
+            self._trained(js, step.progress)
             doubles = js.applied.add(js.view.version, keys)
             if doubles:  # invariant 4 broken: loud, counted, never silent
                 js.stats.double_applied += doubles
@@ -604,6 +604,11 @@ class Root(Tier):
                 fut.set_result(Ack(js.view.version, js.view.epoch, skipped=step.skip, pace=self._pace(js, keys, step)))
             if js.view.version % self.config.checkpoint_every == 0:
                 self._checkpoint(js)
+
+    def _trained(self, js: RootJob, progress: tuple[tuple[int, int, int], ...]) -> None:
+        """The leased data a version applied the gradients of (a region's own root: its inner
+        versions' data, which counts once its syncs carried it to the root)."""
+        js.leases.progress(progress, self.clock())
 
     def _pace(self, js: RootJob, keys: tuple[PushKey, ...], step: StepInfo) -> float:
         """An outer job with dynamic steps: note the inner step rate the applied pseudo-gradient
@@ -725,7 +730,10 @@ class Root(Tier):
         self.writable()
         if release:
             freed = js.ranks.release(member, incarnation)
-            leases = js.leases.release(member, incarnation)
+            # An outer job's worker may leave with trained data its region has not synced yet:
+            # its shards stay leased until that arrives (or the lease expires), or another
+            # worker would be handed them from the root's older offset and train them again.
+            leases = js.leases.release(member, incarnation) if js.config.outer is None else 0
             if freed or leases:
                 log.info("job %s: worker %r left cleanly: rank freed %s, %d shard lease(s) back",
                          js.config.name, member, freed, leases,

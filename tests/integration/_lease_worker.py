@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.config import JobConfig, OptimizerConfig, OuterConfig
 from ps.core.errors import Stale
 from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
@@ -24,10 +24,16 @@ p.add_argument("--batch", type=int, default=4)
 p.add_argument("--lease-timeout", type=float, default=2.0)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--wait-workers", type=int, default=1)
+p.add_argument("--outer", type=int, default=0, help="an outer job syncing every this many inner steps "
+               "(lossless, outer SGD lr 1: the root's deltas still count the applied one-hots)")
 args = p.parse_args()
 
 N = args.samples
-JOB = JobConfig(name="data", optimizer=OptimizerConfig(kind="sgd", lr=1.0), delta_log_length=10_000)
+SGD = OptimizerConfig(kind="sgd", lr=1.0)
+JOB = JobConfig(name="data", optimizer=SGD, delta_log_length=10_000)
+if args.outer:
+    JOB = JobConfig(name="data", mode="outer", optimizer=SGD, delta_log_length=10_000,
+                    outer=OuterConfig(inner_steps=args.outer, codec="fp32", delta_codec="fp32", optimizer=SGD))
 client = ParameterClient(args.address, "data", args.worker_id, timeout_s=10, round_timeout_s=60)
 client.create_job(JOB, Layout([KeySpec("counts", (N,))]), np.zeros(N, np.float32))
 client.register()

@@ -119,6 +119,34 @@ def test_kill_9_of_a_worker_mid_epoch_every_sample_is_trained_exactly_once(tree,
     assert tree.lt.call(lambda: tree.tier("root").jobs["data"].stats.double_applied) == 0
 
 
+def test_an_outer_jobs_regions_train_every_sample_of_an_epoch_exactly_once(tree, reap, tmp_path):
+    """Two regions, a worker each, on one leased epoch of an outer job (H = 2, lossless, outer
+    SGD lr 1): each region's trained data reaches the root with its syncs, workers that run out
+    of shards wait in empty rounds (which still sync), and a worker leaving keeps its leases
+    until its data arrived. Every sample's one-hot is applied at the root exactly once."""
+    tree.add("root", "global")
+    zones = []
+    for r in ("eu", "us"):
+        tree.add(r, "regional", parent="root")
+        zones.append(tree.add(f"{r}-a", "zone", parent=r))
+    ws = [spawn_worker(reap, "tests.integration._lease_worker", tmp_path / f"w{i}.log", "--address", z,
+                       "--worker-id", f"w{i}", "--wait-workers", "2", "--outer", "2")
+          for i, z in enumerate(zones)]
+    for i, w in enumerate(ws):
+        lines = json_lines(w, 100, 120)
+        assert lines and lines[-1] == {"done": True}, f"w{i} did not finish the epoch (log: {tmp_path}/w{i}.log)"
+        assert w.wait(timeout=30) == 0
+    deadline = time.monotonic() + 30  # the last region's final sync lands after its worker left
+    while not tree.lt.call(lambda: 0 in tree.tier("root").jobs["data"].leases.finished):
+        assert time.monotonic() < deadline, "the root never saw the epoch's last data"
+        time.sleep(0.1)
+    counts = _trained_counts(tree)
+    assert np.array_equal(counts, np.ones(96)), {i: c for i, c in enumerate(counts) if c != 1}
+    syncs = [tree.lt.call(lambda r=r: tree.tier(r).inner.jobs["data"].stats.outer_syncs) for r in ("eu", "us")]
+    assert min(syncs) >= 2, syncs
+    assert tree.lt.call(lambda: tree.tier("root").jobs["data"].stats.double_applied) == 0
+
+
 def test_kill_9_of_the_root_keeps_ranks_leases_and_trained_offsets(tmp_path):
     """The ranks and leases are in roster.json before they are answered; the trained offsets
     come back from the checkpoint and the write-ahead log (progress is logged with versions)."""
