@@ -23,7 +23,6 @@ members, and the root stamps it on every version for SSP's wait.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,14 +30,7 @@ import numpy as np
 from ps.core.errors import BadInput, NotMember, NotReady, Stale, short
 from ps.core.types import NO_STEP, StepInfo
 
-__all__ = ["Member", "Membership", "BspRound", "Window", "Aggregate", "all_finite", "MAX_CONTRIBUTORS"]
-
-
-def all_finite(x: np.ndarray) -> bool:
-    """True when every value of ``x`` is finite. One sum, not an element-wise pass: a sum is
-    finite only if every value is (NaN and inf propagate), and a finite vector's sum overflows
-    only near float32's limit, which the exact check then settles."""
-    return bool(math.isfinite(float(np.sum(x, dtype=np.float64)))) or bool(np.isfinite(x).all())
+__all__ = ["Member", "Membership", "BspRound", "Window", "Aggregate", "MAX_CONTRIBUTORS"]
 
 
 @dataclass

@@ -44,7 +44,7 @@ import numpy as np
 
 from ps.core.codecs import get_codec
 from ps.core.config import JobConfig, OptimizerConfig, ServerConfig, check_name
-from ps.core.consistency import Aggregate, all_finite
+from ps.core.consistency import Aggregate
 from ps.core.deltas import DeltaEntry
 from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, NotPrimary, Unavailable, UnknownJob, short
 from ps.core.exactly_once import decode_applied, encode_applied
@@ -54,7 +54,7 @@ from ps.core.nesterov import DelayedNesterov
 from ps.core.optim import ServerOptimizer, warm_up
 from ps.core.ranks import RankInfo
 from ps.core.sharding import ShardPlan
-from ps.core.tensors import assemble, split
+from ps.core.tensors import all_finite, assemble, split
 from ps.core.types import Ack, LogMessage, PushKey, PushMeta, StepInfo, TierStatus
 from ps.core.view import KeySpec, Layout, checksum
 from ps.net.follow import LogLink

@@ -48,7 +48,7 @@ import time
 from dataclasses import replace
 
 from ps.core.config import ServerConfig, check_member, check_name
-from ps.core.consistency import Aggregate, BspRound, all_finite
+from ps.core.consistency import Aggregate, BspRound
 from ps.core.errors import (
     BadInput,
     Conflict,
@@ -68,7 +68,7 @@ from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
 from ps.core.outer import check_outer_member
 from ps.core.ranks import RankInfo
-from ps.core.tensors import Chunk, payload_bytes
+from ps.core.tensors import Chunk, all_finite, payload_bytes
 from ps.core.types import Ack, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, Registration, TierStatus, VersionMeta
 from ps.tiers.jobstate import JobState
 

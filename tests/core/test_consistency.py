@@ -218,7 +218,7 @@ def test_a_batch_never_sums_more_contributors_than_a_relay_can_forward():
 
 
 def test_all_finite_catches_what_a_finite_looking_sum_could_hide():
-    from ps.core.consistency import all_finite
+    from ps.core.tensors import all_finite
 
     x = np.ones(1000, np.float32)
     assert all_finite(x)
