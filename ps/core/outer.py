@@ -220,6 +220,11 @@ class StepRate:
             self._seconds += max(0.0, now - self._last - self._waited)
         self._last, self._waited = now, 0.0
 
+    def skip(self, now: float) -> None:
+        """An inner version that trained nothing (its workers waited for data) at ``now``: the
+        time since the last step was not training."""
+        self._last, self._waited = now, 0.0
+
     def waited(self, seconds: float) -> None:
         """The region waited ``seconds`` for a sync since the last step."""
         self._waited += seconds
@@ -312,6 +317,10 @@ class PendingProgress:
                 for k, end in done.items():
                     furthest[k] = max(end, furthest.get(k, end))
         return len(self._items), tuple((e, s, end) for (e, s), end in sorted(furthest.items()))
+
+    def furthest(self, epoch: int, shard: int) -> int:
+        """The furthest offset of (epoch, shard) trained here and not yet at the root (0: none)."""
+        return max((done.get((epoch, shard), 0) for done, _ in self._items), default=0)
 
     def synced(self, n: int) -> None:
         for item in self._items[:n]:

@@ -65,6 +65,7 @@ from ps.core.consistency import Aggregate
 from ps.core.encoder import Encoder
 from ps.core.errors import HpsError, NotReady, short
 from ps.core.intake import PushIntake
+from ps.core.leases import GRANTED, WAIT, Dataset, Grant
 from ps.core.logs import event
 from ps.core.optim import ServerOptimizer, warm_up
 from ps.core.outer import OuterPlan, PendingProgress, StepRate, dynamic_period
@@ -270,9 +271,10 @@ class OuterRelay(Relay):
         if st is None or st.detached:
             return
         st.detached = True
-        if ijs is not None and st.inflight is None and ijs.stats.inner_steps_since_sync > 0:
-            async with ijs.apply_lock:
-                self._send(ijs, st)
+        if ijs is not None:
+            async with ijs.apply_lock:  # (a sync may have started while the lock was awaited)
+                if st.inflight is None and (ijs.stats.inner_steps_since_sync > 0 or st.progress):
+                    self._send(ijs, st)
         if st.inflight is not None:  # the last pseudo-gradient lands first
             task = asyncio.create_task(self._leave_after(job, st, st.inflight), name=f"outer-leave-{job}")
             self._tasks.append(task)
@@ -281,12 +283,24 @@ class OuterRelay(Relay):
         await self._leave_root(job)
 
     async def _leave_after(self, job: str, st: OuterState, sync: asyncio.Task) -> None:
-        await asyncio.wait([sync])
-        ijs = self.inner.jobs.get(job) if self.inner is not None else None
-        if ijs is not None and st.inflight is sync:
+        """Merge the last sync, then leave the root's rounds. Leased data trained here that
+        still needs other fragments' syncs (``PendingProgress``) gets them first: at most F more
+        (a failed one is tried again within that bound), so the root counts it as trained."""
+        for _ in range(st.plan.fragments + 1):
+            await asyncio.wait([sync])
+            ijs = self.inner.jobs.get(job) if self.inner is not None else None
+            if ijs is None or st.inflight is not sync:
+                break
             async with ijs.apply_lock:
-                if st.inflight is sync:
-                    self._merge(ijs, st)
+                if st.inflight is not sync:
+                    break
+                self._merge(ijs, st)
+                if not st.detached or not st.progress:
+                    break
+                self._send(ijs, st)
+                if st.inflight is None:
+                    break
+                sync = st.inflight
         if st.detached and self.outer.get(job) is st:
             await self._leave_root(job)
 
@@ -313,6 +327,7 @@ class OuterRelay(Relay):
             lost = ijs.stats.inner_steps_since_sync
             if st.progress is not None:
                 st.progress.clear()  # the data of the dropped steps is not in the outer model
+            st.idle_rounds, st.rate = 0, StepRate()  # the time away was not training
             for f in range(st.plan.fragments):
                 st.plan.rebase(ijs.params, st.base, ojs.view.values, f)
             inner._publish(ijs, ijs.view.clock_min, 0)
@@ -365,18 +380,24 @@ class OuterRelay(Relay):
             st.rate.step(time.perf_counter())
         else:  # a round of empty pushes: the workers wait for leased data (held by others)
             st.idle_rounds += 1
+            st.rate.skip(time.perf_counter())  # waiting is not training
         if st.inflight is not None and st.inflight.done():
             self._merge(ijs, st)
         outer = ijs.config.outer
-        # Idle rounds count towards a sync, so a region whose workers wait for data still takes
-        # part in the root's synchronous rounds; and while they wait, trained data held here goes
-        # up at once (the shards they wait for may be finished by it).
+        # A synchronous job's idle rounds count towards a sync, so a region whose workers wait
+        # for data still takes part in the root's rounds (an asynchronous one waits for nobody).
+        # While they wait, leased data trained here goes up at once: the shards they wait for
+        # may be finished by it.
+        idle = st.idle_rounds if outer is not None and not outer.asynchronous else 0
+        flush = bool(st.idle_rounds and st.progress)
         due = st.due(outer is not None and outer.dynamic_steps)
-        if ijs.stats.inner_steps_since_sync + st.idle_rounds < due and not (st.idle_rounds and st.progress):
+        if ijs.stats.inner_steps_since_sync + idle < due and not flush:
             return
         if st.inflight is not None:
             await self._wait_sync(st)
             self._merge(ijs, st)
+            if flush and not st.progress and ijs.stats.inner_steps_since_sync + idle < due:
+                return  # the sync that just landed carried the data: nothing more is due
         self._send(ijs, st)
         if st.inflight is not None and (outer is None or not outer.overlap):
             await self._wait_sync(st)
@@ -518,6 +539,21 @@ class OuterRelay(Relay):
     async def rank(self, job: str, member: str, incarnation: int, requested: int | None = None,
                    release: bool = False) -> RankInfo:
         return await super().rank(job, member, incarnation, requested, release)  # the root's, across regions
+
+    async def lease(self, job: str, member: str, incarnation: int, dataset: Dataset, epoch: int,
+                    want: bool = True, held: tuple[tuple[int, int], ...] = ()) -> Grant:
+        """The root leases (a relay forwards the call); a shard this region trained further than
+        the root knows (data not synced yet: a worker here restarted, or another took over its
+        shard) is handed on from there, or, trained to its end, answered ``wait`` until that
+        data reaches the root, so no sample of it is trained twice."""
+        grant = await super().lease(job, member, incarnation, dataset, epoch, want, held)
+        st = self.outer.get(job)
+        if grant.status != GRANTED or st is None or st.progress is None:
+            return grant
+        end = st.progress.furthest(grant.epoch, grant.shard)
+        if end >= grant.end:
+            return dataclasses.replace(grant, status=WAIT, shard=-1, start=0, end=0)
+        return dataclasses.replace(grant, start=end) if end > grant.start else grant
 
     def _may_read(self, js: JobState, member: str) -> bool:
         return super()._may_read(js, member) or (self.inner is not None and member in self.inner.children)

@@ -26,6 +26,7 @@ p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--wait-workers", type=int, default=1)
 p.add_argument("--outer", type=int, default=0, help="an outer job syncing every this many inner steps "
                "(lossless, outer SGD lr 1: the root's deltas still count the applied one-hots)")
+p.add_argument("--asynchronous", action="store_true", help="--outer: the regions do not wait for each other")
 args = p.parse_args()
 
 N = args.samples
@@ -33,7 +34,8 @@ SGD = OptimizerConfig(kind="sgd", lr=1.0)
 JOB = JobConfig(name="data", optimizer=SGD, delta_log_length=10_000)
 if args.outer:
     JOB = JobConfig(name="data", mode="outer", optimizer=SGD, delta_log_length=10_000,
-                    outer=OuterConfig(inner_steps=args.outer, codec="fp32", delta_codec="fp32", optimizer=SGD))
+                    outer=OuterConfig(inner_steps=args.outer, codec="fp32", delta_codec="fp32", optimizer=SGD,
+                                      asynchronous=args.asynchronous))
 client = ParameterClient(args.address, "data", args.worker_id, timeout_s=10, round_timeout_s=60)
 client.create_job(JOB, Layout([KeySpec("counts", (N,))]), np.zeros(N, np.float32))
 client.register()
@@ -42,10 +44,10 @@ info = client.wait_workers(args.wait_workers, timeout_s=60)
 print(json.dumps(dict(rank=info.rank, world=info.world_size)), flush=True)
 
 
-def push(grad: np.ndarray, step: StepInfo) -> int:
+def push(grad: np.ndarray, step: StepInfo, contributors: int = 1) -> int:
     while True:
         try:
-            version, _ = client.push(grad, step=step)
+            version, _ = client.push(grad, step=step, contributors=contributors)
             client.pull(min_version=version)
             return version
         except Stale:  # not applied (its round was abandoned): the same batch again
@@ -53,8 +55,9 @@ def push(grad: np.ndarray, step: StepInfo) -> int:
 
 
 def idle() -> None:
-    """bsp: every shard left is someone else's; an empty contribution keeps their rounds going."""
-    push(np.zeros(N, np.float32), StepInfo())
+    """bsp: every shard left is someone else's; an empty contribution keeps their rounds going
+    (no gradient in it, as HpsOptimizer.idle sends)."""
+    push(np.zeros(N, np.float32), StepInfo(), contributors=0)
 
 
 sampler = LeasedSampler(client, N, args.batch, shard_size=args.shard_size, seed=7, idle=idle,

@@ -119,19 +119,23 @@ def test_kill_9_of_a_worker_mid_epoch_every_sample_is_trained_exactly_once(tree,
     assert tree.lt.call(lambda: tree.tier("root").jobs["data"].stats.double_applied) == 0
 
 
-def test_an_outer_jobs_regions_train_every_sample_of_an_epoch_exactly_once(tree, reap, tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_outer_jobs_regions_train_every_sample_of_an_epoch_exactly_once(tree, reap, tmp_path, asynchronous):
     """Two regions, a worker each, on one leased epoch of an outer job (H = 2, lossless, outer
-    SGD lr 1): each region's trained data reaches the root with its syncs, workers that run out
-    of shards wait in empty rounds (which still sync), and a worker leaving keeps its leases
-    until its data arrived. Every sample's one-hot is applied at the root exactly once."""
+    SGD lr 1): each region's trained data reaches the root with its syncs, and a worker leaving
+    keeps its leases until its data arrived. Asynchronous, the fast region runs out of shards
+    and waits in empty rounds, which send its held data up. Every sample's one-hot is applied
+    at the root exactly once (synchronous: a version averages the regions' pushes, as bsp does;
+    asynchronous: each region's is applied at its share of the workers, a half)."""
     tree.add("root", "global")
     zones = []
     for r in ("eu", "us"):
         tree.add(r, "regional", parent="root")
         zones.append(tree.add(f"{r}-a", "zone", parent=r))
     ws = [spawn_worker(reap, "tests.integration._lease_worker", tmp_path / f"w{i}.log", "--address", z,
-                       "--worker-id", f"w{i}", "--wait-workers", "2", "--outer", "2")
-          for i, z in enumerate(zones)]
+                       "--worker-id", f"w{i}", "--wait-workers", "2", "--outer", "2", "--sleep", str(0.3 * i),
+                       *(["--asynchronous"] if asynchronous else []))
+          for i, z in enumerate(zones)]  # w1 slower: w0 runs out of shards first
     for i, w in enumerate(ws):
         lines = json_lines(w, 100, 120)
         assert lines and lines[-1] == {"done": True}, f"w{i} did not finish the epoch (log: {tmp_path}/w{i}.log)"
@@ -140,11 +144,49 @@ def test_an_outer_jobs_regions_train_every_sample_of_an_epoch_exactly_once(tree,
     while not tree.lt.call(lambda: 0 in tree.tier("root").jobs["data"].leases.finished):
         assert time.monotonic() < deadline, "the root never saw the epoch's last data"
         time.sleep(0.1)
-    counts = _trained_counts(tree)
+    counts = _trained_counts(tree) * (2 if asynchronous else 1)  # asynchronous: each region's at half
     assert np.array_equal(counts, np.ones(96)), {i: c for i, c in enumerate(counts) if c != 1}
     syncs = [tree.lt.call(lambda r=r: tree.tier(r).inner.jobs["data"].stats.outer_syncs) for r in ("eu", "us")]
     assert min(syncs) >= 2, syncs
     assert tree.lt.call(lambda: tree.tier("root").jobs["data"].stats.double_applied) == 0
+
+
+def test_a_restarted_outer_worker_resumes_its_shard_where_its_region_trained_it(tree):
+    """Data a region trained is at the root only after its next sync (H = 50 here: none
+    happens). A worker restarted meanwhile (a new incarnation: the root hands its shard back
+    from the root's offset) is told by its region where that shard really stands: from 8, and,
+    trained to its end, ``wait`` -- never the samples again."""
+    from ps.core.config import OuterConfig
+    from ps.core.leases import WAIT
+
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    zone = tree.add("eu-a", "zone", parent="eu")
+    sgd = OptimizerConfig(kind="sgd", lr=1.0)
+    job = JobConfig(name="ol", mode="outer", optimizer=sgd,
+                    outer=OuterConfig(inner_steps=50, codec="fp32", delta_codec="fp32", optimizer=sgd))
+    ds = Dataset(length=32, shard_size=16, lease_timeout_s=30)
+
+    def incarnation(end: int | None):
+        c = ParameterClient(zone, "ol", "w0", timeout_s=10)
+        c.create_job(job, LAYOUT, np.zeros(4, np.float32))
+        c.register()
+        c.pull()
+        g = c.lease(ds, epoch=0)
+        if end is not None:
+            version, _ = c.push(np.zeros(4, np.float32), step=StepInfo(progress=((0, g.shard, end),)))
+            c.pull(min_version=version)
+        return c, g
+
+    first, g = incarnation(8)
+    assert (g.status, g.shard, g.start) == (GRANTED, 0, 0)
+    second, g = incarnation(16)       # the root would start it at 0 again
+    assert (g.status, g.shard, g.start) == (GRANTED, 0, 8)
+    third, g = incarnation(None)
+    assert g.status == WAIT           # shard 0 is trained to its end, at the region
+    assert tree.lt.call(lambda: tree.tier("root").jobs["ol"].leases.done[0][0]) == 0  # the root has none of it
+    for c in (first, second, third):
+        c.close()
 
 
 def test_kill_9_of_the_root_keeps_ranks_leases_and_trained_offsets(tmp_path):
