@@ -250,6 +250,8 @@ class Pace:
     10.0
     >>> pace.heard("us", 5.0, now=31.0); pace.fastest(now=60.0)   # eu silent for a minute
     5.0
+    >>> pace.heard("eu", 10.0, now=61.0); pace.forget("eu"); pace.fastest(now=62.0)  # eu left
+    5.0
     """
 
     def __init__(self, horizon: float = 4.0, min_horizon_s: float = 30.0) -> None:
@@ -263,6 +265,10 @@ class Pace:
         self._heard[source] = (rate, now, now - prev[1] if prev is not None else 0.0)
         if len(self._heard) > 4096:  # bounded: sources are regions (or zones), never workers
             self._heard.pop(next(iter(self._heard)))
+
+    def forget(self, source: str) -> None:
+        """``source`` left the job."""
+        self._heard.pop(source, None)
 
     def fastest(self, now: float) -> float:
         best = 0.0

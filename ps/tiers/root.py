@@ -605,6 +605,10 @@ class Root(Tier):
             if js.view.version % self.config.checkpoint_every == 0:
                 self._checkpoint(js)
 
+    def _drop_member(self, js: RootJob, member: str, why: str) -> None:
+        js.pace.forget(member)  # a region that left no longer sets the others' H
+        super()._drop_member(js, member, why)
+
     def _trained(self, js: RootJob, progress: tuple[tuple[int, int, int], ...]) -> None:
         """The leased data a version applied the gradients of (a region's own root: its inner
         versions' data, which counts once its syncs carried it to the root)."""
