@@ -39,11 +39,13 @@ since the outer version moves with every region's sync.
 Leased data (``worker.sampler``): the root leases shards for every region (a relay forwards
 the calls); the data an inner version trained waits at the region (``PendingProgress``) and
 goes to the root with the syncs that carry every fragment of its gradient, so a sample counts
-as trained once it is in the outer model. A round of empty pushes (workers waiting for shards
-others hold) counts towards the next sync, so that data is not held back by idle workers. The
-root keeps an outer job's leases when a worker leaves cleanly (its data may not have been
-synced yet); they end with that data's arrival or by expiry, so the lease timeout must exceed
-a region's time between syncs.
+as trained once it is in the outer model. While the workers wait in rounds of empty pushes
+(the shards left are held by others), data held here goes up at once, and in a synchronous job
+those rounds count towards the next sync (the root's rounds wait for every region). The root
+keeps an outer job's leases when a worker leaves cleanly (its data may not have been synced
+yet); they end with that data's arrival or by expiry, so the lease timeout must exceed a
+region's time between syncs. A region answers a lease with where it trained the shard
+(``OuterRelay.lease``), so a worker restarted here does not train the unsynced samples again.
 
 The inner state is in memory only. A restarted region starts a new lineage from the outer view;
 the inner steps its old lineage held beyond its last sync are counted (``inner_steps_lost``,
