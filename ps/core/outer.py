@@ -31,6 +31,8 @@ then tell, from the version a child last held, how many inner steps it lost (``l
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from ps.core.config import JobConfig
@@ -304,7 +306,7 @@ class PendingProgress:
     def __bool__(self) -> bool:
         return bool(self._items)
 
-    def add(self, entries) -> None:
+    def add(self, entries: Iterable[tuple[int, int, int]]) -> None:
         if not entries:
             return
         if not self._open:
