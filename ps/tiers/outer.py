@@ -125,6 +125,7 @@ class OuterState:
     pace: float = 0.0           # dynamic steps: the fastest region's rate, as the root last answered
     idle_rounds: int = 0        # inner versions without a gradient since the last sync (leased data ran out)
     progress: PendingProgress | None = None  # leased data trained, not yet in every fragment's sync
+    lease_warned: bool = False  # the lease timeout was said to be too short for the syncs
 
     def __post_init__(self) -> None:
         self.progress = PendingProgress(self.plan.fragments)
@@ -550,12 +551,31 @@ class OuterRelay(Relay):
         data reaches the root, so no sample of it is trained twice."""
         grant = await super().lease(job, member, incarnation, dataset, epoch, want, held)
         st = self.outer.get(job)
+        if st is not None:
+            self._check_lease_timeout(job, st, dataset.lease_timeout_s)
         if grant.status != GRANTED or st is None or st.progress is None:
             return grant
         end = st.progress.furthest(grant.epoch, grant.shard)
         if end >= grant.end:
             return dataclasses.replace(grant, status=WAIT, shard=-1, start=0, end=0)
         return dataclasses.replace(grant, start=end) if end > grant.start else grant
+
+    def _check_lease_timeout(self, job: str, st: OuterState, timeout_s: float) -> None:
+        """Say once (per job) when the dataset's lease timeout is not well above this region's
+        time between syncs: a departed worker's shard could then expire before its data reaches
+        the root and be handed to another region from the root's older offset (trained twice)."""
+        ijs = self.inner.jobs.get(job) if self.inner is not None else None
+        if st.lease_warned or ijs is None or st.rate.rate <= 0:
+            return
+        s = ijs.stats
+        between = st.due(ijs.config.outer is not None and ijs.config.outer.dynamic_steps) / st.rate.rate
+        between += s.outer_sync_seconds_sum / s.outer_syncs if s.outer_syncs else 0.0
+        if timeout_s < 2 * between:
+            st.lease_warned = True
+            log.warning("%s: job %s: the dataset's lease timeout (%.1fs) is under twice this region's time "
+                        "between syncs (~%.1fs): a shard of a worker that left could expire before its data "
+                        "reaches the root and be trained again in another region; raise lease_timeout_s",
+                        self.role, job, timeout_s, between)
 
     def _may_read(self, js: JobState, member: str) -> bool:
         return super()._may_read(js, member) or (self.inner is not None and member in self.inner.children)

@@ -151,11 +151,14 @@ def test_an_outer_jobs_regions_train_every_sample_of_an_epoch_exactly_once(tree,
     assert tree.lt.call(lambda: tree.tier("root").jobs["data"].stats.double_applied) == 0
 
 
-def test_a_restarted_outer_worker_resumes_its_shard_where_its_region_trained_it(tree):
+def test_a_restarted_outer_worker_resumes_its_shard_where_its_region_trained_it(tree, caplog):
     """Data a region trained is at the root only after its next sync (H = 50 here: none
     happens). A worker restarted meanwhile (a new incarnation: the root hands its shard back
     from the root's offset) is told by its region where that shard really stands: from 8, and,
-    trained to its end, ``wait`` -- never the samples again."""
+    trained to its end, ``wait`` -- never the samples again. A lease timeout shorter than twice
+    the region's time between syncs is said (once) in the region's log."""
+    import logging
+
     from ps.core.config import OuterConfig
     from ps.core.leases import WAIT
 
@@ -182,7 +185,10 @@ def test_a_restarted_outer_worker_resumes_its_shard_where_its_region_trained_it(
     assert (g.status, g.shard, g.start) == (GRANTED, 0, 0)
     second, g = incarnation(16)       # the root would start it at 0 again
     assert (g.status, g.shard, g.start) == (GRANTED, 0, 8)
-    third, g = incarnation(None)
+    tree.lt.call(lambda: setattr(tree.tier("eu").outer["ol"].rate, "rate", 1.0))  # 50 steps at 1/s per sync
+    with caplog.at_level(logging.WARNING, logger="hps.outer"):
+        third, g = incarnation(None)
+    assert caplog.text.count("lease timeout (30.0s) is under twice this region's time between syncs") == 1
     assert g.status == WAIT           # shard 0 is trained to its end, at the region
     assert tree.lt.call(lambda: tree.tier("root").jobs["ol"].leases.done[0][0]) == 0  # the root has none of it
     for c in (first, second, third):
