@@ -124,7 +124,7 @@ class OuterState:
     rate: StepRate = dataclasses.field(default_factory=StepRate)  # the region's inner steps per second
     pace: float = 0.0           # dynamic steps: the fastest region's rate, as the root last answered
     idle_rounds: int = 0        # inner versions without a gradient since the last sync (leased data ran out)
-    progress: PendingProgress | None = None  # leased data trained, not yet in every fragment's sync
+    progress: PendingProgress = dataclasses.field(init=False)  # leased data trained, not yet in every fragment's sync
     lease_warned: bool = False  # the lease timeout was said to be too short for the syncs
 
     def __post_init__(self) -> None:
@@ -328,8 +328,7 @@ class OuterRelay(Relay):
                 st.inflight.cancel()
                 st.inflight, st.pending = None, None
             lost = ijs.stats.inner_steps_since_sync
-            if st.progress is not None:
-                st.progress.clear()  # the data of the dropped steps is not in the outer model
+            st.progress.clear()  # the data of the dropped steps is not in the outer model
             st.idle_rounds, st.rate = 0, StepRate()  # the time away was not training
             for f in range(st.plan.fragments):
                 st.plan.rebase(ijs.params, st.base, ojs.view.values, f)
@@ -363,7 +362,7 @@ class OuterRelay(Relay):
         """An inner version applied gradients of this leased data: it goes to the root with the
         syncs that carry every fragment of it (``PendingProgress``)."""
         st = self.outer.get(job)
-        if st is not None and st.progress is not None:
+        if st is not None:
             st.progress.add(progress)
 
     # -- the sync ---------------------------------------------------------------------------
@@ -430,7 +429,6 @@ class OuterRelay(Relay):
         f = st.plan.fragment(st.sent if asynchronous else u)
         st.scratch = st.plan.pseudo_gradient(st.base, ijs.params, f, st.workers, out=st.scratch)
         dynamic = ijs.config.outer is not None and ijs.config.outer.dynamic_steps
-        assert st.progress is not None
         n, progress = st.progress.due()
         step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0,
                         progress=progress, inner_rate=st.rate.close() if dynamic else 0.0)
@@ -469,7 +467,6 @@ class OuterRelay(Relay):
                         short(str(exc), 200), extra=event("outer.sync_failed", job=name, version=p.outer_version))
             return
         st.sent += 1  # synced: the next fragment's turn (a failed sync tries the same one again)
-        assert st.progress is not None
         st.progress.synced(p.progress)
         ack: Ack = task.result()
         outer = ijs.config.outer
@@ -553,7 +550,7 @@ class OuterRelay(Relay):
         st = self.outer.get(job)
         if st is not None:
             self._check_lease_timeout(job, st, dataset.lease_timeout_s)
-        if grant.status != GRANTED or st is None or st.progress is None:
+        if grant.status != GRANTED or st is None:
             return grant
         end = st.progress.furthest(grant.epoch, grant.shard)
         if end >= grant.end:
