@@ -94,6 +94,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_prometheus(prometheus: str, work: Path, tries: int = 3) -> tuple[subprocess.Popen, int]:
+    """Prometheus on a free port, ready to answer. Its listen port can only be picked here, so
+    one taken between the pick and Prometheus's bind is picked again (at most ``tries`` times)."""
+    for _ in range(tries):
+        port = _free_port()
+        proc = subprocess.Popen(
+            [prometheus, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=open(work / "prometheus.log", "w"))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return proc, port
+            except OSError:
+                pass
+            time.sleep(0.2)
+        _stop(proc)
+        if "address already in use" not in (work / "prometheus.log").read_text():
+            break
+    raise RuntimeError(f"prometheus did not start; its log:\n{(work / 'prometheus.log').read_text()[-2000:]}")
+
+
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as r:
         return json.loads(r.read())
@@ -101,19 +125,23 @@ def _get(url: str) -> dict:
 
 def _topology() -> dict:
     def tier(name, **kw):
-        return {"name": name, "port": 0, "metrics_port": _free_port(), **kw}
+        # Port 0 everywhere: each tier binds its own and prints it on its ready line (a port
+        # picked here and bound later can be taken in between: CI saw that happen).
+        return {"name": name, "port": 0, "metrics_port": 0, **kw}
     return {"host": "127.0.0.1", "settings": {"heartbeat_s": 0.5, "member_timeout_s": 3.0},
             "root": tier("root"),
             "regions": [tier(r, zones=[tier(f"{r}-a"), tier(f"{r}-b")]) for r in ("eu", "us")]}
 
 
-def _prometheus_config(topo: dict, am_port: int) -> dict:
-    targets = [{"targets": [f"127.0.0.1:{topo['root']['metrics_port']}"], "labels": {"tier": "global"}}]
+def _prometheus_config(topo: dict, cluster: Cluster, am_port: int) -> dict:
+    def at(name: str) -> str:
+        return f"127.0.0.1:{cluster.tiers[name].metrics_port}"
+    targets = [{"targets": [at(topo["root"]["name"])], "labels": {"tier": "global"}}]
     for r in topo["regions"]:
-        targets.append({"targets": [f"127.0.0.1:{r['metrics_port']}"],
+        targets.append({"targets": [at(r["name"])],
                         "labels": {"tier": "regional", "region": r["name"]}})
         for z in r["zones"]:
-            targets.append({"targets": [f"127.0.0.1:{z['metrics_port']}"],
+            targets.append({"targets": [at(z["name"])],
                             "labels": {"tier": "zone", "region": r["name"], "zone": z["name"]}})
     return {"global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
             "rule_files": [str(RULES)],
@@ -174,12 +202,9 @@ def one(fault: str, prometheus: str, warmup_s: float, watch_s: float) -> dict:
         # The tiers import this checkout's hps, not whichever one the venv installed.
         cluster = Cluster.start(topo, work / "logs", env={"PYTHONPATH": str(ROOT)})
         am_port = _free_port()  # none listens: Prometheus only logs that it cannot send
-        (work / "prometheus.yml").write_text(yaml.safe_dump(_prometheus_config(topo, am_port)))
-        prom_port = _free_port()
-        procs.append(subprocess.Popen(
-            [prometheus, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{prom_port}"],
-            stdout=subprocess.DEVNULL, stderr=open(work / "prometheus.log", "w")))
+        (work / "prometheus.yml").write_text(yaml.safe_dump(_prometheus_config(topo, cluster, am_port)))
+        prom, prom_port = _start_prometheus(prometheus, work)
+        procs.append(prom)
         workers = {}
         for i, (wid, zone) in enumerate(WORKERS.items()):
             workers[wid] = subprocess.Popen([sys.executable, "-c", WORKER, cluster.address(zone), wid,
