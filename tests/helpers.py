@@ -215,10 +215,11 @@ def mlp_loss(model, x, y):
     return torch.nn.functional.cross_entropy(model(x), y)  # a mean, as DDP users write it
 
 
-def train_mlp(zones: list[str], job, steps: int, workers: int, per_worker: int, data_steps: int = 0) -> dict:
+def train_mlp(zones: list[str], job, steps: int, workers: int, per_worker: int, data_steps: int = 0,
+              **opt_kw) -> dict:
     """``workers`` HpsOptimizer threads on ``small_mlp``, worker i on zone i % len(zones) with
     slice i of every step's batch (``mlp_batches(data_steps or steps, ...)``); every step must
-    be applied. Returns each worker's final parameters."""
+    be applied. ``opt_kw``: more HpsOptimizer options. Returns each worker's final parameters."""
     from worker import HpsOptimizer
 
     x, y = mlp_batches(data_steps or steps, workers * per_worker)
@@ -228,7 +229,7 @@ def train_mlp(zones: list[str], job, steps: int, workers: int, per_worker: int, 
     def run(i: int) -> None:
         try:
             model = models[i]
-            with HpsOptimizer(model, zones[i % len(zones)], job, worker_id=f"{job.name}-w{i}") as opt:
+            with HpsOptimizer(model, zones[i % len(zones)], job, worker_id=f"{job.name}-w{i}", **opt_kw) as opt:
                 for s in range(steps):
                     sl = slice(i * per_worker, (i + 1) * per_worker)
                     opt.zero_grad()
@@ -244,3 +245,12 @@ def train_mlp(zones: list[str], job, steps: int, workers: int, per_worker: int, 
     assert not errors, errors
     assert len(results) == workers
     return results
+
+
+def wait_for(fn, what: str, timeout: float = 10.0, pause_s: float = 0.05) -> None:
+    """Poll ``fn()`` until true, for at most ``timeout`` seconds; AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not fn():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(pause_s)

@@ -79,14 +79,16 @@ DOCTESTED = (
     "worker.client",
     "worker.metrics",
     "worker.optimizer",
+    "worker.overlap",
     "worker.sampler",
     "worker.sender",
+    "worker.streamed",
 )
 
 # Modules whose examples talk to a tier: they get ``address`` (a live root) in their globals.
 LIVE = frozenset({"ps.net.rpc", "ps.net.upstream", "ps.tiers.metrics", "ps.tiers.relay", "ps.server.health",
                   "ps.tools.jobctl", "ps.tools.status", "ps.tools.wanem", "worker", "worker.client", "worker.optimizer",
-                  "worker.sampler", "worker.sender"})
+                  "worker.overlap", "worker.sampler", "worker.sender", "worker.streamed"})
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

@@ -47,7 +47,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -522,23 +522,30 @@ class ParameterClient:
                 clock_max + 1, *report, incarnation=self.incarnation, step=step), chunks)
         nbytes = payload_bytes(chunks)
         digest = bytes(decode_frame(frames[-1])[0].end.digest)
+        return self._deliver(seq, lambda: iter(frames), lambda: digest, contributors, lambda: nbytes)
+
+    def _deliver(self, seq: int, frames: Callable[[], Iterator[bytes]], digest: Callable[[], bytes],
+                 contributors: int, nbytes: Callable[[], int]) -> tuple[int, int]:
+        """Send push ``seq`` (``frames()``: its frames from the first, each time it is sent;
+        ``digest()`` and ``nbytes()``: its end marker's digest and its payload bytes, asked for
+        once it is complete) until a tier answers it; returns (applied version, payload bytes)."""
         sent_via: list[int] = []  # the tier (switch count) of the last unanswered send
 
         def attempt() -> Any:
             if sent_via and sent_via[-1] != self._rpc.switches and contributors:
                 # Sent through a tier this client has left: the root decides before it goes again.
-                resolved = self._resolve_moved(seq, digest)
+                resolved = self._resolve_moved(seq, digest())
                 if resolved is not None:
                     return resolved
             sent_via.append(self._rpc.switches)
-            return self._call("Push", iter(frames), timeout=self.round_timeout_s)
+            return self._call("Push", frames(), timeout=self.round_timeout_s)
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
         reply = self._retrying("push", attempt)
         with self._push_lock:
             self.acked_seq = max(self.acked_seq, seq)
-            self.bytes_up += nbytes
+            self.bytes_up += nbytes()
             self.last_skipped = reply.skipped
-        return reply.applied_version, nbytes
+        return reply.applied_version, nbytes()
 
 
 def env_int(name: str) -> int | None:

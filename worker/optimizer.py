@@ -31,11 +31,12 @@ worker, and every worker's scaler backs off.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -49,7 +50,8 @@ from ps.core.optim import flat_hparams, group_defaults, group_index
 from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
 from ps.net.tls import TlsFiles
-from worker.client import StepResult, env_int
+from worker.client import ParameterClient, StepResult, env_int
+from worker.overlap import Overlap
 from worker.sampler import LeasedSampler
 from worker.sender import Sender
 from worker.sharded import ShardedClient, connect, default_sharding, with_keys
@@ -111,8 +113,13 @@ class HpsOptimizer(torch.optim.Optimizer):
     (seconds); ``start_timeout_s`` the wait for ``min_workers``. ``record`` keeps ``trace``:
     (clock, version computed on) per step, for tests. ``tls``: the worker's certificate files
     (None: ``HPS_TLS_*`` if set, else plaintext). ``token``: the job's token (default:
-    ``HPS_TOKEN``). Raises ValueError when the model does not match the job, Conflict for
-    another configuration or run, and the hps errors of ``ParameterClient``.
+    ``HPS_TOKEN``). ``overlap`` (bsp and outer jobs; default ``HPS_OVERLAP``): send each
+    bucket of about ``bucket_mb`` MB of gradients from a backward hook as soon as backward has
+    made it, so the push travels while backward goes on (``worker/overlap.py``); the script
+    must then not change gradients between ``backward()`` and ``step()`` (clip at the root with
+    ``OptimizerConfig.clip_grad_norm``; accumulate micro-batches inside ``no_sync()``), and
+    cannot use AMP's GradScaler. Raises ValueError when the model does not match the job,
+    Conflict for another configuration or run, and the hps errors of ``ParameterClient``.
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands step() its scale and found_inf
@@ -120,7 +127,8 @@ class HpsOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Params, address: str | None = None, job: JobConfig | str | None = None,
                  worker_id: str | None = None, timeout_s: float = 30.0, round_timeout_s: float = 600.0,
                  record: bool = False, tls: TlsFiles | None = None, token: str | None = None,
-                 resume: bool | None = None, start_timeout_s: float = 600.0) -> None:
+                 resume: bool | None = None, start_timeout_s: float = 600.0, overlap: bool | None = None,
+                 bucket_mb: float = 25.0) -> None:
         address = address or os.environ.get("HPS_ADDRESS", "")
         if not address:
             raise ValueError("no tier address: pass address= or set HPS_ADDRESS (e.g. zone-eu-a:7001)")
@@ -201,6 +209,25 @@ class HpsOptimizer(torch.optim.Optimizer):
         # ssp: one, so the clock floors it reports arrive in order.
         self.sender = (Sender(self.client, record, in_flight=MAX_IN_FLIGHT if self.mode == "async" else 1)
                        if self.mode != "bsp" else None)
+        if overlap is None:
+            overlap = os.environ.get("HPS_OVERLAP", "").lower() in ("1", "true", "yes")
+        self._overlap: Overlap | None = None
+        if overlap:
+            try:
+                self._overlap = self._overlapping(bucket_mb)
+            except Exception:
+                self.close()
+                raise
+
+    def _overlapping(self, bucket_mb: float) -> Overlap:
+        if self.mode != "bsp":
+            raise ValueError(f"overlap=True streams a bsp round's push from backward; a {self.mode} job already "
+                             "pushes in the background (its sender)")
+        if not isinstance(self.client, ParameterClient):
+            raise ValueError("overlap=True is not built for root shards yet (a push per shard): pass overlap=False")
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        return Overlap(self.client, self._keys, self.layout, bucket_bytes=int(bucket_mb * (1 << 20)))
 
     # -- joining -----------------------------------------------------------------------------
     def _check_join(self, job: JobConfig | str, name: str, created: bool, run_id: str, resume: bool) -> None:
@@ -368,6 +395,14 @@ class HpsOptimizer(torch.optim.Optimizer):
                      if isinstance(scale, torch.Tensor) else None)
         every = self.client.config.buffer_sync_every
         sync_buffers = bool(every) and (self.clock + 1) % every == 0
+        if self._overlap is not None and self._overlap.active:
+            if scale is not None or found_inf is not None:
+                self._overlap.abort()
+                raise ValueError("overlap=True sends gradients as backward() makes them, before GradScaler "
+                                 "unscales them; with AMP's GradScaler pass overlap=False")
+            result = self._step_streamed(t0, report, sync_buffers)
+            self.last_result = result
+            return returned if closure is not None else result
         grad, absent = self._gather(sync_buffers, inv_scale)
         overflow = bool(found_inf.item() > 0) if isinstance(found_inf, torch.Tensor) else \
             not bool(torch.isfinite(grad).all())
@@ -384,19 +419,34 @@ class HpsOptimizer(torch.optim.Optimizer):
         if self.sender is not None:
             result = self._step_nonblocking(grad, t0, report, info, skip=overflow, sync_buffers=sync_buffers)
         else:
-            result = self._step_bsp(grad, t0, report, info, sync_buffers)
+            result = self._step_bsp(lambda: self.client.push(grad, clock=self.clock, report=report, step=info),
+                                    t0, sync_buffers)
             if self.client.last_skipped and not overflow and found_inf is not None:
                 self._scaler_backs_off()
         self.last_result = result
         return returned if closure is not None else result
 
-    def _step_bsp(self, grad: torch.Tensor, t0: float, report: tuple[float, int, float], info: StepInfo,
-                  sync_buffers: bool, contributors: int = 1) -> StepResult:
+    def _step_streamed(self, t0: float, report: tuple[float, int, float], sync_buffers: bool) -> StepResult:
+        """bsp with overlap: most of the push went up during backward; send the rest, its tail."""
+        assert self._overlap is not None
+        self._overlap.clock = self.clock
+        sent = self._overlap.complete(sync_buffers)
+        if sent.overflow:
+            log.warning("%s: step %d has a non-finite gradient; the round is skipped by every worker",
+                        self.client.worker_id, self.clock)
+        has_buffers = sync_buffers and any(kind == "buffer" for _, _, kind in self._keys)
+        progress = self._sampler.step_progress() if self._sampler is not None else ()
+        info = StepInfo(self._hparams(), sent.absent, sent.overflow, int(has_buffers), progress)
+        if self._record:
+            self.trace.append((self.clock, self.client.view.version))
+        return self._step_bsp(lambda: sent.stream.finish(info, report), t0, sync_buffers)
+
+    def _step_bsp(self, send: Callable[[], tuple[int, int]], t0: float, sync_buffers: bool) -> StepResult:
+        """Push (``send()``: the applied version and payload bytes), wait for the round, load it."""
         down0 = self.client.bytes_down
         applied, up = True, 0
         try:
-            version, up = self.client.push(grad, clock=self.clock, report=report, step=info,
-                                           contributors=contributors)
+            version, up = send()
             applied = not self.client.last_skipped
         except Stale as exc:
             # Not applied, and it will not be (its round closed while a tier restarted, or the
@@ -435,8 +485,10 @@ class HpsOptimizer(torch.optim.Optimizer):
         load the round's parameters (``last_result`` says which version). ssp/async: nothing
         to do."""
         if self.mode == "bsp":
-            self.last_result = self._step_bsp(torch.zeros(0), time.perf_counter(), (0.0, 0, 0.0), StepInfo(), False,
-                                              contributors=0)
+            if self._overlap is not None:
+                self._overlap.abort()  # a backward's gradient, if any, is not this round's
+            self.last_result = self._step_bsp(
+                lambda: self.client.push(torch.zeros(0), clock=self.clock, contributors=0), time.perf_counter(), False)
 
     def _step_nonblocking(self, grad: torch.Tensor, t0: float, report: tuple[float, int, float],
                           info: StepInfo, skip: bool, sync_buffers: bool) -> StepResult:
@@ -468,6 +520,20 @@ class HpsOptimizer(torch.optim.Optimizer):
         self.client.pull(wait_s=0.0)
         self._load_view(buffers=self.client.config.buffer_sync_every > 0)
         return self.version
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without sending them (micro-batches;
+        as DDP's ``no_sync``): with ``overlap=True`` the backward after the block sends the
+        summed gradients. Without overlap nothing is sent before ``step()`` anyway."""
+        if self._overlap is None:
+            yield
+            return
+        self._overlap.paused = True
+        try:
+            yield
+        finally:
+            self._overlap.paused = False
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -523,6 +589,9 @@ class HpsOptimizer(torch.optim.Optimizer):
         sender = getattr(self, "sender", None)
         if sender is not None:
             sender.close(self.client.timeout_s)
+        overlap = getattr(self, "_overlap", None)
+        if overlap is not None:
+            overlap.close()
         self.client.close()
 
     def __enter__(self) -> HpsOptimizer:

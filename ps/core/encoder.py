@@ -40,8 +40,10 @@ _PROBE_ROWS = 64  # rows sampled to rule out a row-sparse gradient cheaply
 _STATE_PREFIXES = ("velocity:", "powersgd_q:")  # state_dict entries that are not residuals
 
 
-def row_sparse_keys(layout: Layout, flat: np.ndarray | torch.Tensor, max_fraction: float = 0.5) -> frozenset[str]:
-    """Keys of two or more dimensions whose gradient touches at most ``max_fraction`` of the rows.
+def row_sparse_keys(layout: Layout, flat: np.ndarray | torch.Tensor, max_fraction: float = 0.5,
+                    only: frozenset[str] | None = None) -> frozenset[str]:
+    """Keys of two or more dimensions whose gradient touches at most ``max_fraction`` of the rows
+    (``only``: of these keys alone).
 
     An embedding table's gradient touches only the rows of the batch's tokens; sending those
     rows (with their indices) instead of the table is lossless and often 10-1000x smaller.
@@ -50,7 +52,8 @@ def row_sparse_keys(layout: Layout, flat: np.ndarray | torch.Tensor, max_fractio
     out = []
     for spec in layout:
         width = row_width(spec)
-        if len(spec.shape) < 2 or spec.shape[0] < 2 or width > CHUNK_ELEMS:
+        if (only is not None and spec.key not in only) or len(spec.shape) < 2 or spec.shape[0] < 2 \
+                or width > CHUNK_ELEMS:
             continue
         base = layout.offset(spec.key)
         table = t[base: base + spec.numel].view(spec.shape[0], width)
@@ -148,7 +151,7 @@ class Encoder:
         if self.name == "rows":
             rows = frozenset(s.key for s in layout)
         elif self.lossless:
-            rows = row_sparse_keys(layout, flat)
+            rows = row_sparse_keys(layout, flat, only=only)
         else:
             rows = frozenset()  # lossy codecs already send no zeros they need not (top-k) or pack them
         return split(layout, flat, self.codec_at(step), encode=None if self.lossless else self._encode, rows=rows,

@@ -69,7 +69,8 @@ class PushIntake:
 
     def __init__(self, layout: Layout, meta: PushMeta, decode: bool, budget: ByteBudget,
                  release: Callable[[], None] = lambda: None) -> None:
-        self.meta = meta
+        self._keys = len(layout.specs)
+        self.late(meta)
         self.nbytes = 0
         self._limit = max_push_bytes(layout.numel)
         self._budget = budget
@@ -95,6 +96,15 @@ class PushIntake:
                 raise BadInput("a push with 0 contributors must carry no tensors")
             if self._asm is not None:
                 self._asm.add(c)
+
+    def late(self, meta: PushMeta) -> None:
+        """The header's fields, or once a streamed push's tail arrived the header with the
+        tail's late fields (step information, telemetry). BadInput if they name a key the job
+        does not have."""
+        if meta.step.absent and meta.step.absent[-1] >= self._keys:
+            raise BadInput(f"a push names key index {meta.step.absent[-1]} as absent; job {meta.job} has "
+                           f"{self._keys} keys")
+        self.meta = meta
 
     def gradient(self) -> np.ndarray | None:
         """The decoded gradient (None for a push of 0 contributors, which only reports a clock)."""

@@ -110,7 +110,8 @@ def with_end(frames: list[bytes]) -> list[bytes]:
 
 class BodyReader:
     """Checks a client-streamed body frame by frame: ``first`` kind, then chunk frames, then
-    the StreamEnd, whose counts and digest must match what arrived.
+    (optionally, at most once) a ``tail`` frame, then the StreamEnd, whose counts and digest
+    must match what arrived.
 
         reader = BodyReader("push", what="push")
         for data in frames:
@@ -118,8 +119,9 @@ class BodyReader:
         digest = reader.finish()        # BadInput if the stream was cut before its end
     """
 
-    def __init__(self, first: str, what: str) -> None:
-        self.first, self.what = first, what
+    def __init__(self, first: str, what: str, tail: str = "") -> None:
+        self.first, self.what, self.tail = first, what, tail
+        self.tailed = False  # the ``tail`` frame (optional, at most one, last before the end) came
         self.frames = 0
         self.payload_bytes = 0
         self.digest: bytes | None = None
@@ -132,9 +134,13 @@ class BodyReader:
         kind = h.WhichOneof("kind")
         if self.frames == 0 and kind != self.first:
             raise BadInput(f"malformed {self.what}: first frame is {kind!r}, expected a {self.first} header")
-        if self.frames and kind not in ("chunks", "end"):
+        if self.frames and self.tailed and kind != "end":
+            raise BadInput(f"malformed {self.what}: frame {self.frames} is {kind!r} after the {self.tail} "
+                           "frame; only the end marker may follow it")
+        if self.frames and kind not in ("chunks", "end") and not (self.tail and kind == self.tail):
             raise BadInput(f"malformed {self.what}: frame {self.frames} is {kind!r}, expected tensor "
                            "chunks or the end marker")
+        self.tailed = self.tailed or (self.frames > 0 and kind == self.tail)
         if kind == "end":
             e, digest = h.end, self._hash.digest()
             if (e.frames, e.payload_bytes, e.digest) != (self.frames, self.payload_bytes, digest):

@@ -23,6 +23,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields as dataclass_fields
+from dataclasses import replace
 from typing import Any
 
 from ps.core.config import (
@@ -60,7 +61,7 @@ from ps.net.frames import MAX_FRAME_PAYLOAD, BodyReader, decode_frame, encode_fr
 from ps.net.proto import hps_pb2 as pb
 
 __all__ = [
-    "pb", "encode_push", "decode_push",
+    "pb", "encode_push", "encode_push_head", "encode_push_tail", "with_tail", "chunk_frames", "decode_push",
     "push_meta_of", "chunks_of", "keys_to_pb", "keys_from_pb", "encode_pull_reply",
     "decode_pull_reply", "encode_create_job", "decode_create_job", "create_job_of", "adopted_token", "job_to_pb",
     "job_from_pb", "jobs_to_pb", "jobs_from_pb", "status_to_pb", "status_from_pb", "layout_to_pb",
@@ -105,7 +106,7 @@ def _name(table: Mapping[str, int], value: int, what: str) -> str:
     raise BadInput(f"unknown {what} enum value {value}")
 
 
-def _chunk_frames(chunks: Iterable[Chunk]) -> Iterator[bytes]:
+def chunk_frames(chunks: Iterable[Chunk]) -> Iterator[bytes]:
     """Pack chunks into frames of at most MAX_FRAME_PAYLOAD payload bytes each."""
     batch: list[Chunk] = []
     size = 0
@@ -193,9 +194,28 @@ def step_from_pb(m: pb.StepInfo) -> StepInfo:
 
 def encode_push(meta: PushMeta, chunks: Iterable[Chunk]) -> list[bytes]:
     """A whole push: header frame, chunk frames, and the end marker that digests them."""
+    return with_end([encode_push_head(meta), *chunk_frames(chunks)])
+
+
+def encode_push_head(meta: PushMeta) -> bytes:
+    """A push's header frame (a streamed push sends it before its gradient is complete)."""
     fields = {k: v for k, v in meta.__dict__.items() if k not in ("sources", "step")}
-    h = pb.FrameHeader(push=pb.PushHeader(**fields, sources=keys_to_pb(meta.sources), step=step_to_pb(meta.step)))
-    return with_end([encode_frame(h), *_chunk_frames(chunks)])
+    return encode_frame(pb.FrameHeader(push=pb.PushHeader(**fields, sources=keys_to_pb(meta.sources),
+                                                          step=step_to_pb(meta.step))))
+
+
+def encode_push_tail(meta: PushMeta) -> bytes:
+    """A streamed push's tail frame: the fields of ``meta`` known only once its gradient is."""
+    return encode_frame(pb.FrameHeader(tail=pb.PushTail(
+        loss_sum=meta.loss_sum, loss_count=meta.loss_count, step_seconds_sum=meta.step_seconds_sum,
+        step=step_to_pb(meta.step))))
+
+
+def with_tail(meta: PushMeta, h: pb.FrameHeader) -> PushMeta:
+    """``meta`` with the late fields of a push's tail frame ``h``."""
+    t = h.tail
+    return replace(meta, loss_sum=t.loss_sum, loss_count=t.loss_count, step_seconds_sum=t.step_seconds_sum,
+                   step=step_from_pb(t.step) if t.HasField("step") else StepInfo())
 
 
 def push_meta_of(h: pb.FrameHeader) -> PushMeta:
@@ -208,13 +228,16 @@ def push_meta_of(h: pb.FrameHeader) -> PushMeta:
 
 def decode_push(frames: Iterable[bytes]) -> tuple[PushMeta, list[Chunk], bytes]:
     """A whole push stream: (meta, chunks, digest); BadInput if malformed or cut."""
-    reader, meta, chunks = BodyReader("push", "push"), None, []
+    reader, meta, chunks = BodyReader("push", "push", tail="tail"), None, []
     for data in frames:
         kind, h, payload = reader.feed(data)
         if kind == "push":
             meta = push_meta_of(h)
         elif kind == "chunks":
             chunks.extend(chunks_of(h.chunks, payload))
+        elif kind == "tail":
+            assert meta is not None  # the reader demands the header first
+            meta = with_tail(meta, h)
     digest = reader.finish()
     assert meta is not None  # the reader demands the header first
     return meta, chunks, digest
@@ -225,7 +248,7 @@ def encode_pull_reply(meta: PullMeta, versions: Iterable[tuple[VersionMeta, Iter
     yield encode_frame(pb.FrameHeader(pull=pb.PullHeader(**meta.__dict__)))
     for vm, chunks in versions:
         yield encode_frame(pb.FrameHeader(version=pb.VersionHeader(**vm.__dict__)))
-        yield from _chunk_frames(chunks)
+        yield from chunk_frames(chunks)
 
 
 def decode_pull_reply(frames: Iterable[bytes]) -> tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]:
@@ -546,7 +569,7 @@ def encode_create_job(cfg: JobConfig | str, layout: Layout | None, chunks: Itera
     config = job_to_pb(cfg) if isinstance(cfg, JobConfig) else pb.JobConfig(name=cfg)
     h = pb.FrameHeader(job=pb.JobHeader(config=config, keys=layout_to_pb(layout) if layout else [],
                                         job_token=job_token))
-    return with_end([encode_frame(h), *_chunk_frames(chunks)])
+    return with_end([encode_frame(h), *chunk_frames(chunks)])
 
 
 def adopted_token(h: pb.FrameHeader) -> str:

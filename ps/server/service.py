@@ -77,6 +77,7 @@ from ps.net.wire import (
     rank_to_pb,
     shards_from_pb,
     status_to_pb,
+    with_tail,
 )
 from ps.server.auth import Guard, relay_identity
 from ps.server.auth import digest as token_hash
@@ -278,7 +279,7 @@ class _Servicer:
         intake = None
         try:
             with self.rpc.timed("push") as timing:
-                reader = BodyReader("push", "push")
+                reader = BodyReader("push", "push", tail="tail")
                 async for data in request_iterator:
                     kind, h, payload = reader.feed(data)
                     if kind == "push":
@@ -291,6 +292,8 @@ class _Servicer:
                         intake = self.tier.open_push(meta)  # refusals before the body is read
                     elif kind == "chunks":
                         intake.add(chunks_of(h.chunks, payload))
+                    elif kind == "tail":  # a streamed push's late fields
+                        intake.late(with_tail(intake.meta, h))
                 digest = reader.finish()
                 ack = await self.tier.commit_push(intake, digest)
             return pb.PushAck(applied_version=ack.applied_version, duplicate=ack.duplicate,

@@ -247,9 +247,6 @@ class Tier:
             if len(k.digest) != 16:
                 raise BadInput(f"push source {short(k.member)}/{k.seq} has a {len(k.digest)}-byte digest; a "
                                "push's digest is its end marker's XXH3-128, 16 bytes")
-        if meta.step.absent and meta.step.absent[-1] >= len(js.layout.specs):
-            raise BadInput(f"a push names key index {meta.step.absent[-1]} as absent; job {meta.job} has "
-                           f"{len(js.layout.specs)} keys")
         kind = js.book(meta.sender, meta.incarnation).classify(meta.seq)
         if member.in_flight >= MAX_IN_FLIGHT + 2:
             raise Exhausted(f"{meta.sender!r} has {member.in_flight} pushes in flight here (at most "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -13,9 +14,10 @@ from ps.core.codecs import get_codec
 from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.exactly_once import MAX_IN_FLIGHT
 from ps.core.tensors import Assembler, Chunk, split
-from ps.core.types import PushKey, PushMeta
+from ps.core.types import PushKey, PushMeta, StepInfo
 from ps.core.view import KeySpec, Layout
-from ps.net.wire import encode_create_job, encode_push, pb, stubs
+from ps.net.frames import with_end
+from ps.net.wire import chunk_frames, encode_create_job, encode_push, encode_push_head, encode_push_tail, pb, stubs
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
@@ -91,6 +93,14 @@ def test_each_bad_push_is_refused_with_a_sentence_and_changes_nothing(setup):
                                grpc.StatusCode.ABORTED, "epoch"),
         "not a member": (encode_push(PushMeta("j", "ghost", 1, 0, w.view.epoch, 1, 0, 0, incarnation=5), _chunks()),
                          grpc.StatusCode.FAILED_PRECONDITION, "register"),
+        # A streamed push (backward overlap) says its step information in a tail frame.
+        "tail naming a key the job lacks": (
+            with_end([encode_push_head(_meta(w)), *chunk_frames(_chunks()),
+                      encode_push_tail(replace(_meta(w), step=StepInfo(absent=(7,))))]),
+            grpc.StatusCode.INVALID_ARGUMENT, "key index 7 as absent"),
+        "chunks after the tail": (
+            with_end([encode_push_head(_meta(w)), encode_push_tail(_meta(w)), *chunk_frames(_chunks())]),
+            grpc.StatusCode.INVALID_ARGUMENT, "after the tail frame"),
     }
     for name, (frames, code, words) in cases.items():
         got_code, details = _push(rpc, frames)

@@ -442,3 +442,34 @@ def test_step_information_merges_as_contributions_are_summed():
     assert a.agrees(b) == "" and "0.05" in a.agrees(StepInfo(hparams=((0, "lr", 0.05),)))
     older = StepInfo(hparams=((0, "lr", 0.2),))
     assert a.merge(older, other_newer=False).hparams == a.hparams   # windows keep the newest clock's
+
+
+def test_a_streamed_pushs_tail_replaces_its_late_fields_and_is_digested():
+    """A push opened before its gradient was complete (backward overlap) carries its step
+    information and telemetry in a tail frame just before the end marker."""
+    from dataclasses import replace
+
+    from ps.core.types import StepInfo
+    from ps.net.frames import with_end
+    from ps.net.wire import chunk_frames, encode_push_head, encode_push_tail
+    late = replace(META, loss_sum=2.5, loss_count=2, step_seconds_sum=0.4,
+                   step=StepInfo(hparams=((0, "lr", 0.05),), absent=(1,), skip=True))
+    body = [encode_push_head(META), *chunk_frames(_chunks())]
+    meta, chunks, digest = decode_push(with_end([*body, encode_push_tail(late)]))
+    assert meta == late and len(chunks) == len(_chunks())
+    other = decode_push(with_end([*body, encode_push_tail(replace(late, loss_sum=3.0))]))[2]
+    assert other != digest  # the tail is part of the push's identity
+    tail = encode_push_tail(late)
+    for frames, match in [
+        ([encode_push_head(META), tail, *body[1:]], "after the tail frame"),   # chunks after it
+        ([*body, tail, tail], "after the tail frame"),                          # two of them
+        ([tail, *body[1:]], "first frame is 'tail'"),                           # instead of the header
+    ]:
+        with pytest.raises(BadInput, match=match):
+            decode_push(with_end(frames))
+    with pytest.raises(BadInput, match="without its end marker"):
+        decode_push([*body, tail])  # cut after the tail: still not whole
+    reader = BodyReader("job", "create-job stream")  # only pushes have tails
+    reader.feed(encode_frame(pb.FrameHeader(job=pb.JobHeader())))
+    with pytest.raises(BadInput, match="is 'tail'"):
+        reader.feed(tail)

@@ -1,0 +1,171 @@
+"""A bsp step's push streamed from backward hooks (``HpsOptimizer(..., overlap=True)``, issue 18):
+the push is under way at the zone before ``step()`` is called; the workers still reach one
+process's parameters (invariant 2); a gradient changed after it was sent is refused with
+nothing applied; micro-batches inside ``no_sync()`` go up summed; a push cut halfway changes
+nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ps.core.config import JobConfig, OptimizerConfig
+from tests.helpers import mlp_batches, mlp_loss, small_mlp, train_mlp, wait_for
+from tests.integration.test_bsp_equivalence import PER_WORKER, STEPS, WORKERS, _reference
+from worker import HpsOptimizer
+
+TINY_BUCKETS = 0.0005  # MB: ~500 bytes, so the small MLP's 4 keys fall into 2 buckets
+
+
+def test_four_workers_streaming_from_backward_match_one_process(tree):
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    zones = [tree.add("eu-a", "zone", parent="eu"), tree.add("eu-b", "zone", parent="eu")]
+    opt_cfg = OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4, warmup_steps=5)
+    results = train_mlp(zones, JobConfig(name="eq-overlap", optimizer=opt_cfg), STEPS, WORKERS, PER_WORKER,
+                        overlap=True, bucket_mb=TINY_BUCKETS)
+    ref = _reference(opt_cfg)
+    for i in range(WORKERS):
+        for got, want in zip(results[i], ref, strict=True):
+            rel = (got - want).norm() / want.norm()
+            assert rel <= 1e-5, f"worker {i}: relative difference {rel:.2e}"
+
+
+def _worker(tree, name: str, model: torch.nn.Module, **kw) -> tuple[HpsOptimizer, str]:
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    return HpsOptimizer(model, zone, JobConfig(name=name, optimizer=OptimizerConfig(kind="sgd", lr=0.1)),
+                        worker_id="w0", **kw), zone
+
+
+def _zone_push_open(tree, job: str) -> bool:
+    def get():
+        js = tree.tier("z").jobs.get(job)
+        return js is not None and js.members.get("w0").in_flight > 0
+    return tree.lt.call(get)
+
+
+def test_the_push_is_at_the_zone_before_step_is_called(tree):
+    model = small_mlp()
+    opt, _ = _worker(tree, "early", model, overlap=True, bucket_mb=TINY_BUCKETS)
+    x, y = mlp_batches(2, 8)
+    for s in range(2):
+        opt.zero_grad()
+        mlp_loss(model, x[s], y[s]).backward()
+        # The header and the buckets backward finished went up during backward: the zone
+        # has the push open (its decode buffer reserved) while step() has not been called.
+        wait_for(lambda: _zone_push_open(tree, "early"), "the streamed push to reach the zone", timeout=10)
+        result = opt.step()
+        assert result.applied and result.version == s + 1
+        assert result.bytes_up == 4 * sum(p.numel() for p in model.parameters())  # fp32, every key once
+    opt.close()
+
+
+def _root_version(tree, job: str) -> int:
+    return tree.lt.call(lambda: tree.tier("root").jobs[job].view.version)
+
+
+def test_a_gradient_clipped_after_backward_is_refused_and_nothing_is_applied(tree):
+    model = small_mlp()
+    opt, _ = _worker(tree, "clip", model, overlap=True, bucket_mb=TINY_BUCKETS)
+    x, y = mlp_batches(2, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    mlp_loss(model, x[0], y[0]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # after the hooks sent them
+    with pytest.raises(ValueError, match="changed after that"):
+        opt.step()
+    time.sleep(0.5)  # the cut push would have been applied by now
+    assert _root_version(tree, "clip") == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # The next step, unclipped, goes through with the sequence number the cut one did not use.
+    opt.zero_grad()
+    mlp_loss(model, x[1], y[1]).backward()
+    assert opt.step().applied
+    assert _root_version(tree, "clip") == 1
+    opt.close()
+
+
+def test_micro_batches_inside_no_sync_go_up_summed(tree):
+    """Three micro-batches, the first two inside no_sync(): the step pushes their sum, exactly
+    as the same script without overlap does (fp32: bit for bit)."""
+    x, y = mlp_batches(3, 8)
+    finals = []
+    for name, overlap in (("acc-plain", False), ("acc-overlap", True)):
+        model = small_mlp()
+        tree.add(f"root-{name}", "global")
+        zone = tree.add(f"z-{name}", "zone", parent=f"root-{name}")
+        with HpsOptimizer(model, zone, JobConfig(name=name, optimizer=OptimizerConfig(kind="sgd", lr=0.1)),
+                          worker_id="w0", overlap=overlap, bucket_mb=TINY_BUCKETS) as opt:
+            opt.zero_grad()
+            with opt.no_sync():
+                for s in range(2):
+                    mlp_loss(model, x[s], y[s]).backward()
+            mlp_loss(model, x[2], y[2]).backward()
+            assert opt.step().applied
+            finals.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
+
+
+def test_a_parameter_without_a_gradient_stays_put_and_frozen_ones_too(tree):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 2), "unused": torch.nn.Linear(4, 2),
+                                 "frozen": torch.nn.Linear(4, 2)})
+    model["frozen"].requires_grad_(False)
+    opt, _ = _worker(tree, "absent", model, overlap=True, bucket_mb=TINY_BUCKETS)
+    unused = [p.detach().clone() for p in model["unused"].parameters()]
+    used = [p.detach().clone() for p in model["used"].parameters()]
+    for _ in range(2):
+        opt.zero_grad()
+        model["used"](torch.ones(3, 4)).sum().backward()
+        assert opt.step().applied
+    assert all(torch.equal(a, b) for a, b in zip(unused, model["unused"].parameters(), strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(used, model["used"].parameters(), strict=True))
+    opt.close()
+
+
+def test_a_streamed_push_cut_halfway_changes_nothing(tree):
+    """The stream is cut after its first buckets went up (the worker aborts): the zone drops
+    it, nothing is applied, and the next push reuses the sequence number."""
+    model = small_mlp()
+    opt, _ = _worker(tree, "cut", model, overlap=True, bucket_mb=TINY_BUCKETS)
+    x, y = mlp_batches(2, 8)
+    opt.zero_grad()
+    mlp_loss(model, x[0], y[0]).backward()
+    wait_for(lambda: _zone_push_open(tree, "cut"), "the streamed push to reach the zone", timeout=10)
+    opt.idle()  # this worker contributes nothing this round after all: the push is cut
+    assert opt.last_result is not None and opt.last_result.version == 1  # the (empty) round closed
+    wait_for(lambda: not _zone_push_open(tree, "cut"), "the zone to drop the cut push", timeout=10)
+    assert tree.lt.call(lambda: tree.tier("root").jobs["cut"].stats.pushes) == 1  # the empty one
+    opt.zero_grad()
+    mlp_loss(model, x[1], y[1]).backward()
+    assert opt.step().applied
+    opt.close()
+
+
+def test_overlap_is_refused_where_it_is_not_built(tree):
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    with pytest.raises(ValueError, match="already pushes in the background"):
+        HpsOptimizer(small_mlp(), zone, JobConfig(name="async-o", mode="async"), worker_id="w0", overlap=True)
+    model = small_mlp()
+    with HpsOptimizer(model, zone, JobConfig(name="amp-o"), worker_id="w0", overlap=True) as opt:
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(mlp_loss(model, *[t[0] for t in mlp_batches(1, 8)])).backward()
+        with pytest.raises(ValueError, match="GradScaler"):
+            scaler.step(opt)
+
+
+def test_close_removes_the_hooks_and_stops_the_encoding_thread(tree):
+    model = small_mlp()
+    opt, _ = _worker(tree, "threads", model, overlap=True, bucket_mb=TINY_BUCKETS)
+    assert any(t.name == "hps-overlap-w0" for t in threading.enumerate())
+    opt.close()
+    wait_for(lambda: not any(t.name == "hps-overlap-w0" for t in threading.enumerate()),
+             "the encoding thread to stop", timeout=5)
+    x, y = mlp_batches(1, 8)
+    mlp_loss(model, x[0], y[0]).backward()  # no hook left to take the gradient
+    assert all(p.grad is not None for p in model.parameters())
