@@ -103,9 +103,9 @@ class Overlap:
             self.stream: StreamedPush | None = None
             self._sent: dict[int, tuple[torch.Tensor, int]] = {}  # key -> (its grad, grad version)
             self._again: set[int] = set()  # keys whose hook ran again after they were taken
+            self._copied: dict[int, torch.cuda.Event] = {}  # CUDA: each key's copy, done
             self._left = [len(b) for b in self.buckets]  # gradients each bucket still waits for
             self.overflow = False
-            self.payload = 0
             self._error: BaseException | None = None
 
     @property
@@ -135,6 +135,11 @@ class Overlap:
         off, n = self._span[i]
         with torch.no_grad():
             self.flat[off:off + n].copy_((g.coalesce().to_dense() if g.is_sparse else g).reshape(-1))
+        if self.flat.is_cuda:
+            # The copy is queued on backward's stream; the encoding thread's work on the
+            # bucket waits for it (it may run on another stream).
+            self._copied[i] = torch.cuda.Event()
+            self._copied[i].record(torch.cuda.current_stream(self.flat.device))
 
     # -- the encoding thread -----------------------------------------------------------------
     def _encode_loop(self) -> None:
@@ -153,6 +158,11 @@ class Overlap:
     def _send(self, names: list[str], members: list[int]) -> None:
         """Encode these keys' slots of the flat buffer and add them to the stream (opened by
         the first bucket): a non-finite key goes as zeros and marks the step's overflow."""
+        if self.flat.is_cuda:
+            stream = torch.cuda.current_stream(self.flat.device)
+            for i in members:
+                if i in self._copied:
+                    stream.wait_event(self._copied.pop(i))
         with torch.no_grad():
             for i in members:
                 off, n = self._span[i]

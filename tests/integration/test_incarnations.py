@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.view import KeySpec, Layout
@@ -161,10 +162,12 @@ def test_kill_9_of_a_regional_master_with_a_push_in_the_roots_open_round_applies
             c.close()
 
 
-def test_a_zone_restart_does_not_end_the_training_loop_and_loses_nothing(tmp_path, reap):
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["whole-pushes", "streamed-from-backward"])
+def test_a_zone_restart_does_not_end_the_training_loop_and_loses_nothing(tmp_path, reap, overlap):
     """kill -9 and restart a zone while its worker trains: the loop runs to its end without an
     exception, and every step the worker was told was applied is in the root's versions once
-    (a single worker makes one version per applied step)."""
+    (a single worker makes one version per applied step). Also with pushes streamed from
+    backward hooks (HPS_OVERLAP=1), which a kill can cut after the header or mid-gradient."""
     topo = {"host": "127.0.0.1", "settings": FAST, "root": {"name": "root", "port": 0},
             "regions": [{"name": "eu", "zones": [{"name": "eu-a"}]}]}
     with Cluster.start(topo, tmp_path / "logs") as cluster:
@@ -172,7 +175,7 @@ def test_a_zone_restart_does_not_end_the_training_loop_and_loses_nothing(tmp_pat
         w = subprocess.Popen([sys.executable, "-m", "tests.integration._worker", "--address",
                               cluster.address("eu-a"), "--worker-id", "w0", "--steps", "40", "--sleep",
                               "0.05"], stdout=subprocess.PIPE, stderr=log, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", "HPS_OVERLAP": overlap})
         reap(w)
         lines = [json.loads(w.stdout.readline()) for _ in range(8)]
         cluster.restart("eu-a", signal.SIGKILL)

@@ -169,3 +169,30 @@ def test_close_removes_the_hooks_and_stops_the_encoding_thread(tree):
     x, y = mlp_batches(1, 8)
     mlp_loss(model, x[0], y[0]).backward()  # no hook left to take the gradient
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the device tool's GPU machine)")
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_on_a_gpu_the_streamed_push_equals_the_whole_one(tree, codec):
+    """Gradients on the GPU: each hook's copy into the flat device buffer is ordered before
+    the encoding thread's work on it (CUDA events), and the codec runs on the device. fp32:
+    the parameters equal those of the same script without overlap bit for bit; int8 (its
+    stochastic rounding draws in another order per bucket): every step is applied and the
+    parameters stay finite."""
+    x, y = (t.cuda() for t in mlp_batches(4, 64))
+    finals = []
+    for overlap in (False, True):
+        name = f"gpu-{codec}-{int(overlap)}"
+        tree.add(f"root-{name}", "global")
+        zone = tree.add(f"z-{name}", "zone", parent=f"root-{name}")
+        model = small_mlp().cuda()
+        job = JobConfig(name=name, push_codec=codec, optimizer=OptimizerConfig(kind="sgd", lr=0.1, momentum=0.9))
+        with HpsOptimizer(model, zone, job, worker_id="w0", overlap=overlap, bucket_mb=TINY_BUCKETS) as opt:
+            for s in range(4):
+                opt.zero_grad()
+                mlp_loss(model, x[s], y[s]).backward()
+                assert opt.step().applied
+            finals.append([p.detach().cpu().clone() for p in model.parameters()])
+    if codec == "fp32":
+        assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
+    assert all(bool(torch.isfinite(p).all()) for p in finals[1])
