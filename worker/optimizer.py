@@ -209,12 +209,18 @@ class HpsOptimizer(torch.optim.Optimizer):
         # ssp: one, so the clock floors it reports arrive in order.
         self.sender = (Sender(self.client, record, in_flight=MAX_IN_FLIGHT if self.mode == "async" else 1)
                        if self.mode != "bsp" else None)
+        self._overlap: Overlap | None = None
+        from_env = overlap is None
         if overlap is None:
             overlap = os.environ.get("HPS_OVERLAP", "").lower() in ("1", "true", "yes")
-        self._overlap: Overlap | None = None
         if overlap:
             try:
                 self._overlap = self._overlapping(bucket_mb)
+            except ValueError as exc:
+                if not from_env:
+                    self.close()
+                    raise
+                log.warning("%s: HPS_OVERLAP is set but not used here: %s", self.client.worker_id, exc)
             except Exception:
                 self.close()
                 raise
@@ -227,7 +233,8 @@ class HpsOptimizer(torch.optim.Optimizer):
             raise ValueError("overlap=True is not built for root shards yet (a push per shard): pass overlap=False")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        return Overlap(self.client, self._keys, self.layout, bucket_bytes=int(bucket_mb * (1 << 20)))
+        return Overlap(self.client, self._keys, self.layout, bucket_bytes=int(bucket_mb * (1 << 20)),
+                       clock=lambda: self.clock)
 
     # -- joining -----------------------------------------------------------------------------
     def _check_join(self, job: JobConfig | str, name: str, created: bool, run_id: str, resume: bool) -> None:
@@ -344,7 +351,10 @@ class HpsOptimizer(torch.optim.Optimizer):
 
     # -- the step --------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does."""
+        """Clear the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does (with
+        overlap, a push that backward began and no ``step()`` finished is dropped too)."""
+        if self._overlap is not None and self._overlap.active:
+            self._overlap.abort()
         for _, t, kind in self._keys:
             if kind != "param" or t.grad is None:
                 continue
@@ -429,14 +439,17 @@ class HpsOptimizer(torch.optim.Optimizer):
     def _step_streamed(self, t0: float, report: tuple[float, int, float], sync_buffers: bool) -> StepResult:
         """bsp with overlap: most of the push went up during backward; send the rest, its tail."""
         assert self._overlap is not None
-        self._overlap.clock = self.clock
         sent = self._overlap.complete(sync_buffers)
-        if sent.overflow:
-            log.warning("%s: step %d has a non-finite gradient; the round is skipped by every worker",
-                        self.client.worker_id, self.clock)
-        has_buffers = sync_buffers and any(kind == "buffer" for _, _, kind in self._keys)
-        progress = self._sampler.step_progress() if self._sampler is not None else ()
-        info = StepInfo(self._hparams(), sent.absent, sent.overflow, int(has_buffers), progress)
+        try:
+            if sent.overflow:
+                log.warning("%s: step %d has a non-finite gradient; the round is skipped by every worker",
+                            self.client.worker_id, self.clock)
+            has_buffers = sync_buffers and any(kind == "buffer" for _, _, kind in self._keys)
+            progress = self._sampler.step_progress() if self._sampler is not None else ()
+            info = StepInfo(self._hparams(), sent.absent, sent.overflow, int(has_buffers), progress)
+        except BaseException:
+            sent.stream.abort()  # not left open at the zone until its round timeout
+            raise
         if self._record:
             self.trace.append((self.clock, self.client.view.version))
         return self._step_bsp(lambda: sent.stream.finish(info, report), t0, sync_buffers)

@@ -11,7 +11,7 @@
 >>> client.create_job(JobConfig(name="overlap"), layout, np.zeros(layout.numel, np.float32))
 True
 >>> client.register(); _ = client.pull()
->>> overlap = Overlap(client, keys, layout, bucket_bytes=8)    # hooks on every trained parameter
+>>> overlap = Overlap(client, keys, layout, bucket_bytes=8, clock=lambda: 0)   # hooks on trained keys
 >>> [[keys[i][0] for i in b] for b in overlap.buckets]         # in the order backward makes them
 [['bias'], ['weight']]
 >>> model(torch.ones(4, 3)).sum().backward()   # each bucket is encoded and sent when it is full
@@ -35,8 +35,11 @@ A gradient that changes after its bucket went out (``clip_grad_norm_`` in the sc
 second ``backward()`` before ``step()``) would be silently lost, so it is detected (by the
 tensor's version counter) and refused: the push is cut, nothing of the step is applied, and the
 error says what to do (clip at the root with ``OptimizerConfig.clip_grad_norm``, accumulate
-micro-batches inside ``no_sync()``, or ``overlap=False``). A non-finite bucket is sent as zeros
-and the step's tail asks for the round to be skipped, as a whole push does.
+micro-batches inside ``no_sync()``, or ``overlap=False``); an edit through ``.data`` bypasses
+the version counter and is not seen. A key with a non-finite gradient is sent as zeros and the
+step's tail asks for the round to be skipped, as a whole push's does. A push that is cut, or
+whose round is skipped, leaves the encoder's error-feedback state as it was before the step
+(``Encoder.begin``/``roll_back``), so nothing of that step is applied anywhere, later included.
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ class Overlap:
     """Backward hooks that stream a bsp push bucket by bucket (see the module)."""
 
     def __init__(self, client: ParameterClient, keys: list[tuple[str, torch.Tensor, str]], layout: Layout,
-                 bucket_bytes: int = 25 << 20) -> None:
+                 bucket_bytes: int = 25 << 20, clock: Callable[[], int] = lambda: 0) -> None:
         self.client, self.keys, self.layout = client, keys, layout
+        self.clock = clock  # the clock of the step whose gradients backward is making
         device = keys[0][1].device
         self.flat = torch.zeros(layout.numel, dtype=torch.float32, device=device)
         self._span = [(layout.offset(name), t.numel()) for name, t, _ in keys]
@@ -88,7 +92,6 @@ class Overlap:
             size += 4 * keys[i][1].numel()
         self._bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self.paused = False  # no_sync(): hooks do nothing
-        self.clock = 0       # the clock the next push is for (the optimizer sets it)
         self._lock = threading.Lock()
         self._reset()
         self._queue: queue.Queue[int] = queue.Queue()
@@ -171,8 +174,9 @@ class Overlap:
                     part.zero_()
                     self.overflow = True
         if self.stream is None:
-            self.stream = StreamedPush.open(self.client, self.clock)
-        chunks = self.client.encoder.split(self.layout, self.flat, step=self.clock, only=frozenset(names))
+            self.client.encoder.begin()  # a cut push puts the residuals back as they were
+            self.stream = StreamedPush.open(self.client, self.clock())
+        chunks = self.client.encoder.split(self.layout, self.flat, step=self.clock(), only=frozenset(names))
         self.stream.add(chunks)
 
     # -- step()'s side ---------------------------------------------------------------------
@@ -213,6 +217,12 @@ class Overlap:
             if rest or self.stream is None:
                 self._send([self.keys[i][0] for i in rest], rest)
             assert self.stream is not None
+            if self.overflow:
+                # The round will be skipped: what this push sent is never applied, so the
+                # error-feedback state goes back to where it was before the step.
+                self.client.encoder.roll_back()
+            else:
+                self.client.encoder.commit()
             return Sent(self.stream, tuple(absent), self.overflow)
         except BaseException:
             self.abort()
@@ -221,10 +231,12 @@ class Overlap:
             self._reset()  # the next step's hooks start afresh; the stream is the caller's now
 
     def abort(self) -> None:
-        """Drop this step's push (cut before its end: nothing applied) and start afresh."""
+        """Drop this step's push (cut before its end: nothing applied; the encoder's residuals
+        as they were before it) and start afresh."""
         self._queue.join()
         if self.stream is not None:
             self.stream.abort()
+            self.client.encoder.roll_back()
         self._reset()
 
     def close(self) -> None:

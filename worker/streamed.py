@@ -88,12 +88,19 @@ class StreamedPush:
         """Close the push with its step information and telemetry, and wait for its answer:
         (the version that applied it, payload bytes); raises what ``ParameterClient.push`` would."""
         loss, count, secs = report
-        tail = encode_push_tail(replace(self.meta, loss_sum=loss, loss_count=count, step_seconds_sum=secs,
-                                        step=step))
+        try:
+            tail = encode_push_tail(replace(self.meta, loss_sum=loss, loss_count=count, step_seconds_sum=secs,
+                                            step=step))
+            # Digested outside the lock (the sending thread goes on meanwhile): once the caller
+            # finishes, nothing is added any more.
+            whole = with_end([*self._frames, tail])
+        except BaseException:
+            self.abort()
+            raise
         with self._cv:
             if self._state != "open":
                 raise RuntimeError(f"push {self.meta.seq} is {self._state}")
-            self._frames = with_end([*self._frames, tail])
+            self._frames = whole
             self._state = "done"
             self._cv.notify_all()
         self._thread.join()

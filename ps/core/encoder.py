@@ -99,6 +99,8 @@ class Encoder:
         # One encode at a time, and a reset never in the middle of one: async senders encode
         # several pushes from threads, and a root restart resets from another thread.
         self._lock = threading.Lock()
+        # begin(): each chunk's state as it was before its first encode since, for roll_back().
+        self._undo: dict[str, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] | None = None
 
     @classmethod
     def for_job(cls, cfg: JobConfig, codec: str | None = None, seed: str | int = 0,
@@ -108,7 +110,38 @@ class Encoder:
         return cls(codec or cfg.push_codec, cfg.topk, cfg.topk_warmup_steps, seed, momentum,
                    cfg.powersgd_rank)
 
+    def begin(self) -> None:
+        """Start recording what encodes change (a push encoded piece by piece, which may be cut
+        before it is whole): ``roll_back`` then puts every chunk's residual, velocity and Q back
+        as they were here, ``commit`` keeps them. Costs a copy of each residual touched; none
+        for a lossless codec without residuals."""
+        with self._lock:
+            self._undo = {}
+
+    def commit(self) -> None:
+        with self._lock:
+            self._undo = None
+
+    def roll_back(self) -> None:
+        """Undo every encode since ``begin`` (a push that was not sent whole)."""
+        with self._lock:
+            for name, (r, u, q) in (self._undo or {}).items():
+                for store, value in ((self.ef.residuals, r), (self.velocity, u), (self.warm, q)):
+                    if value is None:
+                        store.pop(name, None)
+                    else:
+                        store[name] = value
+            self._undo = None
+
+    def _remember(self, name: str) -> None:
+        if self._undo is not None and name not in self._undo:
+            def kept(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.clone()
+            # Residuals and velocities change in place; a Q is replaced, never changed.
+            self._undo[name] = (kept(self.ef.residuals.get(name)), kept(self.velocity.get(name)), self.warm.get(name))
+
     def _encode(self, name: str, codec: Codec, part: np.ndarray | torch.Tensor) -> bytes:
+        self._remember(name)
         if isinstance(codec, PowerSGD):
             # Warm start: this step's power iteration begins at the Q the last one sent, which
             # tracks the gradient's slowly changing top subspace (Vogels et al. 2019, sec. 3).
@@ -163,6 +196,7 @@ class Encoder:
             self.ef.reset()
             self.velocity.clear()
             self.warm.clear()
+            self._undo = None if self._undo is None else {}
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Residuals by chunk ("key@offset") and, with momentum correction, velocities

@@ -140,7 +140,11 @@ class BodyReader:
         if self.frames and kind not in ("chunks", "end") and not (self.tail and kind == self.tail):
             raise BadInput(f"malformed {self.what}: frame {self.frames} is {kind!r}, expected tensor "
                            "chunks or the end marker")
-        self.tailed = self.tailed or (self.frames > 0 and kind == self.tail)
+        if self.frames and kind == self.tail:
+            if len(payload):
+                raise BadInput(f"malformed {self.what}: its {self.tail} frame carries {len(payload)} payload "
+                               "bytes; it has none")
+            self.tailed = True
         if kind == "end":
             e, digest = h.end, self._hash.digest()
             if (e.frames, e.payload_bytes, e.digest) != (self.frames, self.payload_bytes, digest):

@@ -59,7 +59,8 @@ __all__ = ["TierMetrics", "RpcMetrics", "LinkWatch", "NO_RPC_METRICS", "build_in
 # RPC latencies span a decoded push (ms) to a BSP barrier or a pull's long-poll (seconds).
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RPCS = {
-    "push": "Push RPCs served, from the first frame received to the ack (includes the BSP barrier wait)",
+    "push": "Push RPCs served, from the first frame received to the ack (includes the BSP barrier wait, "
+            "and for a worker streaming from backward hooks, overlap=True, the rest of its backward)",
     "pull": "Pull RPCs served, from the request to the last frame sent (includes the long-poll wait)",
     "register": "Register RPCs served (a relay's first register of a job goes to its parent)",
 }

@@ -358,3 +358,27 @@ def test_momentum_correction_is_only_for_sgd_momentum_with_topk():
         with pytest.raises(BadInput, match="momentum_correction"):
             JobConfig(**{"name": "j", "push_codec": "topk", "momentum_correction": True,
                          "optimizer": OptimizerConfig(kind="sgd", momentum=0.9), **bad})
+
+
+@pytest.mark.parametrize("codec, kw", [("topk", {"momentum": 0.9}), ("int8", {}), ("powersgd", {"rank": 2})])
+def test_an_encoders_roll_back_puts_every_chunk_state_back_exactly(codec, kw):
+    """A push encoded piece by piece and then cut (worker overlap): roll_back restores the
+    residuals, DGC velocities and PowerSGD Qs the encodes since begin() changed; commit keeps."""
+    layout = Layout([KeySpec("a", (64, 32)), KeySpec("b", (40, 16))])
+    enc = Encoder(codec, topk=0.05, seed="w0", **kw)
+    rng = np.random.default_rng(0)
+    enc.split(layout, rng.standard_normal(layout.numel).astype(np.float32))
+    before = {k: v.copy() for k, v in enc.state_dict().items()}
+    enc.begin()
+    enc.split(layout, rng.standard_normal(layout.numel).astype(np.float32), only=frozenset({"a"}))
+    enc.split(layout, rng.standard_normal(layout.numel).astype(np.float32), only=frozenset({"b"}))
+    assert any(not np.array_equal(v, before[k]) for k, v in enc.state_dict().items())
+    enc.roll_back()
+    after = enc.state_dict()
+    assert after.keys() == before.keys() and all(np.array_equal(after[k], before[k]) for k in before)
+    enc.begin()
+    enc.split(layout, rng.standard_normal(layout.numel).astype(np.float32))
+    enc.commit()
+    kept = enc.state_dict()
+    enc.roll_back()  # nothing begun: nothing undone
+    assert all(np.array_equal(enc.state_dict()[k], kept[k]) for k in kept)

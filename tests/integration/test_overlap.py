@@ -61,6 +61,9 @@ def test_the_push_is_at_the_zone_before_step_is_called(tree):
         result = opt.step()
         assert result.applied and result.version == s + 1
         assert result.bytes_up == 4 * sum(p.numel() for p in model.parameters())  # fp32, every key once
+        # The header, sent during backward, carries this step's clock (not the last one's):
+        # the version's clock floor is this step's + 1, as with whole pushes.
+        assert tree.lt.call(lambda: tree.tier("root").jobs["early"].view.clock_min) == s + 1
     opt.close()
 
 
@@ -86,6 +89,55 @@ def test_a_gradient_clipped_after_backward_is_refused_and_nothing_is_applied(tre
     mlp_loss(model, x[1], y[1]).backward()
     assert opt.step().applied
     assert _root_version(tree, "clip") == 1
+    opt.close()
+
+
+def _residuals(opt: HpsOptimizer) -> dict:
+    return {k: v.copy() for k, v in opt.client.encoder.state_dict().items()}
+
+
+def test_a_cut_or_skipped_push_leaves_the_error_feedback_as_it_was(tree):
+    """top-k: each bucket's encode moves its residuals; a push refused (clipped gradients) or
+    whose round is skipped (a non-finite gradient) puts them back, so nothing of that step
+    reaches the root later either."""
+    model = small_mlp()
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    job = JobConfig(name="ef", push_codec="topk", topk=0.1, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    x, y = mlp_batches(3, 8)
+    with HpsOptimizer(model, zone, job, worker_id="w0", overlap=True, bucket_mb=TINY_BUCKETS) as opt:
+        opt.zero_grad()
+        mlp_loss(model, x[0], y[0]).backward()
+        assert opt.step().applied
+        before = _residuals(opt)
+        assert before and any(v.any() for v in before.values())  # top-k left something unsent
+        opt.zero_grad()
+        mlp_loss(model, x[1], y[1]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        with pytest.raises(ValueError, match="changed after that"):
+            opt.step()
+        after = _residuals(opt)
+        assert after.keys() == before.keys() and all((after[k] == before[k]).all() for k in before)
+        opt.zero_grad()
+        (mlp_loss(model, x[2], y[2]) * float("inf")).backward()  # non-finite, as backward makes them
+        result = opt.step()
+        assert not result.applied  # the round was skipped
+        after = _residuals(opt)
+        assert all((after[k] == before[k]).all() for k in before)
+
+
+def test_a_backward_without_a_step_is_dropped_by_zero_grad(tree):
+    """A batch skipped after its backward (or a backward that raised): zero_grad drops the
+    push it began, and the next backward and step go through."""
+    model = small_mlp()
+    opt, _ = _worker(tree, "skipped", model, overlap=True, bucket_mb=TINY_BUCKETS)
+    x, y = mlp_batches(2, 8)
+    opt.zero_grad()
+    mlp_loss(model, x[0], y[0]).backward()
+    opt.zero_grad()
+    mlp_loss(model, x[1], y[1]).backward()
+    assert opt.step().applied
+    assert _root_version(tree, "skipped") == 1
     opt.close()
 
 
@@ -146,11 +198,16 @@ def test_a_streamed_push_cut_halfway_changes_nothing(tree):
     opt.close()
 
 
-def test_overlap_is_refused_where_it_is_not_built(tree):
+def test_overlap_is_refused_where_it_is_not_built(tree, monkeypatch):
     tree.add("root", "global")
     zone = tree.add("z", "zone", parent="root")
     with pytest.raises(ValueError, match="already pushes in the background"):
         HpsOptimizer(small_mlp(), zone, JobConfig(name="async-o", mode="async"), worker_id="w0", overlap=True)
+    # HPS_OVERLAP set for a whole fleet: where overlap is not built it is skipped with a warning.
+    monkeypatch.setenv("HPS_OVERLAP", "1")
+    with HpsOptimizer(small_mlp(), zone, JobConfig(name="async-e", mode="async"), worker_id="w1") as opt:
+        assert opt._overlap is None
+    monkeypatch.delenv("HPS_OVERLAP")
     model = small_mlp()
     with HpsOptimizer(model, zone, JobConfig(name="amp-o"), worker_id="w0", overlap=True) as opt:
         scaler = torch.amp.GradScaler("cpu")

@@ -469,6 +469,8 @@ def test_a_streamed_pushs_tail_replaces_its_late_fields_and_is_digested():
             decode_push(with_end(frames))
     with pytest.raises(BadInput, match="without its end marker"):
         decode_push([*body, tail])  # cut after the tail: still not whole
+    with pytest.raises(BadInput, match="carries 3 payload bytes"):
+        decode_push(with_end([*body, encode_frame(pb.FrameHeader(tail=pb.PushTail()), b"abc")]))
     reader = BodyReader("job", "create-job stream")  # only pushes have tails
     reader.feed(encode_frame(pb.FrameHeader(job=pb.JobHeader())))
     with pytest.raises(BadInput, match="is 'tail'"):
