@@ -305,10 +305,10 @@ class Tier:
         nbytes = intake.nbytes
         clocks = (meta.clock_min, meta.clock_max)
         if js.bsp:
-            js.round.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, meta.step)
+            js.round.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, meta.step, owned=True)
         else:
             js.window.add(meta.sender, meta.base_version, grad, meta.contributors, clocks, nbytes, self.clock(),
-                          meta.step)
+                          meta.step, owned=True)
         js.add_sources(keys)
         intake.decoded_into_batch()
         member.pushes += 1

@@ -247,3 +247,25 @@ def test_a_window_sums_an_async_senders_pipelined_pushes_but_refuses_a_second_ss
     with pytest.raises(BadInput, match="twice"):
         w.add("w0", 5, np.ones(3, np.float32), 1, (8, 8), 12, now=0.001)
     assert w.pushed == {"w0": 1}
+
+
+def test_a_batchs_first_gradient_is_adopted_only_when_given_away():
+    """``owned=True`` (a push's own decode buffer): the round sums into it, no copy; otherwise
+    the caller's array is never written."""
+    for make, extra, closing in ((lambda: BspRound(0, 3), (), ()), (lambda: Window(3), (0, 0.0), (0,))):
+        mine, theirs = np.ones(3, np.float32), np.full(3, 2.0, np.float32)
+        batch = make()
+        batch.add("a", 0, mine, 1, (0, 0), *extra)
+        batch.add("b", 0, theirs, 1, (0, 0), *extra)
+        assert mine.tolist() == [1.0] * 3 and not np.shares_memory(batch.close(*closing).grad, mine)
+        given = np.ones(3, np.float32)
+        batch = make()
+        batch.add("a", 0, given, 1, (0, 0), *extra, owned=True)
+        batch.add("b", 0, theirs, 1, (0, 0), *extra)
+        assert np.shares_memory(batch.close(*closing).grad, given) and given.tolist() == [3.0] * 3
+        read_only = np.ones(3, np.float32)
+        read_only.flags.writeable = False  # a zero-copy view of received bytes: copied after all
+        batch = make()
+        batch.add("a", 0, read_only, 1, (0, 0), *extra, owned=True)
+        batch.add("b", 0, theirs, 1, (0, 0), *extra)
+        assert batch.close(*closing).grad.tolist() == [3.0] * 3 and read_only.tolist() == [1.0] * 3
