@@ -53,7 +53,7 @@ def apply_pull(view: View, layout: Layout, meta: PullMeta,
         return Pulled(payload_bytes(chunks), True, bool(previous) and previous != meta.view_epoch, ())
     entries, nbytes = [], 0
     for vm, chunks in versions:
-        delta = assemble(layout, chunks, what=f"delta {vm.version}", check_finite=False)
+        delta = assemble(layout, chunks, what=f"delta {vm.version}", check_finite=False, out=view.delta_buffer())
         view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum, vm.clock_min)
         entries.append(DeltaEntry(vm.version, vm.checksum, tuple(chunks), vm.clock_min, vm.contributors))
         nbytes += payload_bytes(chunks)

@@ -141,9 +141,11 @@ class Assembler:
     settings `hps launch` uses, calloc writes the reused heap).
     """
 
-    def __init__(self, layout: Layout, what: str, check_finite: bool = True) -> None:
+    def __init__(self, layout: Layout, what: str, check_finite: bool = True, out: np.ndarray | None = None) -> None:
         self.layout, self.what, self.check_finite = layout, what, check_finite
-        self.out = np.empty(layout.numel, dtype=np.float32)
+        if out is not None and (out.shape != (layout.numel,) or out.dtype != np.float32):
+            raise ValueError(f"an assembler's buffer must be float32[{layout.numel}], got {out.dtype}{out.shape}")
+        self.out = np.empty(layout.numel, dtype=np.float32) if out is None else out
         self.chunks = 0
         self._covered: dict[str, list[tuple[int, int]]] = {}
 
@@ -187,12 +189,13 @@ class Assembler:
 
 
 def assemble(layout: Layout, chunks: list[Chunk], what: str, check_finite: bool = True,
-             require_all: bool = False) -> np.ndarray:
-    """Decode chunks into a fresh flat vector; keys a sender left out are zero.
+             require_all: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode chunks into a fresh flat vector (``out``: into this one, reused); keys a sender
+    left out are zero.
 
     ``require_all`` demands every element be covered (snapshots, initial values).
     """
-    a = Assembler(layout, what, check_finite)
+    a = Assembler(layout, what, check_finite, out)
     for c in chunks:
         a.add(c)
     return a.finish(require_all)

@@ -132,13 +132,30 @@ class View:
     root, whose view is the source of every checksum, updates ``values`` in place instead.
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, reuse: bool = False) -> None:
         self.layout = layout
         self.values = np.zeros(layout.numel, dtype=np.float32)
         self.epoch = 0
         self.version = 0
         self.clock_min = 0  # SSP: every live worker has at least this many pushes included
         self.checksum = checksum(self.values)
+        # reuse (a tier's replica, whose values nobody outside holds on to): each version is
+        # computed into the buffer the version before the last one was in, and each delta
+        # decoded into one kept buffer, instead of two fresh arrays per version. A fresh 400 MB
+        # array cost a zone ~0.6 s a version in page faults (py-spy, benchmarks/README.md).
+        # A worker's view is the script's to read and keep, so it gets fresh arrays.
+        self.reuse = reuse
+        self._spare: np.ndarray | None = None
+        self._delta: np.ndarray | None = None
+
+    def delta_buffer(self) -> np.ndarray | None:
+        """With ``reuse``, the kept buffer a delta may be decoded into (valid until the next
+        call); None otherwise."""
+        if not self.reuse:
+            return None
+        if self._delta is None or self._delta.shape != self.values.shape:
+            self._delta = np.empty_like(self.values)
+        return self._delta
 
     @property
     def ready(self) -> bool:
@@ -165,10 +182,17 @@ class View:
         if delta.shape != self.values.shape or delta.dtype != np.float32:
             raise BadInput(f"delta for version {version} is {delta.dtype}{delta.shape}; the view is "
                            f"float32{self.values.shape}")
-        new = self.values + delta
+        if self.reuse:
+            if self._spare is None or self._spare.shape != self.values.shape:
+                self._spare = np.empty_like(self.values)
+            new = np.add(self.values, delta, out=self._spare)
+        else:
+            new = self.values + delta
         got = checksum(new)
         if got != crc:
             raise Stale(f"version {version} fails its checksum ({got:#018x} != {crc:#018x}); "
                         "resync from a snapshot")
+        if self.reuse:
+            self._spare = self.values
         self.values, self.version, self.checksum = new, version, crc
         self.clock_min = max(self.clock_min, clock_min)

@@ -84,7 +84,7 @@ class JobState:
     _snapshot: tuple[int, int, list[Chunk]] | None = None
 
     def __post_init__(self) -> None:
-        self.view = self.view or View(self.layout)
+        self.view = self.view or View(self.layout, reuse=True)  # a tier's own replica
         self.log = self.log or DeltaLog(self.config.delta_log_length)
         self.round = self.round or BspRound(round=0, numel=self.layout.numel)
         self.window = self.window or self.new_window()

@@ -407,3 +407,28 @@ def test_a_version_gap_clears_older_entries():
 def test_delta_log_capacity_must_be_positive():
     with pytest.raises(ValueError):
         DeltaLog(0)
+
+
+def test_a_tiers_replica_reuses_its_buffers_and_a_refused_delta_still_changes_nothing():
+    """View(reuse=True), a relay's replica: versions are computed into two alternating buffers
+    and deltas decoded into one kept buffer, with invariant 5 intact (a delta that fails its
+    checksum leaves the held values, bit for bit)."""
+    layout = Layout([KeySpec("w", (4,))])
+    view = View(layout, reuse=True)
+    zero = np.zeros(4, np.float32)
+    view.load_snapshot(epoch=7, version=0, values=zero, crc=checksum(zero))
+    d = np.arange(4, dtype=np.float32)
+    buffers = set()
+    for v in range(1, 5):
+        assert view.delta_buffer() is view.delta_buffer()
+        view.apply_delta(7, v, d, checksum(v * d))
+        assert view.values.tolist() == (v * d).tolist()
+        buffers.add(id(view.values))
+    assert len(buffers) == 2  # two arrays, alternating
+    held = view.values.copy()
+    with pytest.raises(Stale):
+        view.apply_delta(7, 5, d, crc=12345)
+    assert view.values.tobytes() == held.tobytes() and view.version == 4
+    view.apply_delta(7, 5, d, checksum(5 * d))
+    assert view.values.tolist() == (5 * d).tolist()
+    assert View(layout).delta_buffer() is None  # a worker's view: fresh arrays, safe to keep
