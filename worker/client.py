@@ -515,7 +515,8 @@ class ParameterClient:
             self.seq = seq
             # Encoded once: a retry resends these very bytes, so the residual is updated once.
             # An empty contribution (a worker with no data left this round) carries no body.
-            chunks = self.encoder.split(self.layout, grad, step=clock_max) if contributors else []
+            # copy=False: fp32 chunks are views of grad, framed right here (one copy, not two).
+            chunks = self.encoder.split(self.layout, grad, step=clock_max, copy=False) if contributors else []
             frames = encode_push(PushMeta(
                 self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
                 self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,

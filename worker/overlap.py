@@ -176,7 +176,9 @@ class Overlap:
         if self.stream is None:
             self.client.encoder.begin()  # a cut push puts the residuals back as they were
             self.stream = StreamedPush.open(self.client, self.clock())
-        chunks = self.client.encoder.split(self.layout, self.flat, step=self.clock(), only=frozenset(names))
+        # copy=False: fp32 chunks are views of the flat buffer, framed by add() at once.
+        chunks = self.client.encoder.split(self.layout, self.flat, step=self.clock(), only=frozenset(names),
+                                           copy=False)
         self.stream.add(chunks)
 
     # -- step()'s side ---------------------------------------------------------------------

@@ -173,14 +173,14 @@ class Encoder:
         return self.codec
 
     def split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int = 0,
-              only: frozenset[str] | None = None) -> list[Chunk]:
+              only: frozenset[str] | None = None, copy: bool = True) -> list[Chunk]:
         """``flat`` encoded as chunks; ``only``: just these keys (the others, and their
-        residuals, are left for a later push)."""
+        residuals, are left for a later push); ``copy=False``: as ``ps.core.tensors.split``."""
         with self._lock:
-            return self._split(layout, flat, step, only)
+            return self._split(layout, flat, step, only, copy)
 
     def _split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int,
-               only: frozenset[str] | None = None) -> list[Chunk]:
+               only: frozenset[str] | None = None, copy: bool = True) -> list[Chunk]:
         if self.name == "rows":
             rows = frozenset(s.key for s in layout)
         elif self.lossless:
@@ -188,7 +188,7 @@ class Encoder:
         else:
             rows = frozenset()  # lossy codecs already send no zeros they need not (top-k) or pack them
         return split(layout, flat, self.codec_at(step), encode=None if self.lossless else self._encode, rows=rows,
-                     only=only)
+                     only=only, copy=copy)
 
     def reset(self) -> None:
         """Drop every residual (a new lineage: the root restarted)."""

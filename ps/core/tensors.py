@@ -63,7 +63,8 @@ def all_finite(x: np.ndarray) -> bool:
 
 def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_elems: int = CHUNK_ELEMS,
           encode: Callable[[str, Codec, np.ndarray | torch.Tensor], bytes] | None = None,
-          rows: frozenset[str] = frozenset(), only: frozenset[str] | None = None) -> list[Chunk]:
+          rows: frozenset[str] = frozenset(), only: frozenset[str] | None = None,
+          copy: bool = True) -> list[Chunk]:
     """Encode ``flat`` (the job's whole vector, numpy or torch on any device) as chunks
     (``only``: of these keys alone; a receiver assembles the others as zero).
 
@@ -77,9 +78,18 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
     chunk, its numel past ``chunk_elems``: the factors, not the matrix, must fit a frame), or
     in blocks of whole rows when even the factors would not; keys it would not shrink 2x
     (1-D keys, small matrices) travel as fp32 (``PowerSGD.gains``, torch's rule).
+
+    ``copy=False``: fp32 chunks of a host float32 ``flat`` are views of it, not copies, valid
+    only while ``flat`` is unchanged: for a sender that frames them at once (the frame is then
+    the one copy; a relay's push went from two 400 MB copies to one).
     """
     out = []
     fp32 = get_codec("fp32")
+    host = flat
+    if not copy and isinstance(flat, torch.Tensor) and flat.device.type == "cpu" and flat.dtype == torch.float32:
+        host = flat.detach().numpy()  # the tensor's memory (a worker's gathered gradient)
+    view = (not copy and isinstance(host, np.ndarray) and host.dtype == np.float32 and host.ndim == 1
+            and host.flags.c_contiguous and np.little_endian)
     for spec in layout:
         if only is not None and spec.key not in only:
             continue
@@ -99,8 +109,11 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
             if n <= 0:
                 break
             part = flat[base + off: base + off + n]
-            payload = (key_codec.encode(part) if plain or encode is None
-                       else encode(f"{spec.key}@{off}", key_codec, part))
+            if view and key_codec.name == "fp32":
+                payload: bytes | memoryview = memoryview(np.asarray(host[base + off: base + off + n])).cast("B")
+            else:
+                payload = (key_codec.encode(part) if plain or encode is None
+                           else encode(f"{spec.key}@{off}", key_codec, part))
             out.append(Chunk(spec.key, spec.shape, spec.dtype, off, n, key_codec.name, payload))
     return out
 

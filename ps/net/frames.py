@@ -64,9 +64,13 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode_frame(header: pb.FrameHeader, payload: bytes | memoryview = b"") -> bytes:
+def encode_frame(header: pb.FrameHeader, payload: bytes | memoryview | list[bytes | memoryview] = b"") -> bytes:
+    """One frame: ``header`` and ``payload`` (or the concatenation of a list of parts, joined
+    with the rest in one copy)."""
     h = header.SerializeToString()
-    return b"".join((b"\x0a", _varint(len(h)), h, b"\x12", _varint(len(payload)), payload))
+    parts = payload if isinstance(payload, list) else [payload]
+    n = sum(len(p) for p in parts)
+    return b"".join((b"\x0a", _varint(len(h)), h, b"\x12", _varint(n), *parts))
 
 
 def decode_frame(data: bytes) -> tuple[pb.FrameHeader, memoryview]:

@@ -26,6 +26,8 @@ from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from ps.core.config import (
     CODEC_NAMES,
     MAX_GROUPS,
@@ -107,25 +109,73 @@ def _name(table: Mapping[str, int], value: int, what: str) -> str:
 
 
 def chunk_frames(chunks: Iterable[Chunk]) -> Iterator[bytes]:
-    """Pack chunks into frames of at most MAX_FRAME_PAYLOAD payload bytes each."""
+    """Pack chunks into frames of at most MAX_FRAME_PAYLOAD payload bytes each.
+
+    Chunks that are the whole of a frame this process received (``chunks_of``'s zero-copy
+    slices: a relay serving the deltas it pulled) go out as that very frame, uncopied: a zone
+    no longer re-frames each 400 MB version once per child that pulls it.
+    """
     batch: list[Chunk] = []
     size = 0
-    for c in chunks:
+    chunks = list(chunks)
+    i = 0
+    while i < len(chunks):
+        frame, n = _received_frame(chunks, i)
+        if frame is not None:
+            if batch:
+                yield _batch_frame(batch)
+                batch, size = [], 0
+            yield frame
+            i += n
+            continue
+        c = chunks[i]
         if batch and size + len(c.payload) > MAX_FRAME_PAYLOAD:
             yield _batch_frame(batch)
             batch, size = [], 0
         batch.append(c)
         size += len(c.payload)
+        i += 1
     if batch:
         yield _batch_frame(batch)
+
+
+def _received_frame(chunks: list[Chunk], i: int) -> tuple[bytes | None, int]:
+    """(the received frame, how many chunks it carries) when ``chunks[i:]`` begins with every
+    chunk of one frame, in order, as ``chunks_of`` sliced them from it; else (None, 0)."""
+    p = chunks[i].payload
+    frame = p.obj if isinstance(p, memoryview) else None
+    if not isinstance(frame, bytes):
+        return None, 0
+    try:
+        h, payload = decode_frame(frame)
+    except BadInput:
+        return None, 0
+    carried = h.chunks.chunks if h.WhichOneof("kind") == "chunks" else ()
+    group = chunks[i:i + len(carried)]
+    if not carried or len(group) != len(carried):
+        return None, 0
+    pos = len(frame) - len(payload)  # where the payload starts in the frame
+    for tc, c in zip(carried, group, strict=True):
+        view = c.payload
+        if not (isinstance(view, memoryview) and view.obj is frame and view.nbytes == tc.nbytes
+                and _address(view) == _address(memoryview(frame)) + pos
+                and (c.key, c.offset, c.numel, tuple(c.shape)) == (tc.key, tc.offset, tc.numel, tuple(tc.shape))
+                and _DTYPE.get(c.dtype) == tc.dtype and _CODEC.get(c.codec) == tc.codec):
+            return None, 0
+        pos += tc.nbytes
+    return frame, len(carried)
+
+
+def _address(view: memoryview) -> int:
+    """Where a byte view's memory starts (to tell which slice of a frame a chunk is)."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else -1
 
 
 def _batch_frame(batch: list[Chunk]) -> bytes:
     h = pb.FrameHeader(chunks=pb.ChunkBatch(chunks=[
         pb.TensorChunk(key=c.key, dtype=_DTYPE[c.dtype], shape=c.shape, offset=c.offset, numel=c.numel,
                        codec=_CODEC[c.codec], nbytes=len(c.payload)) for c in batch]))
-    payload = batch[0].payload if len(batch) == 1 else b"".join(c.payload for c in batch)
-    return encode_frame(h, payload)
+    return encode_frame(h, [c.payload for c in batch])  # one copy: header and payloads joined at once
 
 
 def chunks_of(h: pb.ChunkBatch, payload: memoryview) -> list[Chunk]:

@@ -305,11 +305,16 @@ class Relay(Tier):
         # Keys no contribution has a gradient for are not sent, and keep their residual.
         absent = frozenset(agg.step.absent)
         only = frozenset(s.key for i, s in enumerate(js.layout.specs) if i not in absent) if absent else None
-        chunks = await asyncio.to_thread(enc.split, js.layout, agg.grad, agg.round, only) if agg.contributors else []
         (loss, n, secs), js.unsent_report = js.unsent_report, (0.0, 0, 0.0)
-        frames = encode_push(PushMeta(job, self.member_id, seq, agg.round, js.view.epoch,
-                                      agg.contributors, agg.clock_min, agg.clock_max, floor,
-                                      loss, n, secs, self.workers_below(js), self.epoch, keys, agg.step), chunks)
+        meta = PushMeta(job, self.member_id, seq, agg.round, js.view.epoch, agg.contributors, agg.clock_min,
+                        agg.clock_max, floor, loss, n, secs, self.workers_below(js), self.epoch, keys, agg.step)
+
+        def frames_of() -> tuple[list[bytes], int]:
+            # fp32 chunks are views of the round's sum (copy=False), framed at once: the frames
+            # are the one copy. Joined on the event loop, 400 MB of frames held it ~0.5 s.
+            chunks = enc.split(js.layout, agg.grad, agg.round, only, copy=False) if agg.contributors else []
+            return encode_push(meta, chunks), payload_bytes(chunks)
+        frames, nbytes = await asyncio.to_thread(frames_of)
         js.reported_floor = max(js.reported_floor, floor)
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]
@@ -359,7 +364,7 @@ class Relay(Tier):
             await asyncio.sleep(delay)
             delay = min(delay * 2, _BACKOFF_S[1])
         self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
-        js.stats.bytes_pushed_up += payload_bytes(chunks)
+        js.stats.bytes_pushed_up += nbytes
         if not fut.done():
             fut.set_result(ack)
 

@@ -432,3 +432,21 @@ def test_a_tiers_replica_reuses_its_buffers_and_a_refused_delta_still_changes_no
     view.apply_delta(7, 5, d, checksum(5 * d))
     assert view.values.tolist() == (5 * d).tolist()
     assert View(layout).delta_buffer() is None  # a worker's view: fresh arrays, safe to keep
+
+
+def test_split_without_copy_gives_fp32_views_of_the_vector_and_copies_otherwise():
+    """copy=False (a sender that frames the chunks at once): fp32 payloads are views of the
+    host vector, numpy or a CPU torch tensor; other codecs, and copy=True, own their bytes."""
+    import torch
+    layout = Layout([KeySpec("a", (6,)), KeySpec("b", (2, 5))])
+    flat = np.arange(layout.numel, dtype=np.float32)
+    for src in (flat, torch.from_numpy(flat)):
+        views = split(layout, src, get_codec("fp32"), chunk_elems=4, copy=False)
+        assert all(isinstance(c.payload, memoryview) and np.shares_memory(np.frombuffer(c.payload, np.float32), flat)
+                   for c in views)
+        assert assemble(layout, views, "t").tobytes() == flat.tobytes()
+        owned = split(layout, src, get_codec("fp32"), chunk_elems=4)
+        assert [bytes(c.payload) for c in owned] == [bytes(c.payload) for c in views]
+        assert all(isinstance(c.payload, bytes) for c in owned)
+    zstd = split(layout, flat, get_codec("fp32+zstd"), copy=False)
+    assert all(isinstance(c.payload, bytes) for c in zstd)

@@ -475,3 +475,29 @@ def test_a_streamed_pushs_tail_replaces_its_late_fields_and_is_digested():
     reader.feed(encode_frame(pb.FrameHeader(job=pb.JobHeader())))
     with pytest.raises(BadInput, match="is 'tail'"):
         reader.feed(tail)
+
+
+def test_a_relay_serves_the_frames_it_received_verbatim_and_reframes_anything_else(small_frames):
+    """Deltas a relay pulled are served to its children as the very frames that brought them
+    (no copy per child); chunks that are only part of a received frame, reordered, or made
+    here are framed afresh, and every reply decodes to the same chunks."""
+    pull = PullMeta(9, 1, 2, False, 9)
+    sent = list(encode_pull_reply(pull, [(VersionMeta(2, 5), _chunks(chunk_elems=8, seed=4))]))
+    assert len(sent) > 3
+    meta, versions = decode_pull_reply(sent)
+    served = list(encode_pull_reply(meta, versions))
+    assert served == sent and all(a is b for a, b in zip(served[2:], sent[2:]))  # chunk frames: the same objects
+    (vm, chunks), = versions
+    for variant in (chunks[1:], chunks[::-1], [*chunks[:3], *_chunks(chunk_elems=8, seed=5)[3:]]):
+        again = list(encode_pull_reply(meta, [(vm, variant)]))
+        got = decode_pull_reply(again)[1][0][1]
+        assert [(c.key, c.offset, bytes(c.payload)) for c in got] == [(c.key, c.offset, bytes(c.payload))
+                                                                          for c in variant]
+    # Chunk 0 described right but holding chunk 1's bytes of the same frame: reframed, as sent.
+    from dataclasses import replace
+    c0, c1 = chunks[0], chunks[1]
+    assert c0.payload.obj is c1.payload.obj and len(c0.payload) == len(c1.payload)  # one frame, two chunks
+    wrong = [replace(c0, payload=c1.payload), c1]
+    frames = list(encode_pull_reply(meta, [(vm, wrong)]))
+    assert frames[2] is not c0.payload.obj
+    assert bytes(decode_pull_reply(frames)[1][0][1][0].payload) == bytes(c1.payload)
