@@ -63,7 +63,7 @@ from ps.net.frames import MAX_FRAME_PAYLOAD, BodyReader, decode_frame, encode_fr
 from ps.net.proto import hps_pb2 as pb
 
 __all__ = [
-    "pb", "encode_push", "encode_push_head", "encode_push_tail", "with_tail", "chunk_frames", "decode_push",
+    "pb", "encode_push", "encode_push_head", "encode_push_tail", "with_tail", "chunk_frames", "framed", "decode_push",
     "push_meta_of", "chunks_of", "keys_to_pb", "keys_from_pb", "encode_pull_reply",
     "decode_pull_reply", "encode_create_job", "decode_create_job", "create_job_of", "adopted_token", "job_to_pb",
     "job_from_pb", "jobs_to_pb", "jobs_from_pb", "status_to_pb", "status_from_pb", "layout_to_pb",
@@ -137,6 +137,17 @@ def chunk_frames(chunks: Iterable[Chunk]) -> Iterator[bytes]:
         i += 1
     if batch:
         yield _batch_frame(batch)
+
+
+def framed(chunks: Iterable[Chunk]) -> list[Chunk]:
+    """``chunks`` framed now, as ``chunk_frames`` frames them, and given back as zero-copy
+    slices of those frames: whoever serves them later sends the frames themselves (a tier
+    that publishes a version once and serves it to every child that pulls it)."""
+    out: list[Chunk] = []
+    for frame in chunk_frames(chunks):
+        h, payload = decode_frame(frame)
+        out.extend(chunks_of(h.chunks, payload))
+    return out
 
 
 def _received_frame(chunks: list[Chunk], i: int) -> tuple[bytes | None, int]:

@@ -40,6 +40,7 @@ from ps.core.ranks import RankBook
 from ps.core.tensors import Chunk, split
 from ps.core.types import JobStats, PushKey
 from ps.core.view import Layout, View
+from ps.net.wire import framed
 from ps.tiers.wal import WriteAheadLog
 
 __all__ = ["JobState", "RootJob", "RelayJob"]
@@ -213,7 +214,9 @@ class JobState:
         key = (self.view.epoch, self.view.version)
         if self._snapshot is None or self._snapshot[:2] != key:
             codec = get_codec("fp32+zstd" if self.config.delta_codec == "fp32+zstd" else "fp32")
-            self._snapshot = (*key, split(self.layout, self.view.values, codec))
+            # Framed once (views of the values until then), served as these frames to every
+            # child that needs a snapshot of this version.
+            self._snapshot = (*key, framed(split(self.layout, self.view.values, codec, copy=False)))
         return self._snapshot[2]
 
 

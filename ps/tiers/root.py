@@ -59,6 +59,7 @@ from ps.core.types import Ack, LogMessage, PushKey, PushMeta, StepInfo, TierStat
 from ps.core.view import KeySpec, Layout, checksum
 from ps.net.follow import LogLink
 from ps.net.tls import TlsFiles
+from ps.net.wire import framed
 from ps.tiers import checkpoint
 from ps.tiers.jobstate import RootJob
 from ps.tiers.replication import Follower, Replication
@@ -671,7 +672,9 @@ class Root(Tier):
         diff = np.subtract(js.params, js.view.values, out=js.scratch)
         if skip:  # a skipped step changes nothing, not even what earlier deltas left unsent
             diff.fill(0.0)
-        chunks = split(js.layout, diff, codec, only=only)  # the payloads are copies: scratch is free again
+        # Framed here, once (fp32 payloads are views of scratch until then: one copy, not two);
+        # every pull of this version then sends these very frames. Scratch is free again.
+        chunks = framed(split(js.layout, diff, codec, only=only, copy=False))
         # A lossless codec decodes to exactly ``diff``: no need to decode what was just encoded.
         decoded = diff if codec.lossless and only is None else assemble(js.layout, chunks, what="published delta",
                                                                         check_finite=False)

@@ -501,3 +501,18 @@ def test_a_relay_serves_the_frames_it_received_verbatim_and_reframes_anything_el
     frames = list(encode_pull_reply(meta, [(vm, wrong)]))
     assert frames[2] is not c0.payload.obj
     assert bytes(decode_pull_reply(frames)[1][0][1][0].payload) == bytes(c1.payload)
+
+
+def test_chunks_framed_once_are_served_as_those_frames(small_frames):
+    """framed(): a tier frames a version once when it publishes it; every pull then sends
+    those frames, the same objects each time, and they decode to the chunks framed."""
+    from ps.net.wire import framed
+    chunks = _chunks(chunk_elems=8, seed=6)
+    kept = framed(chunks)
+    assert [(c.key, c.offset, c.numel, bytes(c.payload)) for c in kept] == \
+           [(c.key, c.offset, c.numel, bytes(c.payload)) for c in chunks]
+    pull = PullMeta(9, 1, 2, False, 9)
+    one = list(encode_pull_reply(pull, [(VersionMeta(2, 5), kept)]))
+    two = list(encode_pull_reply(pull, [(VersionMeta(2, 5), kept)]))
+    assert all(a is b for a, b in zip(one[2:], two[2:]))
+    assert decode_pull_reply(one)[1][0][1][0].key == chunks[0].key
