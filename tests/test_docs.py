@@ -41,6 +41,7 @@ DOCTESTED = (
     "ps.core.losswatch",
     "ps.core.logs",
     "ps.core.optim",
+    "ps.core.pieces",
     "ps.core.placement",
     "ps.core.ranks",
     "ps.core.sharding",

@@ -28,9 +28,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps.core.errors import BadInput, NotMember, NotReady, Stale, short
+from ps.core.pieces import Pieces
 from ps.core.types import NO_STEP, StepInfo
 
-__all__ = ["Member", "Membership", "BspRound", "Window", "Aggregate", "MAX_CONTRIBUTORS"]
+# A push's gradient as a tier receives it (its decoded chunks), or a vector.
+Gradient = np.ndarray | Pieces
+
+__all__ = ["Member", "Membership", "BspRound", "Window", "Aggregate", "Gradient", "MAX_CONTRIBUTORS", "dense"]
 
 
 @dataclass
@@ -118,13 +122,34 @@ class Membership:
 MAX_CONTRIBUTORS = 1 << 24
 
 
-def _first(grad: np.ndarray, owned: bool) -> np.ndarray:
+def _first(grad: Gradient, owned: bool) -> Gradient:
     """A batch's running sum from its first gradient: the array itself when the caller gives it
     away (float32, contiguous, writable), else a copy. The copy was 6% of a root's profile
-    under 400 MB pushes (benchmarks/README.md, dataplane.py)."""
+    under 400 MB pushes (benchmarks/README.md, dataplane.py). Pieces stay pieces (immutable):
+    a batch of one push is never laid out here."""
+    if isinstance(grad, Pieces):
+        return grad
     if owned and grad.dtype == np.float32 and grad.flags.c_contiguous and grad.flags.writeable:
         return grad
     return np.array(grad, dtype=np.float32, copy=True)
+
+
+def _summed(total: Gradient, grad: Gradient) -> np.ndarray:
+    """``total + grad`` into ``total``'s memory (a first push still in pieces is laid out now,
+    once); ``grad`` in pieces is added straight from its chunks."""
+    if isinstance(total, Pieces):
+        total = total.dense()
+    if isinstance(grad, Pieces):
+        grad.add_to(total)
+    else:
+        with np.errstate(over="ignore"):  # an overflow is refused when the batch closes
+            total += grad
+    return total
+
+
+def dense(grad: Gradient) -> np.ndarray:
+    """A closed batch's gradient as one vector (one push's pieces laid out now)."""
+    return grad.dense() if isinstance(grad, Pieces) else grad
 
 
 def _check_contributors(pushed: dict[str, int], contributors: int) -> None:
@@ -138,7 +163,7 @@ class Aggregate:
     """A closed round: the summed gradient and who is in it."""
 
     round: int          # BSP: the round; windows: the smallest base version included
-    grad: np.ndarray
+    grad: Gradient      # the sum; a batch of one push: its pieces (``dense(agg.grad)``)
     contributors: int
     clock_min: int
     clock_max: int
@@ -154,7 +179,7 @@ class BspRound:
     round: int
     numel: int
     pushed: dict[str, int] = field(default_factory=dict)  # member -> contributors it brought
-    _sum: np.ndarray | None = None
+    _sum: Gradient | None = None
     _clock_min: int | None = None
     _clock_max: int | None = None
     _step: StepInfo | None = None
@@ -177,23 +202,25 @@ class BspRound:
                 raise BadInput(f"the workers of round {self.round} disagree on a hyperparameter ({differ}); in "
                                "bsp every worker must step its learning-rate schedule the same way")
 
-    def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
+    def add(self, member: str, base_version: int, grad: Gradient | None, contributors: int,
             clocks: tuple[int, int], step: StepInfo | None = None, owned: bool = False) -> None:
-        """Add a push to the round. ``owned``: ``grad`` is the caller's to give away (a push's
-        own decode buffer, never used again), so the first one becomes the sum uncopied."""
+        """Add a push to the round. ``owned``: ``grad`` is the caller's to give away (never used
+        again), so the first one becomes the sum uncopied; a push's ``Pieces`` always are."""
         self.check(member, base_version, contributors, step)
         if grad is not None and contributors > 0:
             step = step or StepInfo()
             self._step = step if self._step is None else self._step.merge(step)
-            if self._sum is None:
-                self._sum = _first(grad, owned)
-            else:
-                with np.errstate(over="ignore"):  # an overflow is refused when the batch closes
-                    self._sum += grad
+            self._sum = _first(grad, owned) if self._sum is None else _summed(self._sum, grad)
             lo, hi = clocks
             self._clock_min = lo if self._clock_min is None else min(self._clock_min, lo)
             self._clock_max = hi if self._clock_max is None else max(self._clock_max, hi)
         self.pushed[member] = contributors
+
+    def lay_out(self) -> None:
+        """Lay a first push still in pieces out as the running sum now (the round waits for more:
+        the pass then overlaps their arrival instead of delaying the next one's commit)."""
+        if isinstance(self._sum, Pieces):
+            self._sum = self._sum.dense()
 
     def complete(self, members: Membership) -> bool:
         expected = members.expected_in(self.round)
@@ -218,7 +245,7 @@ class Window:
     nbytes: int = 0
     pushed: dict[str, int] = field(default_factory=dict)
     base_min: int | None = None
-    _sum: np.ndarray | None = None
+    _sum: Gradient | None = None
     _clock_min: int | None = None
     _clock_max: int | None = None
     _step: StepInfo | None = None
@@ -234,7 +261,7 @@ class Window:
                            "one push in flight and sums gradients meanwhile")
         _check_contributors(self.pushed, contributors)
 
-    def add(self, member: str, base_version: int, grad: np.ndarray | None, contributors: int,
+    def add(self, member: str, base_version: int, grad: Gradient | None, contributors: int,
             clocks: tuple[int, int], nbytes: int, now: float, step: StepInfo | None = None,
             owned: bool = False) -> None:
         """Add a push to the window (``owned``: as ``BspRound.add``)."""
@@ -247,11 +274,7 @@ class Window:
             step = step or StepInfo()
             newer = self._clock_max is None or clocks[1] >= self._clock_max
             self._step = step if self._step is None else self._step.merge(step, other_newer=newer)
-            if self._sum is None:
-                self._sum = _first(grad, owned)
-            else:
-                with np.errstate(over="ignore"):  # an overflow is refused when the batch closes
-                    self._sum += grad
+            self._sum = _first(grad, owned) if self._sum is None else _summed(self._sum, grad)
             self.base_min = base_version if self.base_min is None else min(self.base_min, base_version)
             lo, hi = clocks
             self._clock_min = lo if self._clock_min is None else min(self._clock_min, lo)

@@ -13,12 +13,12 @@ is decoded frame by frame as it arrives (pure: no event loop, no protobuf).
 48
 >>> for chunk in frames:           # as they arrive: BadInput on the first bad chunk
 ...     intake.add([chunk])
->>> intake.gradient()              # the decoded push (overlaps checked), or None
+>>> intake.gradient().dense()      # the decoded push (overlaps checked; Pieces), or None
 array([1., 1., 1., 1., 1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
 >>> intake.close(); budget.used    # gives the reservation back (idempotent)
 0
 
-A push's decode buffer is its own, so a stream refused or cut halfway changes nothing: the
+A push's decoded chunks are its own, so a stream refused or cut halfway changes nothing: the
 tier adds it to a round only once the whole stream has arrived and checked out. Before this,
 every frame of a push was held before the first was decoded: one 512 MiB push from a
 non-member took a zone from 242 to 795 MB and it stayed.
@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
+import numpy as np  # noqa: F401  (the examples above use it)
 
 from ps.core.errors import BadInput, Exhausted
+from ps.core.pieces import Pieces
 from ps.core.tensors import Assembler, Chunk
 from ps.core.types import PushMeta
 from ps.core.view import Layout
@@ -78,7 +79,8 @@ class PushIntake:
         budget.reserve(self._reserved)
         self._release = release
         self._closed = False
-        self._asm = Assembler(layout, what=f"push {meta.seq} from {meta.sender!r}") if decode else None
+        # lazy: the decoded chunks are the gradient until its batch needs a vector (Pieces)
+        self._asm = Assembler(layout, what=f"push {meta.seq} from {meta.sender!r}", lazy=True) if decode else None
         self._chunks = 0
 
     @property
@@ -106,12 +108,13 @@ class PushIntake:
                            f"{self._keys} keys")
         self.meta = meta
 
-    def gradient(self) -> np.ndarray | None:
-        """The decoded gradient (None for a push of 0 contributors, which only reports a clock)."""
+    def gradient(self) -> Pieces | None:
+        """The decoded gradient, as the chunks it came in (None for a push of 0 contributors,
+        which only reports a clock)."""
         if self.meta.contributors == 0:
             return None
         assert self._asm is not None, "a push that was only counted has no gradient"
-        return self._asm.finish()
+        return self._asm.finish_pieces()
 
     def decoded_into_batch(self) -> None:
         """The gradient was added to its batch's sum: its buffer no longer needs the budget (a

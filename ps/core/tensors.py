@@ -32,10 +32,12 @@ import torch
 from ps.core.codecs import Codec, get_codec
 from ps.core.codecs.powersgd import PowerSGD
 from ps.core.errors import BadInput, short
+from ps.core.pieces import Pieces
 from ps.core.types import Chunk
 from ps.core.view import KeySpec, Layout
 
-__all__ = ["Chunk", "split", "Assembler", "assemble", "CHUNK_ELEMS", "payload_bytes", "row_width", "all_finite"]
+__all__ = ["Chunk", "split", "Assembler", "Pieces", "assemble", "CHUNK_ELEMS", "payload_bytes", "row_width",
+           "all_finite"]
 
 CHUNK_ELEMS = 1 << 20  # 4 MiB of float32: the wire's per-frame payload limit
 
@@ -154,13 +156,19 @@ class Assembler:
     settings `hps launch` uses, calloc writes the reused heap).
     """
 
-    def __init__(self, layout: Layout, what: str, check_finite: bool = True, out: np.ndarray | None = None) -> None:
+    def __init__(self, layout: Layout, what: str, check_finite: bool = True, out: np.ndarray | None = None,
+                 lazy: bool = False) -> None:
         self.layout, self.what, self.check_finite = layout, what, check_finite
         if out is not None and (out.shape != (layout.numel,) or out.dtype != np.float32):
             raise ValueError(f"an assembler's buffer must be float32[{layout.numel}], got {out.dtype}{out.shape}")
-        self.out = np.empty(layout.numel, dtype=np.float32) if out is None else out
+        if out is not None and lazy:
+            raise ValueError("a lazy assembler lays out no vector: it takes no buffer")
+        # lazy: the decoded chunks are kept as they are and ``finish_pieces`` gives them back
+        self.out = None if lazy else np.empty(layout.numel, dtype=np.float32) if out is None else out
         self.chunks = 0
         self._covered: dict[str, list[tuple[int, int]]] = {}
+        self._parts: list[tuple[int, np.ndarray]] = []
+        self._received: list[Chunk] = []
 
     def add(self, c: Chunk) -> None:
         what, i = self.what, self.chunks
@@ -177,11 +185,31 @@ class Assembler:
             raise BadInput(f"{what}: key {short(c.key)} holds {bad} non-finite values (NaN/Inf); "
                            "nothing was applied")
         base = self.layout.offset(c.key)
-        self.out[base + c.offset: base + c.offset + c.numel] = values
+        if self.out is None:
+            self._parts.append((base + c.offset, values))
+            self._received.append(c)
+        else:
+            self.out[base + c.offset: base + c.offset + c.numel] = values
         self._covered.setdefault(c.key, []).append((c.offset, c.offset + c.numel))
 
     def finish(self, require_all: bool = False) -> np.ndarray:
         """The assembled vector (keys left out are zero); ``require_all``: every element once."""
+        if self.out is None:
+            return self.finish_pieces(require_all).dense()
+        for start, stop in self._gaps(require_all):
+            self.out[start:stop] = 0.0
+        return self.out
+
+    def finish_pieces(self, require_all: bool = False) -> Pieces:
+        """The chunks as decoded, unlaid (a lazy assembler's): checked as ``finish`` checks them."""
+        if self.out is not None:
+            raise ValueError("finish_pieces is a lazy assembler's (Assembler(..., lazy=True))")
+        return Pieces(self.layout.numel, tuple(self._parts), tuple(self._gaps(require_all)), tuple(self._received))
+
+    def _gaps(self, require_all: bool) -> list[tuple[int, int]]:
+        """The spans of the flat vector no chunk covered (to be zero); BadInput on an overlap
+        (and, with ``require_all``, on any gap)."""
+        gaps = []
         for key, spans in self._covered.items():
             spans.sort()
             for (a0, a1), (b0, b1) in pairwise(spans):
@@ -193,12 +221,13 @@ class Assembler:
             have = sum(b - a for a, b in spans)
             if require_all and have != spec.numel:
                 raise BadInput(f"{self.what}: key {short(spec.key)} has {have} of its {spec.numel} elements")
-            if have != spec.numel:  # zero the gaps between the chunks that came
+            if have != spec.numel:  # the gaps between the chunks that came
                 base, pos = self.layout.offset(spec.key), 0
                 for a, b in [*spans, (spec.numel, spec.numel)]:
-                    self.out[base + pos: base + a] = 0.0
+                    if a > pos:
+                        gaps.append((base + pos, base + a))
                     pos = b
-        return self.out
+        return gaps
 
 
 def assemble(layout: Layout, chunks: list[Chunk], what: str, check_finite: bool = True,

@@ -43,7 +43,7 @@ import logging
 import numpy as np
 
 from ps.core.config import JobConfig, ServerConfig
-from ps.core.consistency import Aggregate
+from ps.core.consistency import Aggregate, Gradient, dense
 from ps.core.encoder import Encoder
 from ps.core.errors import (
     BadInput,
@@ -64,7 +64,7 @@ from ps.core.logs import event
 from ps.core.outer import above_inner
 from ps.core.ranks import RankInfo
 from ps.core.replica import apply_pull
-from ps.core.tensors import payload_bytes
+from ps.core.tensors import Chunk, Pieces, payload_bytes
 from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration
 from ps.core.view import Layout
 from ps.net.tls import TlsFiles
@@ -82,6 +82,25 @@ _PULL_WAIT_S = 5.0   # long-poll window of the follow loop
 # 500 ms, ps.net.rpc): with 2 s, the first version after a root restart came 1.1-1.5 s after
 # the root was serving again (benchmarks/chaos.py), the relays still sleeping off their backoff.
 _BACKOFF_S = (0.05, 0.5)
+
+# Lossless codecs a relay passes on as they came: each decodes to exactly what re-encoding the
+# decoded values would carry, and keeps no state (no residual) at the sender.
+_PASS_ON = frozenset({"fp32", "rows"})
+
+
+def _verbatim(enc: Encoder, grad: Gradient, absent: frozenset[int], layout: Layout) -> list[Chunk] | None:
+    """The chunks of a batch of one push, to forward as they came (their frames uncopied), when
+    that is exactly what re-encoding it would send: this edge lossless, every chunk fp32 or
+    rows, and none of a key the push declared absent. Else None (decode, sum, re-encode).
+
+    A zone with one worker (the demo's, every zone of dataplane.py's row) forwarded each push by
+    laying it out as a vector and framing that again: two full copies per hop, now none."""
+    if not isinstance(grad, Pieces) or not enc.lossless or enc.name not in _PASS_ON:
+        return None
+    skip = {layout.specs[i].key for i in absent}
+    if any(c.codec not in _PASS_ON or c.key in skip for c in grad.chunks):
+        return None
+    return list(grad.chunks)
 
 
 class Relay(Tier):
@@ -311,8 +330,14 @@ class Relay(Tier):
 
         def frames_of() -> tuple[list[bytes], int]:
             # fp32 chunks are views of the round's sum (copy=False), framed at once: the frames
-            # are the one copy. Joined on the event loop, 400 MB of frames held it ~0.5 s.
-            chunks = enc.split(js.layout, agg.grad, agg.round, only, copy=False) if agg.contributors else []
+            # are the one copy. Joined on the event loop, 400 MB of frames held it ~0.5 s. A
+            # batch of one push of lossless chunks goes up as it came: its very frames.
+            if not agg.contributors:
+                chunks: list[Chunk] = []
+            elif (verbatim := _verbatim(enc, agg.grad, absent, js.layout)) is not None:
+                chunks = verbatim
+            else:
+                chunks = enc.split(js.layout, dense(agg.grad), agg.round, only, copy=False)
             return encode_push(meta, chunks), payload_bytes(chunks)
         frames, nbytes = await asyncio.to_thread(frames_of)
         js.reported_floor = max(js.reported_floor, floor)

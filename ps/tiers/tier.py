@@ -68,7 +68,7 @@ from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
 from ps.core.outer import check_outer_member
 from ps.core.ranks import RankInfo
-from ps.core.tensors import Chunk, all_finite, payload_bytes
+from ps.core.tensors import Chunk, Pieces, all_finite, payload_bytes
 from ps.core.types import Ack, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, Registration, TierStatus, VersionMeta
 from ps.tiers.jobstate import JobState
 
@@ -322,6 +322,8 @@ class Tier:
         fut.add_done_callback(lambda f: self._settle(js, book, pkey, f))
         t0 = self.clock()
         self._progress(js)
+        if js.bsp:  # still open (else a fresh round): more pushes come, so no pass-through
+            js.round.lay_out()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.config.round_timeout_s)
         except asyncio.TimeoutError:
@@ -489,8 +491,9 @@ class Tier:
 
     def _finish_checked(self, js: JobState, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
                         fut: asyncio.Future) -> None:
-        """A batch closed: refuse it whole if its sum is not finite, else finish it."""
-        if agg.contributors and not all_finite(agg.grad):
+        """A batch closed: refuse it whole if its sum is not finite, else finish it. A batch of
+        one push (still in pieces) is no sum: its every chunk was checked as it arrived."""
+        if agg.contributors and not isinstance(agg.grad, Pieces) and not all_finite(agg.grad):
             self._refuse(js, agg, fut, BadInput(
                 f"the sum of {agg.contributors} gradients for version {agg.round} of job {js.config.name} "
                 "is not finite (float32 overflow); nothing was applied. Lower the learning rate or "
