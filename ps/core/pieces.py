@@ -6,6 +6,8 @@
 array([1., 1., 0., 2.], dtype=float32)
 >>> total = np.full(4, -0.0, np.float32); p.add_to(total); total     # -0.0 + 0.0 is +0.0
 array([1., 1., 0., 2.], dtype=float32)
+>>> p.plus(total, out=np.empty(4, np.float32))
+array([2., 2., 0., 4.], dtype=float32)
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ class Pieces:
                 np.divide(values, np.float32(divisor), out=dst)
         for start, stop in self.gaps:
             out[start:stop] = 0.0
+        return out
+
+    def plus(self, base: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``base + self.dense()`` into ``out``, bit for bit, in one pass (a replica's next
+        version from its last and a pulled delta: no delta vector is laid out first)."""
+        for start, values in self.parts:
+            stop = start + values.size
+            np.add(base[start:stop], values, out=out[start:stop])
+        for start, stop in self.gaps:  # + 0.0, not a copy: -0.0 becomes +0.0 as in a dense add
+            np.add(base[start:stop], np.float32(0.0), out=out[start:stop])
         return out
 
     def add_to(self, total: np.ndarray) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ps.core.deltas import DeltaEntry
-from ps.core.tensors import Chunk, assemble, payload_bytes
+from ps.core.tensors import Assembler, Chunk, assemble, payload_bytes
 from ps.core.types import PullMeta, VersionMeta
 from ps.core.view import Layout, View
 
@@ -53,8 +53,12 @@ def apply_pull(view: View, layout: Layout, meta: PullMeta,
         return Pulled(payload_bytes(chunks), True, bool(previous) and previous != meta.view_epoch, ())
     entries, nbytes = [], 0
     for vm, chunks in versions:
-        delta = assemble(layout, chunks, what=f"delta {vm.version}", check_finite=False, out=view.delta_buffer())
-        view.apply_delta(meta.view_epoch, vm.version, delta, vm.checksum, vm.clock_min)
+        # Added to the view straight from the chunks: no delta vector laid out first (a 400 MB
+        # copy per version at every relay and worker on the way down).
+        a = Assembler(layout, what=f"delta {vm.version}", check_finite=False, lazy=True)
+        for c in chunks:
+            a.add(c)
+        view.apply_delta(meta.view_epoch, vm.version, a.finish_pieces(), vm.checksum, vm.clock_min)
         entries.append(DeltaEntry(vm.version, vm.checksum, tuple(chunks), vm.clock_min, vm.contributors))
         nbytes += payload_bytes(chunks)
     return Pulled(nbytes, False, False, tuple(entries))

@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from ps.core.errors import BadInput, Stale, short
+from ps.core.pieces import Pieces
 
 __all__ = ["KeySpec", "Layout", "View", "checksum", "DTYPES", "KEY_KINDS", "MAX_ELEMENTS"]
 
@@ -140,22 +141,12 @@ class View:
         self.clock_min = 0  # SSP: every live worker has at least this many pushes included
         self.checksum = checksum(self.values)
         # reuse (a tier's replica, whose values nobody outside holds on to): each version is
-        # computed into the buffer the version before the last one was in, and each delta
-        # decoded into one kept buffer, instead of two fresh arrays per version. A fresh 400 MB
-        # array cost a zone ~0.6 s a version in page faults (py-spy, benchmarks/README.md).
-        # A worker's view is the script's to read and keep, so it gets fresh arrays.
+        # computed into the buffer the version before the last one was in, instead of a fresh
+        # array per version. A fresh 400 MB array cost a zone ~0.6 s a version in page faults
+        # (py-spy, benchmarks/README.md). A worker's view is the script's to read and keep, so
+        # it gets fresh arrays. Pulled deltas are added straight from their chunks (Pieces).
         self.reuse = reuse
         self._spare: np.ndarray | None = None
-        self._delta: np.ndarray | None = None
-
-    def delta_buffer(self) -> np.ndarray | None:
-        """With ``reuse``, the kept buffer a delta may be decoded into (valid until the next
-        call); None otherwise."""
-        if not self.reuse:
-            return None
-        if self._delta is None or self._delta.shape != self.values.shape:
-            self._delta = np.empty_like(self.values)
-        return self._delta
 
     @property
     def ready(self) -> bool:
@@ -171,23 +162,29 @@ class View:
         self.values = np.array(values, dtype=np.float32, copy=True)
         self.epoch, self.version, self.checksum, self.clock_min = epoch, version, crc, clock_min
 
-    def apply_delta(self, epoch: int, version: int, delta: np.ndarray, crc: int,
+    def apply_delta(self, epoch: int, version: int, delta: np.ndarray | Pieces, crc: int,
                     clock_min: int = 0) -> None:
-        """view_v = view_{v-1} + d_v, only onto the exact base (invariant 5)."""
+        """view_v = view_{v-1} + d_v, only onto the exact base (invariant 5). ``delta`` may be
+        the pulled chunks (``Pieces``), added straight from them."""
         if epoch != self.epoch or version != self.version + 1:
             raise Stale(
                 f"delta for version {version} of epoch {epoch:#x} does not apply to the held view "
                 f"(epoch {self.epoch:#x}, version {self.version}); resync from a snapshot"
             )
-        if delta.shape != self.values.shape or delta.dtype != np.float32:
+        if isinstance(delta, Pieces):
+            if delta.numel != self.values.size:
+                raise BadInput(f"delta for version {version} has {delta.numel} elements; the view has "
+                               f"{self.values.size}")
+        elif delta.shape != self.values.shape or delta.dtype != np.float32:
             raise BadInput(f"delta for version {version} is {delta.dtype}{delta.shape}; the view is "
                            f"float32{self.values.shape}")
         if self.reuse:
             if self._spare is None or self._spare.shape != self.values.shape:
                 self._spare = np.empty_like(self.values)
-            new = np.add(self.values, delta, out=self._spare)
+            out = self._spare
         else:
-            new = self.values + delta
+            out = np.empty_like(self.values)
+        new = delta.plus(self.values, out) if isinstance(delta, Pieces) else np.add(self.values, delta, out=out)
         got = checksum(new)
         if got != crc:
             raise Stale(f"version {version} fails its checksum ({got:#018x} != {crc:#018x}); "

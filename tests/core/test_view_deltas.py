@@ -14,7 +14,7 @@ import pytest
 from ps.core.codecs import get_codec
 from ps.core.deltas import DeltaEntry, DeltaLog
 from ps.core.errors import BadInput, Stale
-from ps.core.tensors import Chunk, assemble, split
+from ps.core.tensors import Assembler, Chunk, assemble, split
 from ps.core.view import KeySpec, Layout, View, checksum
 
 __all__: list[str] = []
@@ -410,9 +410,9 @@ def test_delta_log_capacity_must_be_positive():
 
 
 def test_a_tiers_replica_reuses_its_buffers_and_a_refused_delta_still_changes_nothing():
-    """View(reuse=True), a relay's replica: versions are computed into two alternating buffers
-    and deltas decoded into one kept buffer, with invariant 5 intact (a delta that fails its
-    checksum leaves the held values, bit for bit)."""
+    """View(reuse=True), a relay's replica: versions are computed into two alternating buffers,
+    with invariant 5 intact (a delta that fails its checksum leaves the held values, bit for
+    bit); a delta given as the chunks it came in is added straight from them, bit for bit."""
     layout = Layout([KeySpec("w", (4,))])
     view = View(layout, reuse=True)
     zero = np.zeros(4, np.float32)
@@ -420,7 +420,6 @@ def test_a_tiers_replica_reuses_its_buffers_and_a_refused_delta_still_changes_no
     d = np.arange(4, dtype=np.float32)
     buffers = set()
     for v in range(1, 5):
-        assert view.delta_buffer() is view.delta_buffer()
         view.apply_delta(7, v, d, checksum(v * d))
         assert view.values.tolist() == (v * d).tolist()
         buffers.add(id(view.values))
@@ -431,7 +430,19 @@ def test_a_tiers_replica_reuses_its_buffers_and_a_refused_delta_still_changes_no
     assert view.values.tobytes() == held.tobytes() and view.version == 4
     view.apply_delta(7, 5, d, checksum(5 * d))
     assert view.values.tolist() == (5 * d).tolist()
-    assert View(layout).delta_buffer() is None  # a worker's view: fresh arrays, safe to keep
+    # the chunks of a delta that covers part of the key (the rest is + 0.0: -0.0 turns +0.0)
+    view.load_snapshot(epoch=7, version=5, values=np.array([1, -0.0, -0.0, 2], np.float32),
+                       crc=checksum(np.array([1, -0.0, -0.0, 2], np.float32)))
+    half = Assembler(layout, "delta", check_finite=False, lazy=True)
+    half.add(Chunk("w", (4,), "float32", 0, 2, "fp32", np.array([3, 4], np.float32).tobytes()))
+    want = np.array([1, -0.0, -0.0, 2], np.float32) + np.array([3, 4, 0, 0], np.float32)
+    view.apply_delta(7, 6, half.finish_pieces(), checksum(want))
+    assert view.values.tobytes() == want.tobytes() and view.values[2].tobytes() == np.float32(0).tobytes()
+    fresh = View(layout)  # a worker's view: a fresh array each version, safe to keep
+    fresh.load_snapshot(epoch=7, version=0, values=zero, crc=checksum(zero))
+    kept = fresh.values
+    fresh.apply_delta(7, 1, d, checksum(d))
+    assert fresh.values is not kept and kept.tolist() == [0, 0, 0, 0]
 
 
 def test_split_without_copy_gives_fp32_views_of_the_vector_and_copies_otherwise():
