@@ -83,7 +83,6 @@ class TokenStore(Protocol):
     def replace(self, hashes: dict[str, bytes]) -> None: ...
 
 
-
 def _averaged(grad: Gradient, contributors: int) -> np.ndarray:
     """A closed batch's sum over its ``contributors``, in the batch's own memory (a fresh 400
     MB array per round measured 9% of a large model's push at the root); one push still in
@@ -93,6 +92,7 @@ def _averaged(grad: Gradient, contributors: int) -> np.ndarray:
     if contributors == 1:
         return grad
     return np.divide(grad, np.float32(contributors), out=grad)
+
 
 class Root(Tier):
     role = "global"
