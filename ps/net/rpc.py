@@ -95,6 +95,9 @@ def trailers(exc: HpsError) -> tuple[tuple[str, str], ...]:
             *((f"hps-{k}", v) for k, v in exc.extra().items()))
 
 
+_BROKEN_WRITE = "Internal error from Core"  # grpc.aio's own status for a failed send (cygrpc.InternalError)
+
+
 def error_from(err: grpc.RpcError) -> HpsError:
     """The hps error a failed call carried (or the closest one for gRPC's own statuses)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
@@ -104,7 +107,17 @@ def error_from(err: grpc.RpcError) -> HpsError:
         meta = {k: v for k, v in (err.trailing_metadata() or ())}
     except Exception:  # a call that never reached a server has none
         pass
-    cls = ERRORS.get(meta.get("hps-error", "")) or _BY_CODE.get(code.name, HpsError)
+    named = ERRORS.get(meta.get("hps-error", ""))
+    if named is None and code == grpc.StatusCode.INTERNAL and details.startswith(_BROKEN_WRITE):
+        # Not an hps peer's answer (which names its error in a trailer), nor a server's: grpc's
+        # asyncio client says this of a message it could not write to a connection that broke.
+        # The call broke in transit and its outcome is unknown, as with UNAVAILABLE: retried,
+        # never passed down as final. Seen in CI when a root was killed while a regional
+        # master's push to it was being written: the round was refused to the workers instead
+        # of going to the standby.
+        return Unavailable(f"{details} (gRPC, not the peer: the connection broke while the call was "
+                           "sent; its outcome is unknown)")
+    cls = named or _BY_CODE.get(code.name, HpsError)
     if cls is Stale:
         wait, epoch = meta.get("hps-wait-version"), meta.get("hps-epoch")
         return Stale(details, int(wait) if wait and str(wait).isdigit() else None,
