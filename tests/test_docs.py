@@ -24,6 +24,7 @@ DOCTESTED = (
     "ps.core.codecs.base",
     "ps.core.codecs.feedback",
     "ps.core.codecs.half",
+    "ps.core.codecs.int4",
     "ps.core.codecs.int8",
     "ps.core.codecs.lossless",
     "ps.core.codecs.powersgd",

@@ -32,7 +32,7 @@ __all__ = ["OptimizerConfig", "ParamGroup", "OuterConfig", "ShardingConfig", "Jo
 MODES = ("bsp", "ssp", "async", "outer")
 # The codecs a job may name (ps.core.codecs implements each and asserts so at import; this
 # module names them without importing torch, so a configuration loads in milliseconds).
-CODEC_NAMES = ("fp32", "fp32+zstd", "fp16", "bf16", "int8", "topk", "sign", "rows", "powersgd")
+CODEC_NAMES = ("fp32", "fp32+zstd", "fp16", "bf16", "int8", "int4", "topk", "sign", "rows", "powersgd")
 # The largest rank the powersgd codec takes or decodes: a decode costs rank passes over its chunk.
 POWERSGD_MAX_RANK = 64
 ROLES = ("global", "regional", "zone")

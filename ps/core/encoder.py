@@ -88,7 +88,7 @@ class Encoder:
         self.name, self.topk, self.warmup_steps = codec, topk, warmup_steps
         options: dict[str, float] = ({"k": topk, "seed": seed} if codec == "topk" else
                                      {"rank": rank, "seed": seed} if codec == "powersgd" else
-                                     {"seed": seed} if codec == "int8" else {})
+                                     {"seed": seed} if codec in ("int8", "int4") else {})
         self.codec = get_codec(codec, **options)
         self.ef = ErrorFeedback()
         if momentum and codec != "topk":

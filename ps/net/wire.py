@@ -77,7 +77,7 @@ __all__ = [
 _MODE = {"bsp": pb.MODE_BSP, "ssp": pb.MODE_SSP, "async": pb.MODE_ASYNC, "outer": pb.MODE_OUTER}
 _CODEC = {"fp32": pb.CODEC_FP32, "fp32+zstd": pb.CODEC_FP32_ZSTD, "fp16": pb.CODEC_FP16,
           "bf16": pb.CODEC_BF16, "int8": pb.CODEC_INT8, "topk": pb.CODEC_TOPK, "sign": pb.CODEC_SIGN,
-          "rows": pb.CODEC_ROWS, "powersgd": pb.CODEC_POWERSGD}
+          "rows": pb.CODEC_ROWS, "powersgd": pb.CODEC_POWERSGD, "int4": pb.CODEC_INT4}
 _OPT = {"sgd": pb.OPTIMIZER_SGD, "adam": pb.OPTIMIZER_ADAM}
 _DTYPE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
           "float64": pb.DTYPE_FLOAT64}

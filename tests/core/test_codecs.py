@@ -20,7 +20,7 @@ from ps.core.errors import BadInput
 from ps.core.tensors import assemble
 from ps.core.view import KeySpec, Layout
 
-LOSSY = ["fp16", "bf16", "int8", "topk", "sign"]
+LOSSY = ["fp16", "bf16", "int8", "int4", "topk", "sign"]
 # derandomize: the same examples on every run, so CI is repeatable (a new seed explores anew).
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -72,6 +72,40 @@ def test_int8_rounding_is_unbiased():
     codec = get_codec("int8", seed=3)
     mean = np.mean([codec.decode(codec.encode(x), x.size)[1:].mean() for _ in range(50)])
     assert abs(mean - 0.3) < 0.3 * 0.002  # floor would give 38/127 = 0.2992 (0.26% low)
+
+
+@SETTINGS
+@given(finite, st.integers(1, 600))
+def test_int4_error_is_below_one_step_of_its_chunk_at_half_a_byte_each(x, chunk):
+    y, payload = _rt("int4", x, chunk=chunk)
+    for i in range(0, x.size, chunk):
+        xs, ys = x[i:i + chunk], y[i:i + chunk]
+        step = np.float32(np.abs(xs).max()) / np.float32(7)
+        assert np.all(np.abs(ys - xs) <= step * (1 + 1e-5) + 1e-30)
+        # every value is one of the chunk's 15 levels
+        levels = ys / step if step else ys
+        assert np.allclose(levels, np.round(levels), atol=1e-4) and np.abs(levels).max() <= 7 + 1e-4
+    assert len(payload) == 16 + 4 * -(-x.size // chunk) + (x.size + 1) // 2
+
+
+def test_int4_rounding_is_unbiased():
+    x = np.full(1024, 0.3, np.float32)
+    x[0] = 1.0  # scale 1/7: 0.3 * 7 = 2.1 rounds to 2 or 3
+    codec = get_codec("int4", seed=3)
+    mean = np.mean([codec.decode(codec.encode(x), x.size)[1:].mean() for _ in range(200)])
+    assert abs(mean - 0.3) < 0.3 * 0.005  # floor would give 2/7 = 0.2857 (4.8% low)
+
+
+def test_int4_nibbles_go_low_first_and_any_nibble_decodes_finite():
+    codec = get_codec("int4", chunk=4)
+    x = np.array([7, -7, 0, 7, -7], np.float32)  # exact levels: no rounding, scale 1
+    payload = codec.encode(x)
+    assert payload[16 + 8:] == bytes([(1 << 4) | 15, (15 << 4) | 8, 1 | (8 << 4)])
+    assert codec.decode(payload, x.size).tolist() == x.tolist()
+    # a nibble of 0 (level -8) is never written; a decoder reads it as -8 times the scale
+    hostile = bytearray(payload)
+    hostile[16 + 8] = 0
+    assert codec.decode(bytes(hostile), x.size).tolist()[:2] == [-8.0, -8.0]
 
 
 @SETTINGS

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ps.net.wire
-from ps.core.codecs import CODEC_NAMES, get_codec, half, int8, powersgd, rows, sign, topk
+from ps.core.codecs import CODEC_NAMES, get_codec, half, int4, int8, powersgd, rows, sign, topk
 from ps.core.config import JobConfig
 from ps.core.errors import BadInput
 from ps.core.exactly_once import AppliedBook, decode_keys, encode_keys
@@ -330,6 +330,8 @@ def _crafted(name: str, rng, numel: int) -> bytes:
         return half._HEADBF.pack(1, numel) + body
     if name == "int8":
         return int8._HEAD.pack(1, hostile_int(rng, 0, (1 << 32) - 1), numel) + body
+    if name == "int4":
+        return int4._HEAD.pack(1, hostile_int(rng, 0, (1 << 32) - 1), numel) + body
     if name == "sign":
         return sign._HEAD.pack(1, rng.choice((1.0, -1.0, float("nan"), float("inf"))), numel) + body
     if name == "topk":

@@ -96,7 +96,7 @@ def test_the_relay_codec_and_a_tiers_up_codec_choose_the_upward_encoding(tree):
         c.close()
 
 
-@pytest.mark.parametrize("codec", ["topk", "int8", "sign", "fp16", "powersgd"])
+@pytest.mark.parametrize("codec", ["topk", "int8", "int4", "sign", "fp16", "powersgd"])
 def test_lossy_pushes_keep_every_replica_exact(tree, codec):
     """Lossy upward edges never break invariant 1: replicas hold the root's view bit for bit."""
     tree.add("root", "global")

@@ -309,14 +309,15 @@ def test_dynamic_steps_need_asynchronous_outer_steps():
         OuterConfig(inner_steps=4, dynamic_steps=True)
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_fragments_sync_in_turn_and_replicas_agree(tree, fragments):
+@pytest.mark.parametrize("fragments, codec", [(1, "int8"), (2, "int8"), (1, "int4")])
+def test_fragments_sync_in_turn_and_replicas_agree(tree, fragments, codec):
     """H = 4: each fragment is synced exactly once per H inner steps; the zone holds its
     region's inner view bit for bit; both regions hold the same outer version. Two zones per
-    region: their first registrations arrive together and make one inner job."""
+    region: their first registrations arrive together and make one inner job. int4: both ways
+    (pseudo-gradients up, outer versions down)."""
     zones = _two_regions(tree, zones_each=2)
-    outer = OuterConfig(inner_steps=4, fragments=fragments, codec="int8")
-    job = JobConfig(name=f"fr{fragments}", mode="outer", optimizer=OptimizerConfig(kind="adamw", lr=0.01),
+    outer = OuterConfig(inner_steps=4, fragments=fragments, codec=codec, delta_codec=codec)
+    job = JobConfig(name=f"fr{fragments}{codec}", mode="outer", optimizer=OptimizerConfig(kind="adamw", lr=0.01),
                     outer=outer, min_workers=WORKERS)
     _train(zones, job, steps=8)
     syncs = 8 // (4 // fragments)

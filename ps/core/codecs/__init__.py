@@ -13,7 +13,7 @@ True
 >>> int(np.count_nonzero(topk.decode(payload, x.size)))   # 1% sent, the rest kept for later
 10
 
-A codec is a pure object. Lossy codecs (fp16, bf16, int8, topk, sign, powersgd; rows is lossless) keep no
+A codec is a pure object. Lossy codecs (fp16, bf16, int8, int4, topk, sign, powersgd; rows is lossless) keep no
 residual themselves: the sender's ``ErrorFeedback`` state does (design invariant 6), and powersgd's
 warm start (each matrix's last Q) is the sender's too (``ps.core.encoder.Encoder``). Their payloads
 describe themselves (sizes, scales, k), so ``get_codec(name)`` decodes any of them whatever
@@ -29,6 +29,7 @@ from typing import Any
 from ps.core.codecs.base import Codec, LossyCodec
 from ps.core.codecs.feedback import ErrorFeedback, dgc_density
 from ps.core.codecs.half import Bf16, Fp16
+from ps.core.codecs.int4 import Int4
 from ps.core.codecs.int8 import Int8
 from ps.core.codecs.lossless import Fp32, Fp32Zstd
 from ps.core.codecs.powersgd import PowerSGD
@@ -40,8 +41,8 @@ from ps.core.errors import BadInput
 
 __all__ = ["Codec", "LossyCodec", "get_codec", "CODEC_NAMES", "ErrorFeedback", "dgc_density"]
 
-_CLASSES: dict[str, type[Codec]] = {c.name: c for c in (Fp32, Fp32Zstd, Fp16, Bf16, Int8, TopK, Sign, Rows,
-                                                           PowerSGD)}
+_CLASSES: dict[str, type[Codec]] = {c.name: c for c in (Fp32, Fp32Zstd, Fp16, Bf16, Int8, Int4, TopK, Sign,
+                                                           Rows, PowerSGD)}
 _REGISTRY: dict[str, Codec] = {name: cls() for name, cls in _CLASSES.items()}
 assert set(_REGISTRY) == set(CODEC_NAMES), "every codec name the configuration allows needs a codec"
 
@@ -50,7 +51,7 @@ def get_codec(name: str, **options: Any) -> Codec:
     """The codec registered under ``name``, or a fresh one built with ``options``.
 
         get_codec("int8")                # the shared default instance
-        get_codec("topk", k=0.001)       # options: topk (k, seed), int8 (chunk, seed), fp32+zstd (level),
+        get_codec("topk", k=0.001)       # options: topk (k, seed), int8 and int4 (chunk, seed), fp32+zstd (level),
                                          # rows (width), powersgd (rank, width, seed)
     """
     cls = _CLASSES.get(name)

@@ -25,7 +25,7 @@ from ps.core.codecs._common import FORMAT, Generators, as_tensor, check_size, ho
 from ps.core.codecs.base import Array, Device, Payload, TensorCodec
 from ps.core.errors import BadInput
 
-__all__ = ["Int8"]
+__all__ = ["Int8", "quantize", "dequantize_"]
 
 _HEAD = struct.Struct("<B3xIQ")  # format, chunk, numel (16 bytes); then float32 scales, int8s
 MAX_CHUNK = 1 << 20              # bounds what a hostile header can make a decoder compute over
@@ -36,6 +36,33 @@ def _parts(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     full = x.numel() // chunk * chunk
     parts = [x[:full].view(-1, chunk)] if full else []
     return parts + ([x[full:].view(1, -1)] if full < x.numel() else [])
+
+
+def quantize(x: torch.Tensor, chunk: int, levels: int,
+             gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-chunk scales (absmax / ``levels``) and the chunks' values in [-levels, levels],
+    rounded stochastically (float32, integral), on ``x``'s device."""
+    scales, qs = [], []
+    for part in _parts(x, chunk):
+        lo, hi = torch.aminmax(part, dim=1)
+        scale = torch.maximum(hi, -lo) / levels
+        # An all-zero chunk has scale 0: multiply by 0 rather than divide by it.
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        v = part * inv[:, None]
+        # floor(v + u), u ~ U[0, 1): rounds up with probability frac(v), so E[q] = v.
+        v.add_(torch.rand(v.shape, generator=gen, device=v.device)).floor_()
+        # v + u can round up to exactly levels + 1 in float32 when v is levels - tiny.
+        qs.append(v.clamp_(-levels, levels))
+        scales.append(scale)
+    return scales, qs
+
+
+def dequantize_(out: torch.Tensor, scale: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``out`` (the decoded levels, float32) times its chunks' scales, in place."""
+    parts = _parts(out, chunk)
+    for part, s in zip(parts, scale.split([p.shape[0] for p in parts])):
+        part.mul_(s[:, None])  # in place through the view: one float32 product per element
+    return out
 
 
 class Int8(TensorCodec):
@@ -56,21 +83,9 @@ class Int8(TensorCodec):
 
     def encode(self, x: Array) -> bytes:
         x = as_tensor(x)
-        gen = self._rng.get(x.device)
-        scales, qs = [], []
-        for part in _parts(x, self.chunk):
-            lo, hi = torch.aminmax(part, dim=1)
-            scale = torch.maximum(hi, -lo) / 127
-            # An all-zero chunk has scale 0: multiply by 0 rather than divide by it.
-            inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-            v = part * inv[:, None]
-            # floor(v + u), u ~ U[0, 1): rounds up with probability frac(v), so E[q] = v.
-            v.add_(torch.rand(v.shape, generator=gen, device=v.device)).floor_()
-            # v + u can round up to exactly 128.0 in float32 when v is 127 - tiny.
-            qs.append(v.clamp_(-127, 127).to(torch.int8).reshape(-1))
-            scales.append(scale)
+        scales, qs = quantize(x, self.chunk, 127, self._rng.get(x.device))
         head = _HEAD.pack(FORMAT, self.chunk, x.numel())
-        return pack(head, *scales, *qs)
+        return pack(head, *scales, *(q.to(torch.int8).reshape(-1) for q in qs))
 
     def decode_tensor(self, payload: Payload, numel: int, device: Device = "cpu") -> torch.Tensor:
         chunk, _ = read_header(payload, _HEAD, self.name, numel)
@@ -80,7 +95,4 @@ class Int8(TensorCodec):
         check_size(payload, _HEAD.size + 4 * nchunks + numel, self.name, numel)
         scale = host_tensor(payload, "<f4", _HEAD.size, nchunks).to(device)
         out = host_tensor(payload, "i1", _HEAD.size + 4 * nchunks, numel).to(device).float()
-        parts = _parts(out, chunk)
-        for part, s in zip(parts, scale.split([p.shape[0] for p in parts])):
-            part.mul_(s[:, None])  # in place through the view: one float32 product per element
-        return out
+        return dequantize_(out, scale, chunk)
