@@ -122,8 +122,9 @@ def test_a_retry_after_a_relay_restart_is_resolved_as_applied_not_stale(tree):
 def _topology() -> dict:
     # A member timeout longer than a restart: the new eu replaces the old one while the root's
     # round still waits for it (with a shorter one the root drops eu and moves on without its
-    # push, which is then honestly "not applied").
-    slow = {"heartbeat_s": 0.2, "member_timeout_s": 8.0}
+    # push, which is then honestly "not applied"). 30 s: under load a restarted tier has taken
+    # 9 s to register again (two suites at once), past the 8 s this used.
+    slow = {"heartbeat_s": 0.2, "member_timeout_s": 30.0}
     return {"host": "127.0.0.1", "settings": slow, "root": {"name": "root", "port": 0},
             "regions": [{"name": "eu", "zones": [{"name": "eu-a"}]},
                         {"name": "us", "zones": [{"name": "us-a"}]}]}
@@ -143,7 +144,7 @@ def test_kill_9_of_a_regional_master_with_a_push_in_the_roots_open_round_applies
         # aggregate leaves the root's open round; only then does us push.
         log = tmp_path / "logs" / "root.log"
         _until(lambda: "restarted without 'eu' (was replaced by a new incarnation" in log.read_text(),
-               "the root to take the dead eu's aggregate out of its open round")
+               "the root to take the dead eu's aggregate out of its open round", timeout=60.0)
         tu, ou = _in_thread(cu.push, np.full(LAYOUT.numel, 10.0, np.float32))
         te.join(60)
         tu.join(60)
