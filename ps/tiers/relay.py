@@ -90,17 +90,20 @@ _PASS_ON = frozenset({"fp32", "rows"})
 
 def _verbatim(enc: Encoder, grad: Gradient, absent: frozenset[int], layout: Layout) -> list[Chunk] | None:
     """The chunks of a batch of one push, to forward as they came (their frames uncopied), when
-    that is exactly what re-encoding it would send: this edge lossless, every chunk fp32 or
-    rows, and none of a key the push declared absent. Else None (decode, sum, re-encode).
+    that is exactly what re-encoding it would send: this edge lossless and every chunk fp32 or
+    rows. Chunks of a key the push declared absent are left out, as re-encoding leaves that key
+    out (a worker sends zeros for its frozen parameters and unsynced buffers); a frame that
+    carried some of them is framed again, the others go as they came. Else None (decode, sum,
+    re-encode).
 
     A zone with one worker (the demo's, every zone of dataplane.py's row) forwarded each push by
     laying it out as a vector and framing that again: two full copies per hop, now none."""
     if not isinstance(grad, Pieces) or not enc.lossless or enc.name not in _PASS_ON:
         return None
-    skip = {layout.specs[i].key for i in absent}
-    if any(c.codec not in _PASS_ON or c.key in skip for c in grad.chunks):
+    if any(c.codec not in _PASS_ON for c in grad.chunks):
         return None
-    return list(grad.chunks)
+    skip = {layout.specs[i].key for i in absent}
+    return [c for c in grad.chunks if c.key not in skip]
 
 
 class Relay(Tier):

@@ -114,6 +114,29 @@ def test_a_relay_re_encodes_what_it_cannot_pass_on_unchanged():
     pieces, vector, _ = _received(fp32.split(LAYOUT, g, 0))
     assert _verbatim(Encoder("int8", seed="zone"), pieces, frozenset(), LAYOUT) is None  # lossy edge
     assert _verbatim(fp32, vector, frozenset(), LAYOUT) is None  # a sum of several pushes
-    assert _verbatim(fp32, pieces, frozenset({2}), LAYOUT) is None  # chunks of a key it calls absent
     int8, _, _ = _received(split(LAYOUT, g, get_codec("int8")))
     assert _verbatim(fp32, int8, frozenset(), LAYOUT) is None  # lossy chunks
+
+
+def test_a_relay_leaves_out_the_keys_a_push_calls_absent_as_re_encoding_does():
+    """A worker sends zeros for the keys it declares absent (frozen, unsynced buffers); the
+    relay passes the rest on as they came (the received chunks themselves) and leaves those
+    out, which is what re-encoding the push with ``only`` the present keys sends, bit for bit.
+    (A frame that carried some of those keys is framed again: here the one frame.)"""
+    g = _grad(9)
+    g[LAYOUT.offset("w"):LAYOUT.offset("w") + 30] = 0.0  # "w" absent: the worker's zeros
+    fp32 = Encoder("fp32", seed="zone")
+    pieces, vector, _ = _received(fp32.split(LAYOUT, g, 0))
+    absent = frozenset({1})
+    chunks = _verbatim(fp32, pieces, absent, LAYOUT)
+    assert chunks is not None and chunks and all(c.key != "w" for c in chunks)
+    kept = [c for c in pieces.chunks if c.key != "w"]
+    assert len(chunks) == len(kept) and all(a is b for a, b in zip(chunks, kept, strict=True))
+    only = frozenset({"emb", "b"})
+    fallback = fp32.split(LAYOUT, vector, 0, only, copy=False)
+    sent, again = Assembler(LAYOUT, "push"), Assembler(LAYOUT, "push")
+    for c in chunks:
+        sent.add(c)
+    for c in fallback:
+        again.add(c)
+    assert sent.finish().tobytes() == again.finish().tobytes()
