@@ -28,9 +28,9 @@ import struct
 
 import torch
 
-from ps.core.codecs._common import FORMAT, Generators, as_tensor, check_size, host_tensor, pack, read_header
-from ps.core.codecs.base import Array, Device, Payload, TensorCodec
-from ps.core.codecs.int8 import MAX_CHUNK, dequantize_, quantize
+from ps.core.codecs._common import FORMAT, as_tensor, check_size, host_tensor, pack, read_header
+from ps.core.codecs.base import Array, Device, Payload
+from ps.core.codecs.int8 import MAX_CHUNK, Int8, dequantize_, quantize
 from ps.core.errors import BadInput
 
 __all__ = ["Int4"]
@@ -39,21 +39,17 @@ _HEAD = struct.Struct("<B3xIQ")  # format, chunk, numel (16 bytes); then float32
 LEVELS = 7
 
 
-class Int4(TensorCodec):
+class Int4(Int8):
     """Per-chunk absmax 4-bit levels with stochastic rounding; run it under error feedback.
+    Int8's options and checks; its own levels, packing and default chunk.
 
         payload = Int4(seed=1).encode(pseudo_grad.cuda())   # rounding and packing on the GPU
     """
 
     name = "int4"
-    options = ("chunk", "seed")
 
     def __init__(self, chunk: int = 1024, seed: int = 0) -> None:
-        if not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
-            raise BadInput(f"int4 chunk={chunk!r} must be an integer in [1, {MAX_CHUNK}]")
-        self.chunk = chunk
-        self.seed = seed
-        self._rng = Generators(seed)
+        super().__init__(chunk, seed)
 
     def encode(self, x: Array) -> bytes:
         x = as_tensor(x)

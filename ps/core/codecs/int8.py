@@ -76,7 +76,7 @@ class Int8(TensorCodec):
 
     def __init__(self, chunk: int = 4096, seed: int = 0) -> None:
         if not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
-            raise BadInput(f"int8 chunk={chunk!r} must be an integer in [1, {MAX_CHUNK}]")
+            raise BadInput(f"{self.name} chunk={chunk!r} must be an integer in [1, {MAX_CHUNK}]")
         self.chunk = chunk
         self.seed = seed
         self._rng = Generators(seed)
