@@ -147,7 +147,9 @@ class Encoder:
             # tracks the gradient's slowly changing top subspace (Vogels et al. 2019, sec. 3).
             payload = self.ef.encode(name, codec.warm(self.warm.pop(name, None)), part)
             t = part if isinstance(part, torch.Tensor) else torch.from_numpy(np.asarray(part))
-            self.warm[name] = codec.factors(payload, t.numel(), t.device)[1]
+            # Contiguous, as a Q loaded from a checkpoint is: matmul takes another path for a
+            # transposed view and rounds differently, so a resumed encoder drifted in the last bit.
+            self.warm[name] = codec.factors(payload, t.numel(), t.device)[1].contiguous()
             return payload
         if not self.momentum:
             return self.ef.encode(name, codec, part)

@@ -109,20 +109,12 @@ def test_the_warm_start_and_residual_survive_a_checkpoint():
     assert state["powersgd_q:w@0"].shape == (48, 3) and state["powersgd_q:conv@0"].shape == (36, 3)
     b = Encoder("powersgd", seed="other", rank=3)  # another seed: only the checkpoint can agree
     b.load_state_dict({k: v.copy() for k, v in state.items()})
-    # The same factors to float32 rounding: torch's matmul and QR may take another vectorised
-    # path for arrays at another alignment (the loaded copies), which moves the last bit (a
-    # suite run saw one byte of one factor differ). Not bit for bit: what counts is that the
-    # encoder resumes from the checkpoint's Q and residual, which a cold start does not.
     for step in (3, 4):
         pa, pb = a.split(layout, grads[step], step), b.split(layout, grads[step], step)
-        assert [(c.key, c.offset, bytes(c.payload[:32])) for c in pa] == \
-            [(c.key, c.offset, bytes(c.payload[:32])) for c in pb]  # headers: rank, shape
-        ya, yb = assemble(layout, pa, what="push"), assemble(layout, pb, what="push")
-        assert np.linalg.norm(ya - yb) <= 1e-5 * np.linalg.norm(ya)
-    cold = [assemble(layout, Encoder("powersgd", seed=s, rank=3).split(layout, grads[3]), what="push")
+        assert [bytes(c.payload) for c in pa] == [bytes(c.payload) for c in pb]
+    cold = [[bytes(c.payload) for c in Encoder("powersgd", seed=s, rank=3).split(layout, grads[3])]
             for s in ("other", "w0")]
-    # without the checkpoint the seeds' random starts differ, far past that rounding
-    assert np.linalg.norm(cold[0] - cold[1]) > 1e-2 * np.linalg.norm(cold[0])
+    assert cold[0] != cold[1]  # without the checkpoint the seeds' random starts differ
     a.reset()
     assert a.state_dict() == {}
 
