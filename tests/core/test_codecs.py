@@ -56,44 +56,33 @@ def test_bf16_error_is_within_half_an_ulp_of_bfloat16(x):
     assert np.all(np.abs(y - x) <= 2.0 ** -8 * np.abs(x) + 2.0 ** -133)
 
 
+# (codec, largest level, payload bytes of n elements after the header and the scales)
+QUANTIZED = [("int8", 127, lambda n: n), ("int4", 7, lambda n: (n + 1) // 2)]
+
+
+@pytest.mark.parametrize("name, top, body", QUANTIZED, ids=[q[0] for q in QUANTIZED])
 @SETTINGS
-@given(finite, st.integers(1, 600))
-def test_int8_error_is_below_one_step_of_its_chunk(x, chunk):
-    y, _ = _rt("int8", x, chunk=chunk)
+@given(x=finite, chunk=st.integers(1, 600))
+def test_quantized_error_is_below_one_level_of_its_chunk(name, top, body, x, chunk):
+    y, payload = _rt(name, x, chunk=chunk)
     for i in range(0, x.size, chunk):
         xs, ys = x[i:i + chunk], y[i:i + chunk]
-        step = np.float32(np.abs(xs).max()) / np.float32(127)
+        step = np.float32(np.abs(xs).max()) / np.float32(top)
         assert np.all(np.abs(ys - xs) <= step * (1 + 1e-5) + 1e-30)
-
-
-def test_int8_rounding_is_unbiased():
-    x = np.full(4096, 0.3, np.float32)
-    x[0] = 1.0  # scale 1/127: 0.3 * 127 = 38.1 rounds to 38 or 39
-    codec = get_codec("int8", seed=3)
-    mean = np.mean([codec.decode(codec.encode(x), x.size)[1:].mean() for _ in range(50)])
-    assert abs(mean - 0.3) < 0.3 * 0.002  # floor would give 38/127 = 0.2992 (0.26% low)
-
-
-@SETTINGS
-@given(finite, st.integers(1, 600))
-def test_int4_error_is_below_one_step_of_its_chunk_at_half_a_byte_each(x, chunk):
-    y, payload = _rt("int4", x, chunk=chunk)
-    for i in range(0, x.size, chunk):
-        xs, ys = x[i:i + chunk], y[i:i + chunk]
-        step = np.float32(np.abs(xs).max()) / np.float32(7)
-        assert np.all(np.abs(ys - xs) <= step * (1 + 1e-5) + 1e-30)
-        # every value is one of the chunk's 15 levels
+        # every value is one of the chunk's 2 * top + 1 levels
         levels = ys / step if step else ys
-        assert np.allclose(levels, np.round(levels), atol=1e-4) and np.abs(levels).max() <= 7 + 1e-4
-    assert len(payload) == 16 + 4 * -(-x.size // chunk) + (x.size + 1) // 2
+        assert np.allclose(levels, np.round(levels), atol=1e-4) and np.abs(levels).max() <= top + 1e-4
+    assert len(payload) == 16 + 4 * -(-x.size // chunk) + body(x.size)
 
 
-def test_int4_rounding_is_unbiased():
-    x = np.full(1024, 0.3, np.float32)
-    x[0] = 1.0  # scale 1/7: 0.3 * 7 = 2.1 rounds to 2 or 3
-    codec = get_codec("int4", seed=3)
-    mean = np.mean([codec.decode(codec.encode(x), x.size)[1:].mean() for _ in range(200)])
-    assert abs(mean - 0.3) < 0.3 * 0.005  # floor would give 2/7 = 0.2857 (4.8% low)
+@pytest.mark.parametrize("name, chunk, reps, within", [("int8", 4096, 50, 0.002), ("int4", 1024, 200, 0.005)])
+def test_quantized_rounding_is_unbiased(name, chunk, reps, within):
+    x = np.full(chunk, 0.3, np.float32)
+    x[0] = 1.0  # int8: 0.3 * 127 = 38.1 rounds to 38 or 39; int4: 0.3 * 7 = 2.1 to 2 or 3
+    codec = get_codec(name, seed=3)
+    mean = np.mean([codec.decode(codec.encode(x), x.size)[1:].mean() for _ in range(reps)])
+    # floor would be 0.26% low (38/127) for int8, 4.8% (2/7) for int4
+    assert abs(mean - 0.3) < 0.3 * within
 
 
 def test_int4_nibbles_go_low_first_and_any_nibble_decodes_finite():

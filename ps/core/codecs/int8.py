@@ -46,9 +46,10 @@ def quantize(x: torch.Tensor, chunk: int, levels: int,
     for part in _parts(x, chunk):
         lo, hi = torch.aminmax(part, dim=1)
         scale = torch.maximum(hi, -lo) / levels
-        # An all-zero chunk has scale 0: multiply by 0 rather than divide by it.
-        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-        v = part * inv[:, None]
+        # Divided, not multiplied by 1 / scale: a chunk of subnormal values has a scale whose
+        # reciprocal overflows to inf, which made 0 * inf = NaN (int8 sent the chunk as zeros,
+        # int4 its zeros as level -8). An all-zero chunk (scale 0) is divided by 1.
+        v = part / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
         # floor(v + u), u ~ U[0, 1): rounds up with probability frac(v), so E[q] = v.
         v.add_(torch.rand(v.shape, generator=gen, device=v.device)).floor_()
         # v + u can round up to exactly levels + 1 in float32 when v is levels - tiny.
