@@ -38,7 +38,9 @@ Readiness goes once the relay has been cut off from every parent longer than the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -106,6 +108,34 @@ def _verbatim(enc: Encoder, grad: Gradient, absent: frozenset[int], layout: Layo
     return [c for c in grad.chunks if c.key not in skip]
 
 
+class _JobLocks:
+    """One lock per job name, held while a caller attaches the job. A lock lives while anyone
+    holds or waits for it, so a caller naming random jobs does not grow this, and two callers
+    of one job never hold two different locks (the waiter woken by a release has not taken the
+    lock yet: ``locked()`` is False then, and it must not be dropped)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, job: str) -> AsyncIterator[None]:
+        lock, users = self._held.get(job, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._held[job] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            users = self._held[job][1] - 1
+            if users:
+                self._held[job] = (lock, users)
+            else:
+                del self._held[job]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 class Relay(Tier):
     def __init__(self, config: ServerConfig, **kw) -> None:
         super().__init__(config, **kw)
@@ -115,7 +145,7 @@ class Relay(Tier):
                            timeout_s=config.upstream_timeout_s,
                            tls=TlsFiles.of(config.tls_cert, config.tls_key, config.tls_ca))
         self.attached: set[str] = set()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = _JobLocks()
         self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
         self._force_snapshot: set[str] = set()
         self._fwd_locks: dict[str, asyncio.Lock] = {}
@@ -154,14 +184,8 @@ class Relay(Tier):
         await self._job_for_register(job)
 
     async def _job_for_register(self, job: str) -> RelayJob:
-        lock = self._locks.setdefault(job, asyncio.Lock())
-        try:
-            async with lock:
-                return await self._attach(job)
-        finally:
-            # A lock per job name asked for: a caller naming random jobs must not grow this.
-            if job not in self.jobs and not lock.locked() and self._locks.get(job) is lock:
-                del self._locks[job]
+        async with self._locks.hold(job):
+            return await self._attach(job)
 
     async def _attach(self, job: str) -> RelayJob:
         if job in self.ended:
@@ -175,7 +199,7 @@ class Relay(Tier):
             js = RelayJob(reg.config, reg.layout, created_at=self.clock(),
                           above_inner=above_inner(reg.config, self.role))
             self.jobs[job] = js
-            self._tasks.append(asyncio.create_task(self._follow(job), name=f"follow-{job}"))
+            self._tasks.append(asyncio.create_task(self._follow(job, js), name=f"follow-{job}"))
         self.attached.add(job)
         if js.round.round != reg.start_version:
             js.reset_round(reg.start_version, "joined the parent's round")
@@ -500,17 +524,18 @@ class Relay(Tier):
         return js.encoder
 
     # -- downward --------------------------------------------------------------------------
-    async def _follow(self, job: str) -> None:
+    async def _follow(self, job: str, js: RelayJob) -> None:
+        """Keep ``js``'s view on the parent's, until the job is dropped or replaced (one loop
+        per job: two would each apply the same delta, the second to a view already past it)."""
         delay = _BACKOFF_S[0]
-        while True:
-            js = self.jobs.get(job)
-            if js is None:
-                return
+        while self.jobs.get(job) is js:
             epoch = 0 if job in self._force_snapshot else js.view.epoch
             # Without a view, take a snapshot of whatever the parent holds right away.
             want = js.view.version + 1 if epoch else 0
             try:
                 meta, versions = await self.up.pull(job, epoch, js.view.version, want, _PULL_WAIT_S)
+                if self.jobs.get(job) is not js:
+                    return  # dropped or replaced while the pull waited
                 self._force_snapshot.discard(job)
                 self.apply_pulled(js, meta, versions)
                 delay = _BACKOFF_S[0]
@@ -551,7 +576,7 @@ class Relay(Tier):
         log.warning("%s: dropping job %s: %s", self.role, job, why)
         self.ended[job] = js.view.version
         self.attached.discard(job)
-        for per_job in (self._up_acked, self._up_issued, self._fwd_locks, self._locks):
+        for per_job in (self._up_acked, self._up_issued, self._fwd_locks):
             per_job.pop(job, None)
         self._force_snapshot.discard(job)
         js.abort(why)

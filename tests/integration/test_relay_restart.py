@@ -3,12 +3,14 @@ treat that as "register again", not as "the job ended" (a regression found in re
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import numpy as np
 
 from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.errors import UnknownJob
 from ps.core.view import KeySpec, Layout
 from tests.helpers import same_bits
 from worker import ParameterClient
@@ -84,4 +86,54 @@ def test_a_bsp_push_on_the_held_version_moves_an_empty_round_left_behind(tree):
     assert version == 3
     w.pull(min_version=3)
     assert (w.view.version, w.view.checksum) == tree.view("root", "j")[1:3]
+    w.close()
+
+
+def test_children_registering_at_once_start_one_follow_loop(tree, caplog):
+    """Workers register together while the parent does not hold the job yet: the first
+    registration fails, the second was waiting behind it, a third comes while the second is
+    on the wire. The relay holds one view and follows it with one pull loop: two loops would
+    each apply every delta, the second to a view already past it, and resync from a snapshot
+    at every version (found in CI as a zone warning once per version)."""
+    root = tree.add("root", "global")
+    zone = tree.add("eu-a", "zone", parent="root")
+    relay = tree.tier("eu-a")
+    job = JobConfig(name="late", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    w = ParameterClient(root, "late", "w0", timeout_s=10)
+    w.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    real, calls = relay.up.register, []
+
+    async def register(name: str, **kw):
+        calls.append(name)
+        await asyncio.sleep(0.1)  # on the wire
+        if len(calls) == 1:
+            raise UnknownJob("job late is not known here")  # the parent learns of it later
+        return await real(name, **kw)
+
+    async def three_children() -> list:
+        relay.up.register = register
+        first, second = (asyncio.create_task(relay.attach("late")) for _ in range(2))
+        await asyncio.wait([first])  # the second one now takes the job's lock
+        await asyncio.sleep(0.05)  # ... and its registration is on the wire
+        third = asyncio.create_task(relay.attach("late"))
+        return await asyncio.gather(first, second, third, return_exceptions=True)
+
+    results = tree.lt.run(three_children())
+    assert isinstance(results[0], UnknownJob) and results[1:] == [None, None], results
+    assert len(calls) == 2  # the third found the job attached by the second
+
+    def loops():
+        return [t for t in relay._tasks if t.get_name() == "follow-late" and not t.done()]
+    assert len(tree.lt.call(loops)) == 1
+    relay.up.register = real
+    child = ParameterClient(zone, "late", "w1", timeout_s=10)
+    child.register()
+    child.pull(min_version=0)
+    caplog.clear()
+    for s in range(4):
+        v, _ = child.push(np.ones(LAYOUT.numel, np.float32), clock=s)
+        child.pull(min_version=v)
+    assert child.view.version == 4 and child.view.checksum == tree.view("root", "late")[2]
+    assert not [r for r in caplog.records if "does not apply" in r.getMessage()]
+    child.close()
     w.close()
