@@ -481,6 +481,13 @@ class ParameterClient:
         pipelined pushes the last sent (an overtaken one is then processed as it arrives)."""
         return max(self.acked_seq, self._issued)
 
+    def _carried(self, absent: tuple[int, ...]) -> frozenset[str] | None:
+        """The keys a push carries: all (None) but those it declares absent."""
+        if not absent:
+            return None
+        gone = set(absent)
+        return frozenset(s.key for i, s in enumerate(self.layout.specs) if i not in gone)
+
     def push(self, grad: np.ndarray | torch.Tensor, clock: int = 0, *, clock_max: int | None = None,
              base_version: int | None = None, view_epoch: int | None = None,
              contributors: int = 1, report: tuple[float, int, float] = (0.0, 0, 0.0),
@@ -516,7 +523,11 @@ class ParameterClient:
             # Encoded once: a retry resends these very bytes, so the residual is updated once.
             # An empty contribution (a worker with no data left this round) carries no body.
             # copy=False: fp32 chunks are views of grad, framed right here (one copy, not two).
-            chunks = self.encoder.split(self.layout, grad, step=clock_max, copy=False) if contributors else []
+            # Keys the step has no gradient for (step.absent: frozen, unused) are not sent at
+            # all, and their residuals wait for a step that has one: a tier takes a key no
+            # chunk covers as zeros, and the optimizer leaves an absent key alone.
+            chunks = self.encoder.split(self.layout, grad, step=clock_max, copy=False,
+                                        only=self._carried(step.absent)) if contributors else []
             frames = encode_push(PushMeta(
                 self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
                 self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,

@@ -245,3 +245,36 @@ def test_powersgd_with_error_feedback_trains_through_a_zone(tree):
     low_rank = _train(tree, zones, "powersgd", steps)
     print(f"held-out loss after {steps} steps: dense {dense:.4f}, powersgd rank 4 + EF {low_rank:.4f}")
     assert low_rank <= dense * 1.12, (dense, low_rank)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16"])
+def test_a_key_without_a_gradient_is_not_sent_and_keeps_its_residual(tree, codec):
+    """A frozen or unused layer has no gradient: its keys go up as no chunk at all (a lossy
+    codec would spend bytes on its zeros every step), the root leaves it alone, and whatever
+    error feedback holds for it waits for a step that has a gradient for it."""
+    tree.add("root", "global")
+    zone = tree.add("eu-a", "zone", parent="root")
+    torch.manual_seed(0)
+    m = torch.nn.ModuleDict({"a": torch.nn.Linear(64, 64), "b": torch.nn.Linear(512, 512)})
+    x, y = torch.randn(4, 64), torch.randn(4, 512)
+    job = JobConfig(name=f"absent-{codec}", push_codec=codec, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    with HpsOptimizer(m, zone, job, worker_id="w0") as opt:
+        b = m["b"].weight.detach().clone()
+        opt.zero_grad()
+        m["a"](x).sum().backward()
+        r = opt.step()
+        assert r.applied and r.bytes_up < m["b"].weight.numel(), r  # not even a byte per value of b
+        assert torch.equal(m["b"].weight, b)
+        opt.zero_grad()
+        (m["a"](x).sum() + m["b"](y).square().sum()).backward()
+        opt.step()
+
+        def residuals(prefix: str) -> dict[str, np.ndarray]:
+            return {k: v.copy() for k, v in opt.client.encoder.state_dict().items() if k.startswith(prefix)}
+        held = residuals("b.")
+        assert held and any(v.any() for v in held.values())  # b trained lossily: something left over
+        opt.zero_grad()
+        m["a"](x).sum().backward()
+        opt.step()
+        after = residuals("b.")
+        assert after.keys() == held.keys() and all(np.array_equal(after[k], v) for k, v in held.items())
