@@ -125,6 +125,7 @@ def test_children_registering_at_once_start_one_follow_loop(tree, caplog):
     def loops():
         return [t for t in relay._tasks if t.get_name() == "follow-late" and not t.done()]
     assert len(tree.lt.call(loops)) == 1
+    assert tree.lt.call(lambda: len(relay._locks)) == 0  # no lock outlives its callers
     relay.up.register = real
     child = ParameterClient(zone, "late", "w1", timeout_s=10)
     child.register()
