@@ -24,7 +24,7 @@ follower has been in sync, losing it may mean it is taking over, so the primary 
 rather than acknowledge alone (never two primaries accepting pushes).
 
 The Follow stream itself (frames, acks) is ``ps.server.service``'s; the bootstrap (what a new
-follower is sent first) is ``ps.tiers.root``'s. This module is the bookkeeping in between.
+follower is sent first) is ``ps.tiers.pairing``'s. This module is the bookkeeping in between.
 """
 
 from __future__ import annotations
