@@ -106,6 +106,7 @@ class Pending:
     steps: int                  # the inner steps it carries
     params: np.ndarray | None   # overlap: the parameters when it was sent (the region trains on)
     progress: int = 0           # the leased data it completes (PendingProgress.due's count)
+    rejoined: bool = False      # sent before every child left, still in flight when one came back
 
 
 @dataclass
@@ -295,8 +296,8 @@ class OuterRelay(Relay):
             if ijs is None or st.inflight is not sync:
                 break
             async with ijs.apply_lock:
-                if st.inflight is not sync:
-                    break
+                if st.inflight is not sync or not st.detached:
+                    break  # merged, or a child came back: its next inner version merges it
                 self._merge(ijs, st)
                 if not st.detached or not st.progress:
                     break
@@ -324,14 +325,21 @@ class OuterRelay(Relay):
         if st is None or ijs is None or not st.detached:
             return
         async with ijs.apply_lock:
-            if st.inflight is not None:  # sent before every child left: the whole outer view covers it
-                st.inflight.cancel()
-                st.inflight, st.pending = None, None
+            if st.inflight is not None and st.inflight.done():
+                self._merge(ijs, st)  # sent before every child left, and landed since
             lost = ijs.stats.inner_steps_since_sync
             st.progress.clear()  # the data of the dropped steps is not in the outer model
             st.idle_rounds, st.rate = 0, StepRate()  # the time away was not training
             for f in range(st.plan.fragments):
                 st.plan.rebase(ijs.params, st.base, ojs.view.values, f)
+            if st.pending is not None:
+                # Still in flight: a synchronous outer round holds it until every region has
+                # synced, and it lands in a later outer version. Dropping it would not take it
+                # back from the root, and the next sync would reuse its sequence number (refused
+                # as another body). It is merged when it lands as with overlap: its fragment
+                # takes that outer version, keeping what was trained here since now on top.
+                st.pending = dataclasses.replace(st.pending, params=ijs.params.copy(), progress=0,
+                                                 rejoined=True)
             inner._publish(ijs, ijs.view.clock_min, 0)
             ijs.reset_round(ijs.view.version, "the region joined the root's rounds again")
             ijs.stats.inner_steps_lost += lost
@@ -461,6 +469,12 @@ class OuterRelay(Relay):
         ojs = self.jobs.get(name)
         if exc is not None or not isinstance(ojs, RelayJob):
             ijs.stats.outer_sync_failures += 1
+            if p.rejoined:  # the region took the outer view since: these steps are in neither
+                ijs.stats.inner_steps_lost += p.steps
+                log.warning("%s: job %s: the sync sent before every member left failed: %s; its %d inner "
+                            "step(s) were lost", self.role, name, short(str(exc), 200), p.steps,
+                            extra=event("outer.steps_lost", job=name, steps=p.steps))
+                return
             ijs.stats.inner_steps_since_sync += p.steps
             log.warning("%s: job %s: the sync of fragment %d (outer version %d) failed: %s; training on, "
                         "its steps go with the next sync", self.role, name, p.fragment, p.outer_version,

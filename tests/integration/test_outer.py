@@ -20,7 +20,7 @@ from ps.core.errors import BadInput, HpsError
 from ps.core.outer import OuterPlan, StepRate
 from ps.core.view import KeySpec, Layout
 from ps.server import create_server
-from tests.helpers import FAST, ServeProcess, mlp_batches, mlp_loss, same_bits, small_mlp, train_mlp
+from tests.helpers import FAST, ServeProcess, mlp_batches, mlp_loss, same_bits, small_mlp, train_mlp, wait_for
 from worker import HpsOptimizer, ParameterClient
 
 STEPS, WORKERS, PER_WORKER = 12, 4, 8
@@ -549,3 +549,45 @@ def test_the_inner_loop_can_run_at_the_zones(tree):
         st = tree.lt.call(lambda z=zone: tree.tier(z).inner.jobs["zi"].stats)
         assert st.outer_syncs == 3 and (st.outer_version, st.outer_checksum) == (root[1], root[2])
     assert tree.lt.call(lambda: tree.tier("eu").inner) is None  # the regional master only relays
+
+
+def test_a_region_whose_last_worker_left_with_a_sync_in_flight_syncs_again_when_one_joins(tree):
+    """The last worker of region eu leaves mid-period: eu sends its steps since the last sync
+    (a synchronous outer round: it waits at the root for us). A new worker joins eu before us
+    syncs. That pseudo-gradient still lands with us's, and eu's next syncs go through: the
+    region does not drop it and send the next one under the same sequence number (which the
+    root refuses as another body for a push it holds), so neither region stops."""
+    zones = _two_regions(tree)
+    job = JobConfig(name="back", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
+                    outer=OuterConfig(inner_steps=4, codec="fp32", delta_codec="fp32"))
+    x, y = mlp_batches(8, PER_WORKER)
+    eu = tree.tier("eu")
+
+    def steps(opt, model, n: int) -> None:
+        for s in range(n):
+            opt.zero_grad()
+            _loss(model, x[s], y[s]).backward()
+            assert opt.step().applied
+
+    us_model, first, second = _model(), _model(), _model()
+    us = HpsOptimizer(us_model, zones[1], job, worker_id="back-us", timeout_s=20)
+    try:
+        with HpsOptimizer(first, zones[0], job, worker_id="back-eu0", timeout_s=20) as opt:
+            steps(opt, first, 2)
+        steps(us, us_model, 1)
+        # eu's two steps are on their way to the root, whose round waits for us
+        wait_for(lambda: tree.lt.call(lambda: eu.outer["back"].inflight is not None and eu.outer["back"].detached),
+                 "eu did not send its steps when its last worker left")
+        with HpsOptimizer(second, zones[0], job, worker_id="back-eu1", timeout_s=20, resume=True) as opt:
+            steps(us, us_model, 3)  # us syncs: the round closes with eu's two steps
+            done = []
+            t = threading.Thread(target=lambda: (steps(us, us_model, 4), done.append(1)), daemon=True)
+            t.start()
+            steps(opt, second, 4)  # eu's next sync, with us's next one
+            t.join(30)
+            assert done, "us waited for a sync of eu's that never came"
+            stats = tree.lt.call(lambda: eu.inner.jobs["back"].stats)
+            assert stats.outer_sync_failures == 0 and stats.outer_syncs >= 2, stats
+            assert tree.view("root", "back")[1] == 2
+    finally:
+        us.close()
