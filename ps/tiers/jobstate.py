@@ -238,6 +238,7 @@ class RootJob(JobState):
     roster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one roster.json write at a time
     roster_saved: dict | None = None     # what roster.json holds (ranks, dataset, leases)
     pace: Pace = field(default_factory=Pace)  # outer jobs with dynamic steps: the regions' step rates
+    ending: str = ""                     # being ended (why): no version is applied any more
 
 
 @dataclass

@@ -295,10 +295,17 @@ class Root(Pairing, Tier):
             self.declared_at.pop(name, None)
         else:
             js = self.job(name)
-            cfg, version = js.config, js.view.version
+            cfg = js.config
+            if js.ending:  # another call is ending it: the same answer, once it has
+                await self._quiesce(js)
+                return self.ended.get(name, js.view.version)
+            # A round that closes from now on applies nothing (_apply_durably): the version
+            # checkpointed and reported below is the job's last, in memory and on disk.
+            js.ending = f"job {name!r} was ended" + (f" ({why})" if why else "")
             await self._quiesce(js)
+            version = js.view.version
             self._checkpoint(js)
-            js.abort(f"job {name!r} was ended" + (f" ({why})" if why else ""))
+            js.abort(js.ending)
             del self.jobs[name]
             if js.wal is not None:
                 js.wal.close()
@@ -318,12 +325,21 @@ class Root(Pairing, Tier):
         ttl = self.config.unjoined_job_ttl_s
         if not ttl or self.state != "primary":
             return
-        stale = [n for n, js in self.jobs.items() if not js.joined and now - js.created_at > ttl]
-        stale += [n for n, t in self.declared_at.items() if now - t > ttl]
+        def unjoined(name: str) -> bool:
+            js = self.jobs.get(name)
+            if js is not None:
+                return not js.joined and now - js.created_at > ttl
+            return now - self.declared_at.get(name, now) > ttl
+
+        stale = [n for n in self.jobs if unjoined(n)] + [n for n in self.declared_at if unjoined(n)]
         for name in stale:
+            # Asked again: ending the one before awaited, and meanwhile this one may have been
+            # ended, created from its declaration, or joined.
+            if not unjoined(name):
+                continue
             try:
                 await self.end_job(name, why=f"reaped: no worker joined within {ttl:.0f}s")
-            except Unavailable as exc:  # ended here; the standby gets it with its next bootstrap
+            except HpsError as exc:  # Unavailable: ended here; the standby gets it with its next bootstrap
                 log.warning("reaping job %s: %s", name, exc)
 
     def _persist_declared(self, cfg: JobConfig) -> None:
@@ -399,6 +415,9 @@ class Root(Pairing, Tier):
             self._refuse(js, agg, fut, exc)
             return
         async with js.apply_lock:
+            if js.ending:  # end_job took the lock before this round: the job's last version is out
+                self._refuse(js, agg, fut, UnknownJob(js.ending))
+                return
             if js.wal is None:  # no log to roll back from: keep an in-memory copy of this step's start
                 js.optimizer.save_point()
             replicated = False

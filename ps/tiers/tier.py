@@ -127,24 +127,31 @@ class Tier:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            now = self.clock()
-            for k in [k for k, c in self.children.items() if now - c[2] > self.config.member_timeout_s]:
-                del self.children[k]
-            for js in list(self.jobs.values()):
-                before = {m.id: (m.role, m.address) for m in js.members}
-                gone = js.members.expire(now, self.config.member_timeout_s)
+            try:
+                await self._expire(self.clock())
+            except Exception:  # one bad pass must not end expiry for good (rounds would wait forever)
+                log.exception("%s: expiring members failed; trying again in %gs", self.role,
+                              self.config.heartbeat_s)
+
+    async def _expire(self, now: float) -> None:
+        """One pass: forget silent children, drop silent members, then the tier's housekeeping."""
+        for k in [k for k, c in self.children.items() if now - c[2] > self.config.member_timeout_s]:
+            del self.children[k]
+        for js in list(self.jobs.values()):
+            before = {m.id: (m.role, m.address) for m in js.members}
+            gone = js.members.expire(now, self.config.member_timeout_s)
+            for member in gone:
+                js.lost[member] = (*before[member], now)
+            if gone:
+                log.warning("%s: job %s dropped members %s after %.1fs of silence",
+                            self.role, js.config.name, gone, self.config.member_timeout_s,
+                            extra=event("member.expired", job=js.config.name, members=gone,
+                                        version=js.view.version))
+                js.stats.members_expired += len(gone)
                 for member in gone:
-                    js.lost[member] = (*before[member], now)
-                if gone:
-                    log.warning("%s: job %s dropped members %s after %.1fs of silence",
-                                self.role, js.config.name, gone, self.config.member_timeout_s,
-                                extra=event("member.expired", job=js.config.name, members=gone,
-                                            version=js.view.version))
-                    js.stats.members_expired += len(gone)
-                    for member in gone:
-                        self._drop_member(js, member, "timed out")
-                    await self._members_changed(js)
-            await self._housekeeping(now)
+                    self._drop_member(js, member, "timed out")
+                await self._members_changed(js)
+        await self._housekeeping(now)
 
     async def _housekeeping(self, now: float) -> None:
         """Periodic work of a kind of tier (the root reaps jobs nobody joined)."""

@@ -5,6 +5,7 @@ at restart, and every acknowledged version comes back after the next crash too."
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import shutil
@@ -18,9 +19,11 @@ import numpy as np
 import pytest
 
 from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.errors import HpsError
 from ps.core.view import KeySpec, Layout
 from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status
+from tests.helpers import wait_for
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (256,)), KeySpec("b", (4,))])
@@ -246,3 +249,44 @@ def test_a_topk_jobs_log_is_sized_like_its_updates_and_a_kill_restores_it_exactl
         assert _restored(tmp_path / "logs" / "root.log")[-1] == acked
         st = fetch_status(addr).jobs[0]
         assert (st.version, st.checksum) == acked
+
+
+def test_a_round_that_closes_while_its_job_is_ended_is_refused_not_applied(tree, tmp_path):
+    """``hps job end`` waits for the version being applied, checkpoints the job and reports
+    its last version. A round that closes while it waits must not be applied after it (a version
+    acknowledged past the job's end, logged after its ENDED mark): its pusher hears that the job
+    ended, and the version reported is the last one there is."""
+    root_address = tree.add("root", "global", checkpoint_dir=str(tmp_path))
+    root = tree.tier("root")
+    w = ParameterClient(root_address, "ending", "w0", timeout_s=10)
+    w.create_job(JobConfig(name="ending", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    w.pull(min_version=0)
+    assert w.push(_grad(0, 0), clock=0)[0] == 1
+    w.pull(min_version=1)
+    js = tree.lt.call(lambda: root.jobs["ending"])
+    lock = js.apply_lock
+    tree.lt.run(lock.acquire())  # a version being applied: what end_job waits for
+
+    def waiters() -> int:
+        return tree.lt.call(lambda: len(lock._waiters or ()))
+    ended = asyncio.run_coroutine_threadsafe(root.end_job("ending"), tree.lt.loop)
+    wait_for(lambda: waiters() == 1, "end_job did not wait for the version being applied")
+    outcome: list = []
+    pusher = threading.Thread(target=lambda: outcome.append(_outcome(lambda: w.push(_grad(1, 0), clock=1))))
+    pusher.start()
+    wait_for(lambda: waiters() == 2, "the next round did not close")
+    tree.lt.call(lock.release)
+    assert ended.result(10) == 1
+    pusher.join(20)
+    assert outcome and isinstance(outcome[0], HpsError) and "ended" in str(outcome[0]), outcome
+    assert tree.lt.call(lambda: js.view.version) == 1 and "ending" not in tree.lt.call(lambda: dict(root.jobs))
+    w.close()
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except HpsError as exc:
+        return exc
