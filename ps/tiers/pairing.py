@@ -166,6 +166,10 @@ class Pairing:
         if address and not self.peer:  # where to look for a newer primary once this follower is gone
             self.peer = address
         f = self.replication.attach(term)
+        # First on the stream, now: a job created before the bootstrap task runs announces its
+        # state to this follower, and the standby's "hello" would wipe it (records of the job
+        # would then reach a standby that does not hold it).
+        f.send(LogMessage("hello", term=self.term, epoch=self.epoch))
         task = asyncio.create_task(self._bootstrap(f), name="bootstrap-standby")
         self._ckpt_tasks.add(task)
         task.add_done_callback(self._ckpt_tasks.discard)
@@ -173,7 +177,6 @@ class Pairing:
 
     async def _bootstrap(self, f: Follower) -> None:
         try:
-            f.send(LogMessage("hello", term=self.term, epoch=self.epoch))
             tokens = self.tokens.hashes() if self.tokens is not None else {}
             f.send(LogMessage("tokens", data=json.dumps({j: h.hex() for j, h in tokens.items()}).encode()))
             for cfg in list(self.declared.values()):

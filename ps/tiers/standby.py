@@ -104,6 +104,9 @@ class Standby:
                 why = "the primary ended the stream"
             except (HpsError, OSError, ValueError) as exc:
                 why = str(exc)
+            except Exception as exc:  # a bug here must not end following (and taking over) for good
+                log.exception("following the primary %s failed; following it again", self.primary)
+                why = f"{type(exc).__name__}: {exc}"
             self.connected = False
             if time.monotonic() - self.last_contact >= self.lease_s and self.root.role_state["synced"]:
                 if not await self._reachable():
@@ -167,7 +170,9 @@ class Standby:
                 await asyncio.to_thread(root.tokens.set_hash, m.job, b"")
             root.follow_ended(m.job, info)
         elif m.kind == "record":
-            js = root.jobs[m.job]
+            js = root.jobs.get(m.job)
+            if js is None:  # the stream broke its order: follow again, from a fresh bootstrap
+                raise ValueError(f"a record of job {m.job}, whose state this standby was not sent")
             rec = from_bytes(m.data)
             if rec.version != js.view.version + 1:
                 raise ValueError(f"job {m.job}: record of version {rec.version} after version {js.view.version}")
