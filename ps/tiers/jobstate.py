@@ -239,6 +239,7 @@ class RootJob(JobState):
     roster_saved: dict | None = None     # what roster.json holds (ranks, dataset, leases)
     pace: Pace = field(default_factory=Pace)  # outer jobs with dynamic steps: the regions' step rates
     ending: str = ""                     # being ended (why): no version is applied any more
+    ending_task: asyncio.Task | None = None  # the end under way (Root.end_job), shared by its callers
 
 
 @dataclass

@@ -291,24 +291,33 @@ class Root(Pairing, Tier):
     async def end_job(self, name: str, why: str = "") -> int:
         self.writable()
         if name in self.declared:
-            cfg, version = self.declared.pop(name), 0
+            cfg = self.declared.pop(name)
             self.declared_at.pop(name, None)
-        else:
-            js = self.job(name)
-            cfg = js.config
-            if js.ending:  # another call is ending it: the same answer, once it has
-                await self._quiesce(js)
-                return self.ended.get(name, js.view.version)
+            return await self._mark_ended(name, cfg, 0, why)
+        js = self.job(name)
+        if js.ending_task is None:  # else another call is ending it: the same answer, once it has
             # A round that closes from now on applies nothing (_apply_durably): the version
-            # checkpointed and reported below is the job's last, in memory and on disk.
+            # checkpointed and reported is the job's last, in memory and on disk.
             js.ending = f"job {name!r} was ended" + (f" ({why})" if why else "")
-            await self._quiesce(js)
-            version = js.view.version
-            self._checkpoint(js)
-            js.abort(js.ending)
-            del self.jobs[name]
-            if js.wal is not None:
-                js.wal.close()
+            js.ending_task = asyncio.create_task(self._end_running(js, why), name=f"end-{name}")
+            self._tasks.append(js.ending_task)
+            js.ending_task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        # Shielded: a caller that gives up (its RPC's deadline) does not leave the job half ended
+        # (refusing every round, never marked ended); the end goes on, and a retry waits for it.
+        return await asyncio.shield(js.ending_task)
+
+    async def _end_running(self, js: RootJob, why: str) -> int:
+        name = js.config.name
+        await self._quiesce(js)
+        version = js.view.version
+        self._checkpoint(js)
+        js.abort(js.ending)
+        del self.jobs[name]
+        if js.wal is not None:
+            js.wal.close()
+        return await self._mark_ended(name, js.config, version, why)
+
+    async def _mark_ended(self, name: str, cfg: JobConfig, version: int, why: str) -> int:
         self.ended[name] = version
         self.ended_configs[name] = (cfg, version)
         ended = LogMessage("ended", job=name, version=version, data=json.dumps(dict(

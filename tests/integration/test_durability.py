@@ -285,6 +285,28 @@ def test_a_round_that_closes_while_its_job_is_ended_is_refused_not_applied(tree,
     w.close()
 
 
+def test_an_end_whose_caller_gives_up_still_ends_the_job(tree, tmp_path):
+    """``hps job end`` gives up after its deadline while the root waits for the version being
+    applied: the end goes on (the job is not left refusing every round yet never ended)."""
+    root_address = tree.add("root", "global", checkpoint_dir=str(tmp_path))
+    root = tree.tier("root")
+    w = ParameterClient(root_address, "given-up", "w0", timeout_s=10)
+    w.create_job(JobConfig(name="given-up", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    assert w.push(_grad(0, 0), clock=0)[0] == 1
+    lock = tree.lt.call(lambda: root.jobs["given-up"].apply_lock)
+    tree.lt.run(lock.acquire())
+    ended = asyncio.run_coroutine_threadsafe(root.end_job("given-up"), tree.lt.loop)
+    wait_for(lambda: tree.lt.call(lambda: len(lock._waiters or ())) == 1, "end_job did not wait")
+    ended.cancel()  # the caller's deadline
+    tree.lt.call(lock.release)
+    wait_for(lambda: tree.lt.call(lambda: root.ended.get("given-up")) == 1, "the job was not ended")
+    assert "given-up" not in tree.lt.call(lambda: dict(root.jobs))
+    assert (tmp_path / "given-up" / "ENDED").exists()
+    w.close()
+
+
 def _outcome(fn):
     try:
         return fn()
