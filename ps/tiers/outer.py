@@ -299,13 +299,16 @@ class OuterRelay(Relay):
                 if st.inflight is not sync or not st.detached:
                     break  # merged, or a child came back: its next inner version merges it
                 self._merge(ijs, st)
-                if not st.detached or not st.progress:
+                # Steps trained since (a child came back, and left again before this landed) or
+                # a failed sync's go up too, as leased data still short of a fragment's sync does.
+                if not st.detached or not (st.progress or ijs.stats.inner_steps_since_sync > 0):
                     break
                 self._send(ijs, st)
                 if st.inflight is None:
                     break
                 sync = st.inflight
-        if st.detached and self.outer.get(job) is st:
+        # Another leave's sync in flight (the region left twice): that one leaves once it lands.
+        if st.detached and self.outer.get(job) is st and st.inflight in (None, sync):
             await self._leave_root(job)
 
     async def _leave_root(self, job: str) -> None:
@@ -472,7 +475,8 @@ class OuterRelay(Relay):
             if p.rejoined:  # the region took the outer view since: these steps are in neither
                 ijs.stats.inner_steps_lost += p.steps
                 log.warning("%s: job %s: the sync sent before every member left failed: %s; its %d inner "
-                            "step(s) were lost", self.role, name, short(str(exc), 200), p.steps,
+                            "step(s) are counted lost (the root may have applied them before the failure)",
+                            self.role, name, short(str(exc), 200), p.steps,
                             extra=event("outer.steps_lost", job=name, steps=p.steps))
                 return
             ijs.stats.inner_steps_since_sync += p.steps

@@ -141,6 +141,9 @@ class Standby:
             if root.tokens is not None:
                 await asyncio.to_thread(root.tokens.set_hash, m.job, m.data)
         elif m.kind == "state":
+            held = root.jobs.get(m.job)  # sent twice (announced at its creation, then bootstrapped)
+            if held is not None and held.wal is not None:
+                held.wal.close()  # its files are replaced next
             await asyncio.to_thread(self._write_state, m)
             js = root._load(Path(root._job_dir(m.job)))
             if js is None:

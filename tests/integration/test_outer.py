@@ -591,3 +591,42 @@ def test_a_region_whose_last_worker_left_with_a_sync_in_flight_syncs_again_when_
             assert tree.view("root", "back")[1] == 2
     finally:
         us.close()
+
+
+def test_a_region_left_twice_while_its_sync_was_in_flight_sends_what_it_trained_in_between(tree):
+    """As above, but the worker that joined leaves again before eu's sync has landed: once it
+    lands, the steps trained in between go up too (one more sync), and only then does eu leave
+    the root's rounds."""
+    zones = _two_regions(tree)
+    job = JobConfig(name="twice", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
+                    outer=OuterConfig(inner_steps=4, codec="fp32", delta_codec="fp32"))
+    x, y = mlp_batches(8, PER_WORKER)
+    eu = tree.tier("eu")
+
+    def steps(opt, model, n: int) -> None:
+        for s in range(n):
+            opt.zero_grad()
+            _loss(model, x[s], y[s]).backward()
+            assert opt.step().applied
+
+    us_model, first, second = _model(), _model(), _model()
+    us = HpsOptimizer(us_model, zones[1], job, worker_id="twice-us", timeout_s=20)
+    try:
+        with HpsOptimizer(first, zones[0], job, worker_id="twice-eu0", timeout_s=20) as opt:
+            steps(opt, first, 2)
+        steps(us, us_model, 1)
+        wait_for(lambda: tree.lt.call(lambda: eu.outer["twice"].inflight is not None), "eu sent nothing")
+        with HpsOptimizer(second, zones[0], job, worker_id="twice-eu1", timeout_s=20, resume=True) as opt:
+            steps(opt, second, 2)  # trained between the two departures
+        steps(us, us_model, 3)  # us syncs: eu's first sync lands, then its second goes up
+        done = []
+        t = threading.Thread(target=lambda: (steps(us, us_model, 4), done.append(1)), daemon=True)
+        t.start()
+        t.join(30)
+        assert done, "us waited for eu"
+        wait_for(lambda: tree.lt.call(lambda: "twice" not in eu.attached), "eu did not leave the root's rounds")
+        stats = tree.lt.call(lambda: eu.inner.jobs["twice"].stats)
+        assert stats.outer_syncs == 2 and stats.inner_steps_since_sync == 0 and stats.inner_steps_lost == 0, stats
+        assert tree.view("root", "twice")[1] == 2
+    finally:
+        us.close()
