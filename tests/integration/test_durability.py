@@ -256,14 +256,7 @@ def test_a_round_that_closes_while_its_job_is_ended_is_refused_not_applied(tree,
     its last version. A round that closes while it waits must not be applied after it (a version
     acknowledged past the job's end, logged after its ENDED mark): its pusher hears that the job
     ended, and the version reported is the last one there is."""
-    root_address = tree.add("root", "global", checkpoint_dir=str(tmp_path))
-    root = tree.tier("root")
-    w = ParameterClient(root_address, "ending", "w0", timeout_s=10)
-    w.create_job(JobConfig(name="ending", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
-                 np.zeros(LAYOUT.numel, np.float32))
-    w.register()
-    w.pull(min_version=0)
-    assert w.push(_grad(0, 0), clock=0)[0] == 1
+    root, w = _at_version_1(tree, tmp_path, "ending")
     w.pull(min_version=1)
     js = tree.lt.call(lambda: root.jobs["ending"])
     lock = js.apply_lock
@@ -288,13 +281,7 @@ def test_a_round_that_closes_while_its_job_is_ended_is_refused_not_applied(tree,
 def test_an_end_whose_caller_gives_up_still_ends_the_job(tree, tmp_path):
     """``hps job end`` gives up after its deadline while the root waits for the version being
     applied: the end goes on (the job is not left refusing every round yet never ended)."""
-    root_address = tree.add("root", "global", checkpoint_dir=str(tmp_path))
-    root = tree.tier("root")
-    w = ParameterClient(root_address, "given-up", "w0", timeout_s=10)
-    w.create_job(JobConfig(name="given-up", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
-                 np.zeros(LAYOUT.numel, np.float32))
-    w.register()
-    assert w.push(_grad(0, 0), clock=0)[0] == 1
+    root, w = _at_version_1(tree, tmp_path, "given-up")
     lock = tree.lt.call(lambda: root.jobs["given-up"].apply_lock)
     tree.lt.run(lock.acquire())
     ended = asyncio.run_coroutine_threadsafe(root.end_job("given-up"), tree.lt.loop)
@@ -305,6 +292,18 @@ def test_an_end_whose_caller_gives_up_still_ends_the_job(tree, tmp_path):
     assert "given-up" not in tree.lt.call(lambda: dict(root.jobs))
     assert (tmp_path / "given-up" / "ENDED").exists()
     w.close()
+
+
+def _at_version_1(tree, tmp_path, name: str):
+    """A root keeping checkpoints in ``tmp_path``, and a worker of job ``name`` it applied once."""
+    root_address = tree.add("root", "global", checkpoint_dir=str(tmp_path))
+    w = ParameterClient(root_address, name, "w0", timeout_s=10)
+    w.create_job(JobConfig(name=name, optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    w.pull(min_version=0)
+    assert w.push(_grad(0, 0), clock=0)[0] == 1
+    return tree.tier("root"), w
 
 
 def _outcome(fn):

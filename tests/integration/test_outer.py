@@ -551,82 +551,93 @@ def test_the_inner_loop_can_run_at_the_zones(tree):
     assert tree.lt.call(lambda: tree.tier("eu").inner) is None  # the regional master only relays
 
 
+class _LeftMidPeriod:
+    """Two regions, one worker each (us on zones[1] all along); eu's first worker trains 2 of H=4
+    steps and leaves, so eu sends them, and the root's synchronous round holds them until us
+    syncs. ``steps`` trains a worker on the next n batches; ``us_in_background`` steps us on
+    another thread (its sync waits for eu's)."""
+
+    def __init__(self, tree, name: str) -> None:
+        self.tree, self.name = tree, name
+        self.zones = _two_regions(tree)
+        self.job = JobConfig(name=name, mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
+                             outer=OuterConfig(inner_steps=4, codec="fp32", delta_codec="fp32"))
+        self.x, self.y = mlp_batches(8, PER_WORKER)
+        self.eu = tree.tier("eu")
+        self.us_model = _model()
+        self.us = HpsOptimizer(self.us_model, self.zones[1], self.job, worker_id=f"{name}-us", timeout_s=20)
+        try:
+            first = _model()
+            with HpsOptimizer(first, self.zones[0], self.job, worker_id=f"{name}-eu0", timeout_s=20) as opt:
+                self.steps(opt, first, 2)
+            self.steps(self.us, self.us_model, 1)
+            wait_for(lambda: tree.lt.call(lambda: self.outer.inflight is not None and self.outer.detached),
+                     "eu did not send its steps when its last worker left")
+        except BaseException:
+            self.us.close()
+            raise
+
+    @property
+    def outer(self):
+        return self.eu.outer[self.name]
+
+    def eu_worker(self, model) -> HpsOptimizer:
+        return HpsOptimizer(model, self.zones[0], self.job, worker_id=f"{self.name}-eu1", timeout_s=20, resume=True)
+
+    def steps(self, opt, model, n: int) -> None:
+        for s in range(n):
+            opt.zero_grad()
+            _loss(model, self.x[s], self.y[s]).backward()
+            assert opt.step().applied
+
+    def us_in_background(self, n: int) -> tuple[threading.Thread, list]:
+        done: list = []
+        t = threading.Thread(target=lambda: (self.steps(self.us, self.us_model, n), done.append(1)), daemon=True)
+        t.start()
+        return t, done
+
+    def eu_stats(self):
+        return self.tree.lt.call(lambda: self.eu.inner.jobs[self.name].stats)
+
+
 def test_a_region_whose_last_worker_left_with_a_sync_in_flight_syncs_again_when_one_joins(tree):
     """The last worker of region eu leaves mid-period: eu sends its steps since the last sync
     (a synchronous outer round: it waits at the root for us). A new worker joins eu before us
     syncs. That pseudo-gradient still lands with us's, and eu's next syncs go through: the
     region does not drop it and send the next one under the same sequence number (which the
     root refuses as another body for a push it holds), so neither region stops."""
-    zones = _two_regions(tree)
-    job = JobConfig(name="back", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
-                    outer=OuterConfig(inner_steps=4, codec="fp32", delta_codec="fp32"))
-    x, y = mlp_batches(8, PER_WORKER)
-    eu = tree.tier("eu")
-
-    def steps(opt, model, n: int) -> None:
-        for s in range(n):
-            opt.zero_grad()
-            _loss(model, x[s], y[s]).backward()
-            assert opt.step().applied
-
-    us_model, first, second = _model(), _model(), _model()
-    us = HpsOptimizer(us_model, zones[1], job, worker_id="back-us", timeout_s=20)
+    run = _LeftMidPeriod(tree, "back")
     try:
-        with HpsOptimizer(first, zones[0], job, worker_id="back-eu0", timeout_s=20) as opt:
-            steps(opt, first, 2)
-        steps(us, us_model, 1)
-        # eu's two steps are on their way to the root, whose round waits for us
-        wait_for(lambda: tree.lt.call(lambda: eu.outer["back"].inflight is not None and eu.outer["back"].detached),
-                 "eu did not send its steps when its last worker left")
-        with HpsOptimizer(second, zones[0], job, worker_id="back-eu1", timeout_s=20, resume=True) as opt:
-            steps(us, us_model, 3)  # us syncs: the round closes with eu's two steps
-            done = []
-            t = threading.Thread(target=lambda: (steps(us, us_model, 4), done.append(1)), daemon=True)
-            t.start()
-            steps(opt, second, 4)  # eu's next sync, with us's next one
+        second = _model()
+        with run.eu_worker(second) as opt:
+            run.steps(run.us, run.us_model, 3)  # us syncs: the round closes with eu's two steps
+            t, done = run.us_in_background(4)
+            run.steps(opt, second, 4)  # eu's next sync, with us's next one
             t.join(30)
             assert done, "us waited for a sync of eu's that never came"
-            stats = tree.lt.call(lambda: eu.inner.jobs["back"].stats)
+            stats = run.eu_stats()
             assert stats.outer_sync_failures == 0 and stats.outer_syncs >= 2, stats
             assert tree.view("root", "back")[1] == 2
     finally:
-        us.close()
+        run.us.close()
 
 
 def test_a_region_left_twice_while_its_sync_was_in_flight_sends_what_it_trained_in_between(tree):
     """As above, but the worker that joined leaves again before eu's sync has landed: once it
     lands, the steps trained in between go up too (one more sync), and only then does eu leave
     the root's rounds."""
-    zones = _two_regions(tree)
-    job = JobConfig(name="twice", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
-                    outer=OuterConfig(inner_steps=4, codec="fp32", delta_codec="fp32"))
-    x, y = mlp_batches(8, PER_WORKER)
-    eu = tree.tier("eu")
-
-    def steps(opt, model, n: int) -> None:
-        for s in range(n):
-            opt.zero_grad()
-            _loss(model, x[s], y[s]).backward()
-            assert opt.step().applied
-
-    us_model, first, second = _model(), _model(), _model()
-    us = HpsOptimizer(us_model, zones[1], job, worker_id="twice-us", timeout_s=20)
+    run = _LeftMidPeriod(tree, "twice")
     try:
-        with HpsOptimizer(first, zones[0], job, worker_id="twice-eu0", timeout_s=20) as opt:
-            steps(opt, first, 2)
-        steps(us, us_model, 1)
-        wait_for(lambda: tree.lt.call(lambda: eu.outer["twice"].inflight is not None), "eu sent nothing")
-        with HpsOptimizer(second, zones[0], job, worker_id="twice-eu1", timeout_s=20, resume=True) as opt:
-            steps(opt, second, 2)  # trained between the two departures
-        steps(us, us_model, 3)  # us syncs: eu's first sync lands, then its second goes up
-        done = []
-        t = threading.Thread(target=lambda: (steps(us, us_model, 4), done.append(1)), daemon=True)
-        t.start()
+        second = _model()
+        with run.eu_worker(second) as opt:
+            run.steps(opt, second, 2)  # trained between the two departures
+        run.steps(run.us, run.us_model, 3)  # us syncs: eu's first sync lands, then its second goes up
+        t, done = run.us_in_background(4)
         t.join(30)
         assert done, "us waited for eu"
-        wait_for(lambda: tree.lt.call(lambda: "twice" not in eu.attached), "eu did not leave the root's rounds")
-        stats = tree.lt.call(lambda: eu.inner.jobs["twice"].stats)
+        wait_for(lambda: tree.lt.call(lambda: "twice" not in run.eu.attached), "eu did not leave the root's rounds")
+        stats = run.eu_stats()
         assert stats.outer_syncs == 2 and stats.inner_steps_since_sync == 0 and stats.inner_steps_lost == 0, stats
         assert tree.view("root", "twice")[1] == 2
     finally:
-        us.close()
+        run.us.close()
