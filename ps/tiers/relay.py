@@ -221,12 +221,17 @@ class Relay(Tier):
         await super()._members_changed(js)
         job = js.config.name
         if len(js.members) == 0 and job in self.attached:
-            # No children left: stop holding the parent's rounds.
-            self.attached.discard(job)
-            try:
-                await self.up.leave(job)
-            except HpsError as exc:
-                log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
+            # No children left: stop holding the parent's rounds. Under the job's attach lock: a
+            # child registering meanwhile attaches after the leave, not before it (the leave
+            # landing second would drop this relay at the parent while it believed itself attached).
+            async with self._locks.hold(job):
+                if len(js.members) or job not in self.attached or self.jobs.get(job) is not js:
+                    return  # a child came, or another leave went, while the lock was awaited
+                self.attached.discard(job)
+                try:
+                    await self.up.leave(job)
+                except HpsError as exc:
+                    log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
 
     async def _heartbeat_loop(self) -> None:
         lost_at: float | None = None  # monotonic time the current parent stopped answering

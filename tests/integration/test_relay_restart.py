@@ -138,3 +138,41 @@ def test_children_registering_at_once_start_one_follow_loop(tree, caplog):
     assert not [r for r in caplog.records if "does not apply" in r.getMessage()]
     child.close()
     w.close()
+
+
+def test_a_child_registering_while_the_relay_leaves_its_parent_finds_it_attached(tree):
+    """The last child leaves, so the relay leaves the job at its parent; a new child registers
+    while that leave is still on the wire. The registration waits for the leave and attaches
+    again after it: had it gone first, the leave landing after it would drop the relay at the
+    parent while the relay believed itself attached (the next push then hears "forgot us")."""
+    tree.add("root", "global")
+    zone = tree.add("eu-a", "zone", parent="root")
+    relay = tree.tier("eu-a")
+    job = JobConfig(name="turn", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    first = ParameterClient(zone, "turn", "w0", timeout_s=10)
+    first.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    first.register()
+    real, left = relay.up.leave, threading.Event()
+
+    async def slow_leave(name: str):
+        left.set()
+        await asyncio.sleep(0.3)  # on the wire
+        return await real(name)
+
+    relay.up.leave = slow_leave
+    closing = threading.Thread(target=first.close)  # the relay's last child: it leaves the job at the root
+    closing.start()
+    assert left.wait(10)
+    second = ParameterClient(zone, "turn", "w1", timeout_s=10)
+    second.register()
+    closing.join(10)
+    relay.up.leave = real
+
+    def members_at_root() -> list[str]:
+        return [m.id for m in tree.tier("root").jobs["turn"].members]
+    assert tree.lt.call(lambda: "turn" in relay.attached)
+    assert "eu-a" in tree.lt.call(members_at_root)
+    second.pull(min_version=0)
+    v, _ = second.push(np.ones(LAYOUT.numel, np.float32), clock=0)
+    assert v == 1
+    second.close()
