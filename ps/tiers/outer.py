@@ -284,7 +284,7 @@ class OuterRelay(Relay):
             self._tasks.append(task)
             task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
             return
-        await self._leave_root(job)
+        await self._leave_root(job, st)
 
     async def _leave_after(self, job: str, st: OuterState, sync: asyncio.Task) -> None:
         """Merge the last sync, then leave the root's rounds. Leased data trained here that
@@ -308,16 +308,13 @@ class OuterRelay(Relay):
                     break
                 sync = st.inflight
         # Another leave's sync in flight (the region left twice): that one leaves once it lands.
-        if st.detached and self.outer.get(job) is st and st.inflight in (None, sync):
-            await self._leave_root(job)
+        if st.inflight in (None, sync):
+            await self._leave_root(job, st)
 
-    async def _leave_root(self, job: str) -> None:
-        if job in self.attached:
-            self.attached.discard(job)
-            try:
-                await self.up.leave(job)
-            except HpsError as exc:
-                log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
+    async def _leave_root(self, job: str, st: OuterState) -> None:
+        """The region has left (every child gone, its last syncs sent): leave the root's rounds,
+        unless a child came back meanwhile."""
+        await self._leave_parent(job, lambda: st.detached and self.outer.get(job) is st)
 
     async def _rejoin(self, ojs: RelayJob, inner: InnerRoot) -> None:
         """A child came back to a job this region had left: take the outer view whole (the root

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
@@ -94,9 +94,9 @@ def _verbatim(enc: Encoder, grad: Gradient, absent: frozenset[int], layout: Layo
     """The chunks of a batch of one push, to forward as they came (their frames uncopied), when
     that is exactly what re-encoding it would send: this edge lossless and every chunk fp32 or
     rows. Chunks of a key the push declared absent are left out, as re-encoding leaves that key
-    out (a worker sends zeros for its frozen parameters and unsynced buffers); a frame that
-    carried some of them is framed again, the others go as they came. Else None (decode, sum,
-    re-encode).
+    out (workers of this version send none; earlier ones, or a script calling
+    ``ParameterClient.push`` with an older client, sent zeros for them); a frame that carried
+    some of them is framed again, the others go as they came. Else None (decode, sum, re-encode).
 
     A zone with one worker (the demo's, every zone of dataplane.py's row) forwarded each push by
     laying it out as a vector and framing that again: two full copies per hop, now none."""
@@ -220,18 +220,22 @@ class Relay(Tier):
     async def _members_changed(self, js: RelayJob) -> None:
         await super()._members_changed(js)
         job = js.config.name
-        if len(js.members) == 0 and job in self.attached:
-            # No children left: stop holding the parent's rounds. Under the job's attach lock: a
-            # child registering meanwhile attaches after the leave, not before it (the leave
-            # landing second would drop this relay at the parent while it believed itself attached).
-            async with self._locks.hold(job):
-                if len(js.members) or job not in self.attached or self.jobs.get(job) is not js:
-                    return  # a child came, or another leave went, while the lock was awaited
-                self.attached.discard(job)
-                try:
-                    await self.up.leave(job)
-                except HpsError as exc:
-                    log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
+        if len(js.members) == 0 and job in self.attached:  # no children left
+            await self._leave_parent(job, lambda: len(js.members) == 0 and self.jobs.get(job) is js)
+
+    async def _leave_parent(self, job: str, still: Callable[[], bool]) -> None:
+        """Stop holding the parent's rounds for ``job`` if ``still()`` holds. Under the job's
+        attach lock: a child registering meanwhile attaches after the leave, not before it (the
+        leave landing second would drop this relay at the parent while it believed itself
+        attached); ``still`` is asked under the lock, as a child may have come meanwhile."""
+        async with self._locks.hold(job):
+            if job not in self.attached or not still():
+                return
+            self.attached.discard(job)
+            try:
+                await self.up.leave(job)
+            except HpsError as exc:
+                log.warning("%s: leaving job %s upstream failed: %s", self.role, job, exc)
 
     async def _heartbeat_loop(self) -> None:
         lost_at: float | None = None  # monotonic time the current parent stopped answering
