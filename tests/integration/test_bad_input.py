@@ -267,6 +267,31 @@ def test_a_job_nobody_joins_is_reaped(tree):
     c.close()
 
 
+def test_the_reaper_spares_a_job_joined_while_it_ended_another(tree):
+    """The reaper lists the stale jobs, then ends them one at a time; ending one waits (here for
+    a version being applied). A job joined meanwhile is asked about again and kept."""
+    tree.add("root", "global", unjoined_job_ttl_s=1.0, heartbeat_s=0.1)
+    root = tree.tier("root")
+    first, second = (ParameterClient(tree.addr("root"), n, "w0") for n in ("first", "second"))
+    for c in (first, second):
+        c.create_job(JobConfig(name=c.job), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    lock = tree.lt.call(lambda: root.jobs["first"].apply_lock)
+    tree.lt.run(lock.acquire())  # ending "first" waits for this
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not tree.lt.call(lambda: len(lock._waiters or ())):
+        time.sleep(0.05)
+    assert tree.lt.call(lambda: len(lock._waiters or ())) == 1, "the reaper did not start ending 'first'"
+    second.register()  # joined while the reaper's pass is still on "first"
+    tree.lt.call(lock.release)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "first" not in tree.lt.call(lambda: dict(root.ended)):
+        time.sleep(0.05)
+    time.sleep(0.3)  # a few more passes
+    assert tree.lt.call(lambda: sorted(root.ended)) == ["first"]
+    assert tree.lt.call(lambda: sorted(root.jobs)) == ["second"]
+    second.close()
+
+
 def test_stale_names_the_version_to_wait_for(setup):
     """A push whose round closed is told which version to pull before computing again, so a
     worker does not recompute on the view it holds and get refused again (1,470 refusals for

@@ -76,3 +76,34 @@ def test_a_silent_member_is_dropped_after_the_timeout_and_the_round_completes(tr
     members = tree.lt.call(lambda: [m.id for m in tree.tier("root").jobs["j"].members])
     assert members == ["a"]
     a.close()
+
+
+def test_a_failed_pass_of_member_expiry_does_not_end_expiry(tree, caplog):
+    """One pass that raises is logged, and the next pass runs: a silent member is still
+    dropped and the round it held completes (before, the exception ended the expiry task
+    for good, and every later round waited forever for members long gone)."""
+    tree.add("root", "global", member_timeout_s=0.6, heartbeat_s=0.1)
+    root = tree.tier("root")
+    passes: list[float] = []
+    real = root._expire
+
+    async def flaky(now: float) -> None:
+        passes.append(now)
+        if len(passes) == 1:
+            raise RuntimeError("a pass that fails")
+        await real(now)
+
+    tree.lt.call(lambda: setattr(root, "_expire", flaky))
+    a = ParameterClient(tree.addr("root"), "j", "a", round_timeout_s=15)  # a round held forever fails
+    b = ParameterClient(tree.addr("root"), "j", "b")
+    a.create_job(JobConfig(name="j"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    for c in (a, b):
+        c.register()
+        c.pull()
+    b._hb_stop.set()  # b goes silent without leaving
+    errors: list = []
+    _loop(a, 2, errors)
+    assert not errors and a.view.version == 2
+    assert len(passes) > 2 and "expiring members failed" in caplog.text
+    assert tree.lt.call(lambda: [m.id for m in root.jobs["j"].members]) == ["a"]
+    a.close()

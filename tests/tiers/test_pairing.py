@@ -30,3 +30,39 @@ def test_hello_is_first_on_a_new_follow_stream_whatever_is_announced_after_it(tm
 
     kinds = asyncio.run(stream())
     assert kinds[:2] == ["hello", "state"] and kinds.count("hello") == 1 and "synced" in kinds, kinds
+
+
+def test_an_unexpected_error_while_following_is_logged_and_the_standby_follows_again(tmp_path, caplog):
+    """A bug in handling the stream (any exception, not only a network error) must not end
+    ``Standby.run``: that would end following, and with it the takeover."""
+    from ps.tiers.standby import Standby
+
+    class Link:
+        def __init__(self) -> None:
+            self.calls = 0
+            self.again = asyncio.Event()
+
+        async def follow(self, *args) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyError("a bug in a handler")
+            self.again.set()
+            await asyncio.sleep(3600)
+
+        async def status(self, timeout: float) -> None:
+            return None  # the primary answers: no takeover
+
+    async def follow_twice() -> int:
+        root = Root(ServerConfig(role="global", checkpoint_dir=str(tmp_path), lease_s=1.0))
+        standby = Standby(root, "127.0.0.1:1")
+        standby.link = link = Link()
+        run = asyncio.create_task(standby.run())
+        try:
+            await asyncio.wait_for(link.again.wait(), 10)
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+        return link.calls
+
+    assert asyncio.run(follow_twice()) == 2
+    assert "following the primary 127.0.0.1:1 failed; following it again" in caplog.text
