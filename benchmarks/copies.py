@@ -18,6 +18,12 @@ downward end to end, 11 a round; by reading the code it counted 14 and 11.
 
     python benchmarks/copies.py --params 10000000
 
+``--sites N`` also says which source lines copied: every process runs a line tracer
+(``benchmarks/copycount/sitecustomize.py``) that credits its thread's counts to the Python line
+that ran last, and the row reports each process's N lines that copied most over the counted
+rounds. Copies inside C land on the line that called into it (a gRPC receive on the line that
+awaited the message). Much slower; the counts per process are the same with it.
+
 Needs a C compiler (``cc``) to build ``benchmarks/copycount/copycount.c`` (Linux, glibc).
 Writes benchmarks/results/copies.json.
 """
@@ -28,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -56,6 +63,34 @@ def read_counts(count_dir: Path, pid: int) -> tuple[int, int, int, int]:
         return struct.unpack("<4Q", f.read(32))
 
 
+def _tracing() -> bool:
+    return bool(os.environ.get("HPS_COPYCOUNT_SITES"))
+
+
+def _sites_begin(pids: dict[str, int]) -> None:
+    """Clear every process's line tally before the counted rounds (``--sites``)."""
+    if _tracing():
+        for pid in pids.values():
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(2.0)  # a tier's loop runs the handler at its next wake-up
+
+
+def _sites_end(pids: dict[str, int], count_dir: Path, nbytes: int, rounds: int, top: int = 12) -> dict:
+    """Each process's ``top`` lines by bytes copied, per round, in full vectors (``--sites``)."""
+    if not _tracing():
+        return {}
+    for pid in pids.values():
+        os.kill(pid, signal.SIGUSR2)
+    time.sleep(2.0)
+    out = {}
+    for name, pid in pids.items():
+        path = count_dir / f"{pid}.sites.json"
+        tally = json.loads(path.read_text()) if path.exists() else {}
+        ranked = sorted(tally.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:top]
+        out[name] = [dict(line=k, memcpy=m / nbytes / rounds, alloc=a / nbytes / rounds) for k, (m, a) in ranked]
+    return out
+
+
 def _wire_row(params: int, key_elems: int, reps: int, count_dir: Path) -> dict:
     """gRPC alone, as ``dataplane.py``'s ``wire`` row: hps's frames, encoded before counting,
     pushed to a server that only reads them, and the whole model's frames pulled back."""
@@ -78,6 +113,8 @@ def _wire_row(params: int, key_elems: int, reps: int, count_dir: Path) -> dict:
             rpc = stubs(channel)
             rounds = []
             for i in range(reps + 1):  # the first is a warm-up
+                if i == 1:
+                    _sites_begin(pids)
                 before = {n: read_counts(count_dir, p) for n, p in pids.items()}
                 rpc["Push"](iter(frames), timeout=300)
                 got = list(rpc["Pull"](pb.PullRequest(job="big"), timeout=300))
@@ -89,10 +126,11 @@ def _wire_row(params: int, key_elems: int, reps: int, count_dir: Path) -> dict:
                                            alloc=(after[n][2] - before[n][2]) / nbytes,
                                            memcpy_calls=after[n][1] - before[n][1],
                                            allocs=after[n][3] - before[n][3]) for n in pids})
+            sites = _sites_end(pids, count_dir, nbytes, reps)
     finally:
         proc.terminate()
         proc.wait(30)
-    return dict(where="wire", rounds=rounds)
+    return dict(where="wire", rounds=rounds, sites=sites)
 
 
 def _row(where: str, params: int, key_elems: int, reps: int, count_dir: Path) -> dict:
@@ -127,6 +165,7 @@ def _row(where: str, params: int, key_elems: int, reps: int, count_dir: Path) ->
             version, _ = c.push(grad)  # a warm-up round: first allocations, the first snapshot
             c.pull(min_version=version)
             time.sleep(1.0)  # every tier done with the warm-up version
+            _sites_begin(pids)
             rounds = []
             for _ in range(reps):
                 before = {n: read_counts(count_dir, p) for n, p in pids.items()}
@@ -144,9 +183,10 @@ def _row(where: str, params: int, key_elems: int, reps: int, count_dir: Path) ->
                 per["worker"].update(push_memcpy=(w1[0] - w0[0]) / nbytes, push_alloc=(w1[2] - w0[2]) / nbytes,
                                      pull_memcpy=(w2[0] - w1[0]) / nbytes, pull_alloc=(w2[2] - w1[2]) / nbytes)
                 rounds.append(per)
+            sites = _sites_end(pids, count_dir, nbytes, reps)
         finally:
             c.close()
-    return dict(where=where, rounds=rounds)
+    return dict(where=where, rounds=rounds, sites=sites)
 
 
 def _median(rounds: list[dict], proc: str, field: str) -> float:
@@ -160,6 +200,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3, help="counted rounds per row, after one warm-up")
     p.add_argument("--rows", default="wire,root,zone", help="wire (gRPC alone), root, zone")
     p.add_argument("--min-bytes", type=int, default=4096, help="smallest call or block counted")
+    p.add_argument("--sites", action="store_true", help="also report the source lines that copied (slow)")
     p.add_argument("--out", help="result file (default benchmarks/results/copies.json)")
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--count-dir", help=argparse.SUPPRESS)
@@ -176,6 +217,8 @@ def main() -> int:
             count_dir.mkdir()
             env = {**os.environ, "LD_PRELOAD": str(lib), "HPS_COPYCOUNT_DIR": str(count_dir),
                    "HPS_COPYCOUNT_MIN": str(args.min_bytes), "PYTHONPATH": str(ROOT)}
+            if args.sites:  # its sitecustomize.py: a line tracer in every Python process of the row
+                env.update(HPS_COPYCOUNT_SITES="1", PYTHONPATH=f"{SHIM_SRC.parent}{os.pathsep}{ROOT}")
             out = subprocess.run([sys.executable, __file__, "--row", where, "--count-dir", str(count_dir),
                                   "--params", str(args.params), "--key-elems", str(args.key_elems),
                                   "--reps", str(args.reps)], cwd=ROOT, env=env, capture_output=True,
@@ -191,7 +234,7 @@ def main() -> int:
                 if "worker" in summary:
                     summary["worker"][f] = _median(r["rounds"], "worker", f)
             total = {f: sum(summary[n][f] for n in procs) for f in ("memcpy", "alloc")}
-            rows[where] = dict(per_process=summary, end_to_end=total, rounds=r["rounds"])
+            rows[where] = dict(per_process=summary, end_to_end=total, rounds=r["rounds"], sites=r.get("sites", {}))
             print(f"\n{where}: full-vector copies per round (one push + one pull), median of {args.reps}")
             print(f"  {'process':10s} {'memcpy':>8s} {'alloc':>8s}")
             for n in procs:
@@ -202,6 +245,10 @@ def main() -> int:
                       f"pull {w['pull_memcpy']:.2f} / {w['pull_alloc']:.2f})")
             print(f"  {'all':10s} {total['memcpy']:8.2f} {total['alloc']:8.2f}   "
                   "(goal: 11 copies a round, 6 up + 5 down)")
+            for n, lines in r.get("sites", {}).items():
+                print(f"  {n}: the lines that copied most, per round (memcpy / alloc)")
+                for ln in lines:
+                    print(f"    {ln['memcpy']:5.2f} / {ln['alloc']:5.2f}  {ln['line']}")
     write("copies", dict(params=args.params, key_elems=args.key_elems, reps=args.reps,
                          min_bytes=args.min_bytes, rows=rows,
                          note="per process and round, bytes / model bytes; see the module docstring "
