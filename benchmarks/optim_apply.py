@@ -10,6 +10,8 @@ step over one flat tensor per key) on a gradient of --numel float32, against num
 add and axpy (``p -= lr * g``) on the same arrays, side by side in one run; medians of --reps
 after one warm-up. GB/s counts the gradient's bytes (4 per parameter). One key (the whole
 vector), one torch thread (`hps launch` runs tiers with OMP_NUM_THREADS=1). Nothing is asserted.
+The root steps with torch's fused kernel where it has one (``ps.core.optim.fuses``); the
+"unfused" rows set ``foreach=False`` as a job's option, which is how every step ran before.
 """
 
 from __future__ import annotations
@@ -59,9 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         np.multiply(grad, lr, out=scratch)
         np.subtract(params, scratch, out=params)
     rows["numpy p -= lr * g"] = timed(axpy, args.reps)
+    unfused = (("foreach", False),)  # the job's own choice: torch's per-tensor loop, as before
     for label, cfg in (("root sgd", OptimizerConfig(kind="sgd", lr=1e-3)),
                        ("root sgd momentum 0.9", OptimizerConfig(kind="sgd", lr=1e-3, momentum=0.9)),
-                       ("root adam", OptimizerConfig(kind="adam", lr=1e-3))):
+                       ("root sgd momentum 0.9, unfused", OptimizerConfig(kind="sgd", lr=1e-3, momentum=0.9,
+                                                                          options=unfused)),
+                       ("root adam", OptimizerConfig(kind="adam", lr=1e-3)),
+                       ("root adam, unfused", OptimizerConfig(kind="adam", lr=1e-3, options=unfused))):
         opt = ServerOptimizer(cfg, params)
         rows[label] = timed(lambda opt=opt: opt.step(grad), args.reps)
         del opt
