@@ -21,12 +21,13 @@ small header with protobuf and slices the payload without copying it (a protobuf
 field would copy on access: measured 0.41x of raw TCP against 0.91x for raw frames).
 
 A payload starts at a multiple of ``ALIGN`` (16) bytes into its frame: the header carries as
-many zero bytes in its ``pad`` field as that takes (the field at most 17 bytes). A received frame is a fresh
-``bytes`` object, whose data is 16-byte aligned, so fp32 values sliced from it are aligned:
-numpy reads them where they lie. Unaligned (the payload used to start 33 bytes in), every
-pass over a received chunk went through numpy's unaligned path: a dot product (the root's
-finiteness check) 22x slower, and each add copied its input through a buffer first
-(``benchmarks/copies.py`` counted one full-vector copy per pull that way).
+many zero bytes in its ``pad`` field as that takes (the field at most 17 bytes). A received
+frame is a fresh ``bytes`` object, whose data is 16-byte aligned, so fp32 values sliced from
+it are aligned: numpy reads them where they lie. Unaligned (a chunk frame's payload used to
+start 33 bytes in), every pass over a received chunk took numpy's unaligned path: the
+finiteness check every tier makes of an arriving chunk (a dot product) ~20x slower, and each
+add copied its input through a buffer first (``benchmarks/copies.py`` counted one
+full-vector copy per pull that way; ``benchmarks/frame_align.py`` times the passes).
 
     >>> from ps.net.frames import ALIGN
     >>> frame = encode_frame(pb.FrameHeader(chunks=pb.ChunkBatch()), bytes(8))
