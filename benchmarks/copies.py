@@ -1,6 +1,7 @@
 """How many times each process copies a gradient and a delta (issue 18's copy count), counted
 rather than read off the code: push and pull a dense fp32 model at the root and through a zone,
-each process running under a small preloaded library that counts, from inside it,
+and hps's frames over bare gRPC (the ``wire`` row: the transport's own share), each process
+running under a small preloaded library that counts, from inside it,
 
 - ``memcpy``: bytes passed to ``memcpy``/``memmove`` in calls of at least ``--min-bytes``:
   numpy's copies and ``tobytes``, Python's ``bytes`` joins and slices, gRPC's copies into and
@@ -14,13 +15,13 @@ Each is reported per process and per round (one push, then one pull of the versi
 divided by the model's bytes: 1.0 is one full-vector copy. Not counted: the kernel's copies
 (socket reads and writes: the wire), in-place passes (``a += b``, the optimizer, checksums), and
 copies a compiler inlined. The issue's goal is at most 6 full-vector copies upward and 5
-downward end to end, 11 a round; by reading the code it counted 14 and 11.
+downward end to end, 11 a round; reading the code, the issue counted 14 and 11.
 
     python benchmarks/copies.py --params 10000000
 
-``--sites N`` also says which source lines copied: every process runs a line tracer
+``--sites`` also says which source lines copied: every process runs a line tracer
 (``benchmarks/copycount/sitecustomize.py``) that credits its thread's counts to the Python line
-that ran last, and the row reports each process's N lines that copied most over the counted
+that ran last, and the row reports each process's 12 lines that copied most over the counted
 rounds. Copies inside C land on the line that called into it (a gRPC receive on the line that
 awaited the message). Much slower; the counts per process are the same with it.
 
