@@ -289,6 +289,7 @@ def test_the_reaper_spares_a_job_joined_while_it_ended_another(tree):
     time.sleep(0.3)  # a few more passes
     assert tree.lt.call(lambda: sorted(root.ended)) == ["first"]
     assert tree.lt.call(lambda: sorted(root.jobs)) == ["second"]
+    first.close()
     second.close()
 
 
