@@ -116,8 +116,8 @@ def torch_kwargs(cfg: OptimizerConfig, strict: bool = False) -> dict[str, Any]:
 def _build(cfg: OptimizerConfig, groups: Sequence[list[torch.Tensor]],
            fuse: bool = False) -> tuple[torch.optim.Optimizer, bool]:
     """The torch optimizer over ``groups`` (group 0 first), or BadInput with torch's reason; and
-    whether it was made ``fused`` here (``fuse`` asks for it where ``fuses`` allows), not by the
-    job's own options."""
+    whether it was made ``fused`` here (``fuse`` asks for it where ``fuses`` allows: a fused
+    step of the configuration ran there), not by the job's own options."""
     cls = optimizer_class(cfg.kind)
     kwargs = torch_kwargs(cfg, strict=not cfg.plain)
     accepted = _accepted(cls)
@@ -126,19 +126,23 @@ def _build(cfg: OptimizerConfig, groups: Sequence[list[torch.Tensor]],
             if name not in accepted:  # torch keeps unknown group keys silently: a typo would do nothing
                 raise BadInput(f"param group {','.join(g.match)}: optimizer {cls.__name__} takes no option "
                                f"{name!r}; its options: {', '.join(accepted)}")
-    attempts: list[dict[str, Any]] = ([{"fused": True}] if fuse and fuses(cfg) else []) + [{}]
-    for extra in attempts:
-        # torch adds its defaults to the group dicts it is given: a fresh spec per attempt
-        spec = [{"params": groups[0]}] + [{"params": groups[i + 1], **dict(g.options)}
-                                          for i, g in enumerate(cfg.groups)]
-        try:
-            return cls(spec, **kwargs, **extra), bool(extra)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            if extra:  # a setting the fused kernel does not take (differentiable, ...): unfused
-                continue
-            raise BadInput(f"optimizer {cls.__name__}({_describe(kwargs)}) refused its configuration: "
-                           f"{exc}") from None
-    raise AssertionError("unreachable: the unfused attempt returns or raises")
+    extra: dict[str, Any] = {"fused": True} if fuse and fuses(cfg) else {}
+    try:
+        return cls(_spec(cfg, groups), **kwargs, **extra), bool(extra)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise BadInput(f"optimizer {cls.__name__}({_describe(kwargs)}) refused its configuration: {exc}") from None
+
+
+def _spec(cfg: OptimizerConfig, groups: Sequence[list[torch.Tensor]]) -> list[dict[str, Any]]:
+    """torch's param groups: group 0 (the job's defaults), then each ParamGroup's tensors and options."""
+    return [{"params": groups[0]}] + [{"params": groups[i + 1], **dict(g.options)} for i, g in enumerate(cfg.groups)]
+
+
+def _step_once(opt: torch.optim.Optimizer, groups: Sequence[list[torch.Tensor]]) -> None:
+    """One step of ``opt`` over ``_dummies``' tensors, to see whether torch runs it."""
+    for g in groups:
+        g[0].grad = torch.ones_like(g[0])
+    opt.step()
 
 
 # torch.optim classes with a fused CPU kernel (torch 2.13): one pass over the vector per step.
@@ -175,11 +179,7 @@ def fuses(cfg: OptimizerConfig) -> bool:
     groups = _dummies(cfg)
     try:
         kwargs: dict[str, Any] = {**torch_kwargs(cfg), "fused": True}
-        opt = cls([{"params": groups[0]}] + [{"params": groups[i + 1], **dict(g.options)}
-                                             for i, g in enumerate(cfg.groups)], **kwargs)
-        for g in groups:
-            g[0].grad = torch.ones_like(g[0])
-        opt.step()
+        _step_once(cls(_spec(cfg, groups), **kwargs), groups)
     except (ValueError, TypeError, RuntimeError, AssertionError):  # a setting the fused kernel refuses
         return False
     return True
@@ -206,10 +206,8 @@ def check_config(cfg: OptimizerConfig) -> None:
     """BadInput unless torch builds ``cfg``'s optimizer and steps it once (on a dummy tensor)."""
     groups = _dummies(cfg)
     opt, _ = _build(cfg, groups)
-    for g in groups:
-        g[0].grad = torch.ones_like(g[0])
     try:
-        opt.step()
+        _step_once(opt, groups)
     except (ValueError, TypeError, RuntimeError, AssertionError) as exc:  # capturable=True: an assert
         raise BadInput(f"optimizer {type(opt).__name__} cannot step with this configuration: {exc}") from None
 
