@@ -21,6 +21,7 @@ DOCTESTED = (
     "ps.core",
     "ps.core.codecs",
     "ps.core.codecs._common",
+    "ps.core.codecs._host",
     "ps.core.codecs.base",
     "ps.core.codecs.feedback",
     "ps.core.codecs.half",

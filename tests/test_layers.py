@@ -146,3 +146,14 @@ def test_status_and_job_tools_load_neither_torch_nor_matplotlib():
     loaded = _fresh("import sys, ps.tools.status, ps.tools.jobctl\n"
                     "print(sorted(m for m in ('torch', 'matplotlib', 'yaml') if m in sys.modules))")
     assert loaded == "[]"
+
+
+def test_a_relay_process_loads_no_torch_until_a_job_needs_it():
+    # What `hps serve --role zone|regional` imports, and the codecs a lossless job uses: torch
+    # (seconds, ~180 MB) is imported by a relay only for a lossy codec or an outer inner loop
+    # (tests/integration/test_relay_torch.py checks a serving zone).
+    loaded = _fresh("import sys, ps.tools.cli, ps.server, ps.tiers.outer, ps.tiers.relay\n"
+                    "from ps.core.codecs import get_codec\n"
+                    "for name in ('fp32', 'fp32+zstd', 'rows'): get_codec(name)\n"
+                    "print(sorted(m for m in ('torch',) if m in sys.modules))")
+    assert loaded == "[]"

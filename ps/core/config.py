@@ -406,6 +406,17 @@ class JobConfig:
         _require(1 <= self.delta_log_length <= 100_000,
                  f"delta_log_length must be in [1, 100000], got {self.delta_log_length}")
 
+    def codecs(self, up_codec: str = "") -> frozenset[str]:
+        """Every codec a tier of this job may decode or encode (``up_codec``: the tier's own).
+
+        >>> sorted(JobConfig("lm", push_codec="int8", relay_codec="fp16").codecs())
+        ['fp16', 'fp32', 'int8']
+        """
+        names = {self.push_codec, self.delta_codec, self.relay_codec, up_codec}
+        if self.outer is not None:
+            names |= {self.outer.codec, self.outer.delta_codec}
+        return frozenset(names - {""})
+
 
 @dataclass(frozen=True)
 class ServerConfig:

@@ -3,6 +3,7 @@
 >>> from ps.core.view import KeySpec
 >>> layout = Layout([KeySpec("fc.weight", (100, 10))])
 >>> enc = Encoder("topk", topk=0.01, warmup_steps=100, seed="w0")
+>>> import torch
 >>> grad = torch.randn(layout.numel)             # numpy, or torch on the training device
 >>> chunks = enc.split(layout, grad, step=7)     # density 25% during the warm-up
 >>> [(c.key, c.offset) for c in chunks]
@@ -14,25 +15,30 @@ A worker's push edge and each relay's upward edge own one (design invariant 6). 
 always run under error feedback; with ``momentum`` (DGC's momentum correction) the sender also
 keeps the velocity it sparsifies; with powersgd it keeps each matrix's Q, the warm start of
 its next power iteration (as torch's ``PowerSGDState`` does). Lossless codecs send row-sparse
-keys as rows.
+keys as rows. An encoder of a lossless codec fed numpy (a relay's) needs no torch.
 """
 
 from __future__ import annotations
 
 import threading
 import zlib
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
-import torch
 
-from ps.core.codecs import Codec, ErrorFeedback, dgc_density, get_codec
-from ps.core.codecs.powersgd import PowerSGD
-from ps.core.codecs.topk import TopK
+from ps.core.codecs import Codec, get_codec
+from ps.core.codecs._host import is_tensor
+from ps.core.codecs.feedback import ErrorFeedback, dgc_density
 from ps.core.config import JobConfig
 from ps.core.errors import BadInput
 from ps.core.tensors import CHUNK_ELEMS, Chunk, row_width, split
 from ps.core.view import Layout
+
+if TYPE_CHECKING:  # the lossy codecs' state is torch's; imported where it is used
+    import torch
+
+    from ps.core.codecs.powersgd import PowerSGD
+    from ps.core.codecs.topk import TopK
 
 __all__ = ["Encoder", "row_sparse_keys"]
 
@@ -48,22 +54,34 @@ def row_sparse_keys(layout: Layout, flat: np.ndarray | torch.Tensor, max_fractio
     An embedding table's gradient touches only the rows of the batch's tokens; sending those
     rows (with their indices) instead of the table is lossless and often 10-1000x smaller.
     """
-    t = flat if isinstance(flat, torch.Tensor) else torch.from_numpy(np.asarray(flat))
+    tensor = is_tensor(flat)
+    if tensor:
+        import torch  # loaded already: flat is a tensor
     out = []
     for spec in layout:
         width = row_width(spec)
         if (only is not None and spec.key not in only) or len(spec.shape) < 2 or spec.shape[0] < 2 \
                 or width > CHUNK_ELEMS:
             continue
-        base = layout.offset(spec.key)
-        table = t[base: base + spec.numel].view(spec.shape[0], width)
-        if spec.shape[0] > 4 * _PROBE_ROWS:
-            # A dense gradient is the common case: rule it out from a few evenly spaced rows
-            # instead of a full pass over (maybe hundreds of MB of) gradient.
-            probe = torch.linspace(0, spec.shape[0] - 1, _PROBE_ROWS, device=table.device).long()
-            if int((table.index_select(0, probe) != 0).any(dim=1).sum()) > 0.9 * _PROBE_ROWS:
-                continue
-        if int((table != 0).any(dim=1).sum()) <= max_fraction * spec.shape[0]:
+        base, rows = layout.offset(spec.key), spec.shape[0]
+        # A dense gradient is the common case: rule it out from a few evenly spaced rows
+        # instead of a full pass over (maybe hundreds of MB of) gradient.
+        probing = rows > 4 * _PROBE_ROWS
+        if tensor:  # on the tensor's device
+            table = cast("torch.Tensor", flat)[base: base + spec.numel].view(rows, width)
+            if probing:
+                probe = torch.linspace(0, rows - 1, _PROBE_ROWS, device=table.device).long()
+                if int((table.index_select(0, probe) != 0).any(dim=1).sum()) > 0.9 * _PROBE_ROWS:
+                    continue
+            touched = int((table != 0).any(dim=1).sum())
+        else:
+            host = np.asarray(flat)[base: base + spec.numel].reshape(rows, width)
+            if probing:
+                probe_np = np.linspace(0, rows - 1, _PROBE_ROWS).astype(np.int64)
+                if int(np.count_nonzero((host[probe_np] != 0).any(axis=1))) > 0.9 * _PROBE_ROWS:
+                    continue
+            touched = int(np.count_nonzero((host != 0).any(axis=1)))
+        if touched <= max_fraction * rows:
             out.append(spec.key)
     return frozenset(out)
 
@@ -141,8 +159,11 @@ class Encoder:
             self._undo[name] = (kept(self.ef.residuals.get(name)), kept(self.velocity.get(name)), self.warm.get(name))
 
     def _encode(self, name: str, codec: Codec, part: np.ndarray | torch.Tensor) -> bytes:
+        import torch  # a lossy codec's: its module has loaded it
+
         self._remember(name)
-        if isinstance(codec, PowerSGD):
+        if codec.name == "powersgd":
+            codec = cast("PowerSGD", codec)
             # Warm start: this step's power iteration begins at the Q the last one sent, which
             # tracks the gradient's slowly changing top subspace (Vogels et al. 2019, sec. 3).
             payload = self.ef.encode(name, codec.warm(self.warm.pop(name, None)), part)
@@ -160,7 +181,7 @@ class Encoder:
         payload = self.ef.encode(name, codec, u)
         # Momentum factor masking (DGC): what was sent stops accumulating momentum here; the
         # root applies it once, without momentum of its own.
-        idx, _ = cast(TopK, codec).decode_sparse(payload, u.numel(), u.device)
+        idx, _ = cast("TopK", codec).decode_sparse(payload, u.numel(), u.device)
         u.index_fill_(0, idx, 0.0)
         return payload
 
@@ -171,7 +192,7 @@ class Encoder:
     def codec_at(self, step: int) -> Codec:
         """The codec for ``step``: top-k's density follows DGC's warm-up (25% down to topk)."""
         if self.name == "topk" and self.warmup_steps:
-            return cast(TopK, self.codec).with_k(dgc_density(max(0, step), self.topk, self.warmup_steps))
+            return cast("TopK", self.codec).with_k(dgc_density(max(0, step), self.topk, self.warmup_steps))
         return self.codec
 
     def split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int = 0,
@@ -213,10 +234,12 @@ class Encoder:
         """Replace residuals, velocities and Qs; a Q whose shape no longer fits its matrix (the
         rank changed) is ignored there and the power iteration starts afresh."""
         def arrays(prefix: str, flat: bool) -> dict[str, torch.Tensor]:
-            out = {}
+            out: dict[str, torch.Tensor] = {}
             for k, v in state.items():
                 a = np.array(v, np.float32, copy=True)
                 if k.startswith(prefix) and (flat or a.ndim == 2):
+                    import torch  # state of a lossy codec's sender
+
                     out[k[len(prefix):]] = torch.from_numpy(a.reshape(-1) if flat else a)
             return out
 

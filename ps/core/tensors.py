@@ -25,16 +25,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from itertools import pairwise
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
-import torch
 
 from ps.core.codecs import Codec, get_codec
-from ps.core.codecs.powersgd import PowerSGD
+from ps.core.codecs._host import is_tensor
 from ps.core.errors import BadInput, short
 from ps.core.pieces import Pieces
 from ps.core.types import Chunk
 from ps.core.view import KeySpec, Layout
+
+if TYPE_CHECKING:  # torch is the lossy codecs' and the worker's: a relay of lossless jobs runs without it
+    import torch
+
+    from ps.core.codecs.powersgd import PowerSGD
 
 __all__ = ["Chunk", "split", "Assembler", "Pieces", "assemble", "CHUNK_ELEMS", "payload_bytes", "row_width",
            "all_finite"]
@@ -88,8 +93,12 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
     out = []
     fp32 = get_codec("fp32")
     host = flat
-    if not copy and isinstance(flat, torch.Tensor) and flat.device.type == "cpu" and flat.dtype == torch.float32:
-        host = flat.detach().numpy()  # the tensor's memory (a worker's gathered gradient)
+    if not copy and is_tensor(flat):
+        import torch  # loaded already: flat is a tensor
+
+        t = cast(torch.Tensor, flat)
+        if t.device.type == "cpu" and t.dtype == torch.float32:
+            host = t.detach().numpy()  # the tensor's memory (a worker's gathered gradient)
     view = (not copy and isinstance(host, np.ndarray) and host.dtype == np.float32 and host.ndim == 1
             and host.flags.c_contiguous and np.little_endian)
     for spec in layout:
@@ -103,8 +112,8 @@ def split(layout: Layout, flat: np.ndarray | torch.Tensor, codec: Codec, chunk_e
             width = row_width(spec)
             key_codec = get_codec("rows", width=width)
             step = max(width, chunk_elems // width * width)
-        elif isinstance(codec, PowerSGD):
-            key_codec, step = _powersgd_key(codec, spec, chunk_elems)
+        elif codec.name == "powersgd":
+            key_codec, step = _powersgd_key(cast("PowerSGD", codec), spec, chunk_elems)
             plain = plain or key_codec.lossless
         for off in range(0, max(spec.numel, 1), step):
             n = min(step, spec.numel - off)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,7 +35,6 @@ from ps.core.errors import HpsError, Stale, UnknownJob
 from ps.core.exactly_once import AppliedBook, SeqBook
 from ps.core.leases import LeaseBook
 from ps.core.losswatch import LossWatch
-from ps.core.optim import ServerOptimizer
 from ps.core.outer import Pace
 from ps.core.ranks import RankBook
 from ps.core.tensors import Chunk, split
@@ -42,6 +42,9 @@ from ps.core.types import JobStats, PushKey
 from ps.core.view import Layout, View
 from ps.net.wire import framed
 from ps.tiers.wal import WriteAheadLog
+
+if TYPE_CHECKING:  # the root's (torch): a relay's jobs have none
+    from ps.core.optim import ServerOptimizer
 
 __all__ = ["JobState", "RootJob", "RelayJob"]
 

@@ -59,6 +59,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -69,19 +70,18 @@ from ps.core.errors import HpsError, NotReady, short
 from ps.core.intake import PushIntake
 from ps.core.leases import GRANTED, WAIT, Dataset, Grant
 from ps.core.logs import event
-from ps.core.optim import ServerOptimizer, warm_up
 from ps.core.outer import OuterPlan, PendingProgress, StepRate, dynamic_period
 from ps.core.ranks import RankInfo
 from ps.core.tensors import Chunk
 from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration, StepInfo, TierStatus, VersionMeta
-from ps.core.view import Layout
 from ps.tiers.jobstate import JobState, RelayJob, RootJob
 from ps.tiers.relay import Relay
-from ps.tiers.root import Root
 from ps.tiers.tier import new_epoch
-from ps.tiers.wal import WalRecord
 
-__all__ = ["OuterRelay", "InnerRoot", "runs_inner"]
+if TYPE_CHECKING:  # the root's code and torch: imported with the first outer job held here
+    from ps.tiers.inner import InnerRoot
+
+__all__ = ["OuterRelay", "runs_inner"]
 
 log = logging.getLogger("hps.outer")
 
@@ -137,55 +137,12 @@ class OuterState:
         return dynamic_period(self.plan.period, self.rate.rate, self.pace) if dynamic else self.plan.period
 
 
-class InnerRoot(Root):
-    """A region's root for its outer jobs: ``Root`` with the job's inner optimizer, no disk, and
-    a sync with the global root every ``period`` versions (``OuterRelay.after_inner_version``)."""
+def _inner_root_class() -> type[InnerRoot]:
+    from ps.core.optim import warm_up
+    from ps.tiers.inner import InnerRoot
 
-    above_inner_loops = False  # it runs the inner loop: its rounds are the region's workers' bsp rounds
-
-    def __init__(self, config: ServerConfig, relay: OuterRelay) -> None:
-        super().__init__(dataclasses.replace(config, role="global", parent="", checkpoint_dir="",
-                                             standby="", standby_of=""))
-        self.role = relay.role
-        self.epoch = relay.epoch  # one server epoch for the process, whichever part answers
-        self.relay = relay
-
-    @staticmethod
-    def _optimizer(cfg: JobConfig, params: np.ndarray, layout: Layout) -> ServerOptimizer:
-        return ServerOptimizer(cfg.optimizer, params, layout)  # the inner one
-
-    @staticmethod
-    def _delta_codec(cfg: JobConfig) -> str:
-        return cfg.delta_codec  # the inner versions, to the region's zones
-
-    @staticmethod
-    def _published_keys(js: RootJob, step: StepInfo) -> frozenset[str] | None:
-        return None  # inner versions: every key trains every step
-
-    async def _after_version(self, js: RootJob, rec: WalRecord) -> None:
-        await self.relay.after_inner_version(js, rec.contributors)
-
-    def _trained(self, js: RootJob, progress: tuple[tuple[int, int, int], ...]) -> None:
-        self.relay.trained(js.config.name, progress)  # to the root with the syncs that carry it
-
-    def _telemetry(self, js: RootJob, meta: PushMeta) -> bool:
-        if not super()._telemetry(js, meta):
-            return False
-        ojs = self.relay.jobs.get(js.config.name)
-        if ojs is not None:  # the root hears the region's losses with its next pseudo-gradient
-            loss, n, secs = ojs.unsent_report
-            ojs.unsent_report = (loss + meta.loss_sum, n + meta.loss_count, secs + meta.step_seconds_sum)
-        return True
-
-    async def _members_changed(self, js: JobState) -> None:
-        await super()._members_changed(js)
-        if len(js.members) == 0:
-            await self.relay.inner_empty(js.config.name)
-
-    async def pull(self, job: str, member: str, view_epoch: int, since: int, min_version: int,
-                   wait_s: float, min_clock: int = 0) -> PullReply:
-        self.relay.note_old_lineage(job, view_epoch, since)
-        return await super().pull(job, member, view_epoch, since, min_version, wait_s, min_clock)
+    warm_up()
+    return InnerRoot
 
 
 class OuterRelay(Relay):
@@ -213,8 +170,10 @@ class OuterRelay(Relay):
     async def _inner_root(self) -> InnerRoot:
         async with self._inner_made:  # two first registrations at once make one
             if self.inner is None:
-                await asyncio.to_thread(warm_up)  # torch's first optimizer imports for a second: not on the loop
-                inner = InnerRoot(self.config, self)
+                # The root's code and torch's first optimizer import for seconds: not on the loop
+                # (a relay of other jobs never imports them).
+                root_class = await asyncio.to_thread(_inner_root_class)
+                inner = root_class(self.config, self)
                 await inner.start()
                 self.inner = inner
         return self.inner

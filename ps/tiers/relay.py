@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
+from ps.core import codecs
 from ps.core.config import JobConfig, ServerConfig
 from ps.core.consistency import Aggregate, Gradient, dense
 from ps.core.encoder import Encoder
@@ -195,6 +196,9 @@ class Relay(Tier):
             return js
         reg = await self.up.register(job, last_seq=max(self._up_acked.get(job, 0),
                                                        self._up_issued.get(job, 0)))
+        # A lossy codec's module imports torch (seconds): here, off the loop, before this job's
+        # first push or delta can need it; a relay of lossless jobs never imports it.
+        await asyncio.to_thread(codecs.load, reg.config.codecs(self.config.up_codec))
         if js is None or js.layout != reg.layout:
             js = RelayJob(reg.config, reg.layout, created_at=self.clock(),
                           above_inner=above_inner(reg.config, self.role))

@@ -8,6 +8,7 @@
 >>> y.tobytes() == x.tobytes()
 True
 >>> topk = get_codec("topk", k=0.01)      # a codec with options: name plus keywords
+>>> from ps.core.codecs import ErrorFeedback
 >>> ef = ErrorFeedback()                  # lossy codecs run under error feedback
 >>> payload = ef.encode("fc.weight", topk, x)
 >>> int(np.count_nonzero(topk.decode(payload, x.size)))   # 1% sent, the rest kept for later
@@ -18,33 +19,76 @@ residual themselves: the sender's ``ErrorFeedback`` state does (design invariant
 warm start (each matrix's last Q) is the sender's too (``ps.core.encoder.Encoder``). Their payloads
 describe themselves (sizes, scales, k), so ``get_codec(name)`` decodes any of them whatever
 options the sender used, and decoding is deterministic so every tier that decodes the same
-bytes gets the same numbers. The registry is complete at import: every name in
-``CODEC_NAMES`` has a codec, and ps.net.wire checks every name has a wire enum value.
+bytes gets the same numbers. The registry is complete: every name in ``CODEC_NAMES`` has a
+codec (asserted at import), and ps.net.wire checks every name has a wire enum value. A codec's
+module is imported when it is first asked for, so only a process that meets a lossy codec
+imports torch (``load`` imports some ahead, off an event loop).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from ps.core.codecs.base import Codec, LossyCodec
-from ps.core.codecs.feedback import ErrorFeedback, dgc_density
-from ps.core.codecs.half import Bf16, Fp16
-from ps.core.codecs.int4 import Int4
-from ps.core.codecs.int8 import Int8
-from ps.core.codecs.lossless import Fp32, Fp32Zstd
-from ps.core.codecs.powersgd import PowerSGD
-from ps.core.codecs.rows import Rows
-from ps.core.codecs.sign import Sign
-from ps.core.codecs.topk import TopK
 from ps.core.config import CODEC_NAMES
 from ps.core.errors import BadInput
 
-__all__ = ["Codec", "LossyCodec", "get_codec", "CODEC_NAMES", "ErrorFeedback", "dgc_density"]
+if TYPE_CHECKING:
+    from ps.core.codecs.feedback import ErrorFeedback, dgc_density
 
-_CLASSES: dict[str, type[Codec]] = {c.name: c for c in (Fp32, Fp32Zstd, Fp16, Bf16, Int8, Int4, TopK, Sign,
-                                                           Rows, PowerSGD)}
-_REGISTRY: dict[str, Codec] = {name: cls() for name, cls in _CLASSES.items()}
-assert set(_REGISTRY) == set(CODEC_NAMES), "every codec name the configuration allows needs a codec"
+__all__ = ["Codec", "LossyCodec", "get_codec", "load", "CODEC_NAMES", "ErrorFeedback", "dgc_density"]
+
+# name -> (module, class). A codec's module is imported the first time it is asked for: the
+# lossless ones (fp32, fp32+zstd, rows) need numpy alone, the lossy ones torch, which costs a
+# process ~2 s and ~180 MB, so a relay whose jobs are lossless never loads it.
+_WHERE: dict[str, tuple[str, str]] = {
+    "fp32": ("lossless", "Fp32"), "fp32+zstd": ("lossless", "Fp32Zstd"), "rows": ("rows", "Rows"),
+    "fp16": ("half", "Fp16"), "bf16": ("half", "Bf16"), "int8": ("int8", "Int8"), "int4": ("int4", "Int4"),
+    "topk": ("topk", "TopK"), "sign": ("sign", "Sign"), "powersgd": ("powersgd", "PowerSGD"),
+}
+assert set(_WHERE) == set(CODEC_NAMES), "every codec name the configuration allows needs a codec"
+_CLASSES: dict[str, type[Codec]] = {}
+_REGISTRY: dict[str, Codec] = {}
+_loading = threading.RLock()  # a codec's module may ask for another as it loads
+
+
+def _class(name: str) -> type[Codec]:
+    cls = _CLASSES.get(name)
+    if cls is None:
+        where = _WHERE.get(name)
+        if where is None:
+            raise BadInput(f"unknown codec {name!r}; known codecs: {', '.join(CODEC_NAMES)}")
+        with _loading:
+            cls = getattr(importlib.import_module(f"ps.core.codecs.{where[0]}"), where[1])
+            assert cls.name == name, (cls, name)
+            _REGISTRY.setdefault(name, cls())
+            _CLASSES[name] = cls
+    return cls
+
+
+# The lossless codecs need numpy alone: loaded now, so that only a lossy one ever waits on the lock.
+for _name in ("fp32", "fp32+zstd", "rows"):
+    _class(_name)
+
+
+def load(names: Iterable[str]) -> None:
+    """Import the codecs named (and torch, for a lossy one) now: for a caller that must not
+    import them later on its event loop. Unknown names raise BadInput."""
+    for name in names:
+        _class(name)
+
+
+def __getattr__(name: str) -> Any:
+    """The codec classes and the error-feedback helpers by name, imported on first use."""
+    if name in ("ErrorFeedback", "dgc_density"):
+        return getattr(importlib.import_module("ps.core.codecs.feedback"), name)
+    for codec, (_, cls) in _WHERE.items():
+        if cls == name:
+            return _class(codec)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_codec(name: str, **options: Any) -> Codec:
@@ -54,9 +98,7 @@ def get_codec(name: str, **options: Any) -> Codec:
         get_codec("topk", k=0.001)       # options: topk (k, seed), int8 and int4 (chunk, seed), fp32+zstd (level),
                                          # rows (width), powersgd (rank, width, seed)
     """
-    cls = _CLASSES.get(name)
-    if cls is None:
-        raise BadInput(f"unknown codec {name!r}; known codecs: {', '.join(CODEC_NAMES)}")
+    cls = _class(name)
     if not options:
         return _REGISTRY[name]
     accepted = getattr(cls, "options", ())

@@ -5,6 +5,7 @@
 >>> payload = codec.encode(np.ones(4, np.float32))  # or a torch tensor, on any device
 >>> codec.decode(payload, 4)                        # float32 numpy array on the host
 array([1., 1., 1., 1.], dtype=float32)
+>>> import torch
 >>> y = torch.full((4,), 3.0)
 >>> codec.subtract_decoded_(y, payload); y          # what error feedback keeps, on y's device
 tensor([2., 2., 2., 2.])
@@ -12,10 +13,12 @@ tensor([2., 2., 2., 2.])
 
 from __future__ import annotations
 
-from typing import Protocol, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the interface needs no torch: a lossless codec runs without it
+    import torch
 
 __all__ = ["Codec", "LossyCodec", "TensorCodec", "Array", "Payload", "Device"]
 

@@ -1,5 +1,6 @@
 """Error feedback: the state a lossy sender keeps so that compression loses nothing over time.
 
+>>> import torch
 >>> from ps.core.codecs import get_codec
 >>> ef, codec, sent = ErrorFeedback(), get_codec("topk", k=0.01), torch.zeros(1000)
 >>> grads = [torch.randn(1000) for _ in range(50)]
@@ -20,14 +21,15 @@ al. 2018). Design invariant 6: the worker, each relay that re-encodes, and the r
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
-import torch
 
-from ps.core.codecs._common import as_tensor
 from ps.core.codecs.base import Codec, LossyCodec
 from ps.core.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ErrorFeedback", "dgc_density"]
 
@@ -47,6 +49,8 @@ class ErrorFeedback:
 
     def encode(self, key: str, codec: Codec, x: np.ndarray | torch.Tensor) -> bytes:
         """The payload for x plus the key's residual; the residual becomes what was not sent."""
+        from ps.core.codecs._common import as_tensor  # torch: imported on a sender's first encode
+
         x = as_tensor(x)
         r = self.residuals.pop(key, None)
         if r is None:
@@ -81,6 +85,11 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Replace the residuals; each moves to its tensor's device on that key's next encode."""
+        if not state:
+            self.residuals = {}
+            return
+        import torch
+
         self.residuals = {k: torch.from_numpy(np.array(v, dtype=np.float32, copy=True).reshape(-1))
                           for k, v in state.items()}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from ps.core.codecs._common import to_numpy, unzstd
+from ps.core.codecs._host import to_numpy, unzstd
 from ps.core.codecs.base import Array, Payload
 from ps.core.errors import BadInput
 
