@@ -8,8 +8,9 @@ Traceback (most recent call last):
 ps.core.errors.BadInput: rows payload does not decompress: error when determining content size
 
 A relay of lossless jobs (fp32, fp32+zstd, rows) decodes and encodes with these alone, so it
-never imports torch: its process starts in ~0.3 s instead of ~2.3 s and holds ~45 MB instead of
-~230 MB (measured here). The torch helpers of the lossy codecs are in ``_common``.
+never imports torch: a zone serves 0.38 s after it starts instead of 2.33 s and holds 57 MB
+instead of 239 MB (``benchmarks/start.py``). The torch helpers of the lossy codecs are in
+``_common``.
 """
 
 from __future__ import annotations
