@@ -82,12 +82,9 @@ def load(names: Iterable[str]) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """The codec classes and the error-feedback helpers by name, imported on first use."""
+    """The error-feedback helpers (``__all__``), imported on first use."""
     if name in ("ErrorFeedback", "dgc_density"):
         return getattr(importlib.import_module("ps.core.codecs.feedback"), name)
-    for codec, (_, cls) in _WHERE.items():
-        if cls == name:
-            return _class(codec)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -52,8 +52,9 @@ def is_tensor(x: object) -> bool:
 def to_numpy(x: np.ndarray | torch.Tensor) -> np.ndarray:
     """A contiguous float32 numpy array of ``x`` on the host (what the dense codecs send)."""
     if is_tensor(x):
-        t = cast("torch.Tensor", x).detach().reshape(-1)
-        return t.to("cpu", sys.modules["torch"].float32).numpy()
+        import torch  # loaded already: x is a tensor
+
+        return cast(torch.Tensor, x).detach().reshape(-1).to("cpu", torch.float32).numpy()
     return np.ascontiguousarray(x, dtype="<f4").reshape(-1)
 
 
