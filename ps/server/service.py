@@ -50,6 +50,7 @@ import traceback
 import grpc
 from google.protobuf.message import DecodeError
 
+from ps.core import codecs
 from ps.core.config import JobConfig, check_name
 from ps.core.errors import BadInput, Conflict, HpsError, Internal, short
 from ps.core.tensors import Assembler
@@ -291,7 +292,14 @@ class _Servicer:
                         timing.job = meta.job
                         intake = self.tier.open_push(meta)  # refusals before the body is read
                     elif kind == "chunks":
-                        intake.add(chunks_of(h.chunks, payload))
+                        chunks = chunks_of(h.chunks, payload)
+                        # A codec this process has not loaded (a lossy one imports torch: ~2 s) is
+                        # imported off the event loop, which must keep answering heartbeats; a
+                        # relay loads its jobs' codecs as it attaches them, but a child may send
+                        # another (its own --up-codec, a worker its own codec).
+                        if missing := codecs.unloaded({c.codec for c in chunks}):
+                            await asyncio.to_thread(codecs.load, missing)
+                        intake.add(chunks)
                     elif kind == "tail":  # a streamed push's late fields
                         intake.late(with_tail(intake.meta, h))
                 digest = reader.finish()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from dataclasses import replace
 
@@ -379,3 +380,30 @@ def test_a_parent_refusing_a_large_forwarded_stream_at_its_header_is_passed_on_w
             rpc["CreateJob"](iter(frames), timeout=30)  # through the zone, which forwards it
         got.append((err.value.code(), err.value.details()[:60]))
     assert all(code == grpc.StatusCode.ALREADY_EXISTS for code, _ in got), got
+
+
+def test_a_push_in_a_codec_not_loaded_yet_loads_it_off_the_event_loop(setup, monkeypatch):
+    """A lossy codec's first import loads torch (~2 s in a relay that had no need of it): a push
+    naming one the process has not loaded (a worker's other codec, a child's --up-codec) must
+    not do that on the event loop, which answers every member's heartbeats."""
+    from ps.core import codecs
+    tree, zone, w, rpc = setup
+    loaded_on: list[tuple[frozenset, bool]] = []
+    load = codecs.load
+
+    def recording(names):
+        loaded_on.append((frozenset(names), threading.current_thread() is tree.lt.thread))
+        return load(names)
+
+    monkeypatch.setattr(codecs, "load", recording)
+    grad = np.ones(LAYOUT.numel, np.float32)
+    chunks = split(LAYOUT, grad, get_codec("int8"))
+    assert {c.codec for c in chunks} == {"int8"}
+    monkeypatch.delitem(codecs._CLASSES, "int8")  # as in a process that never loaded it
+    ack = rpc["Push"](iter(encode_push(_meta(w), chunks)), timeout=30)
+    assert loaded_on == [(frozenset({"int8"}), False)]  # once, in a worker thread
+    assert ack.applied_version == 1
+    # The codec stays loaded: the next push in it asks for nothing more.
+    w.pull(min_version=1)
+    rpc["Push"](iter(encode_push(_meta(w, seq=2), chunks)), timeout=30)
+    assert len(loaded_on) == 1

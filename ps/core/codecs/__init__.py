@@ -39,7 +39,7 @@ from ps.core.errors import BadInput
 if TYPE_CHECKING:
     from ps.core.codecs.feedback import ErrorFeedback, dgc_density
 
-__all__ = ["Codec", "LossyCodec", "get_codec", "load", "CODEC_NAMES", "ErrorFeedback", "dgc_density"]
+__all__ = ["Codec", "LossyCodec", "get_codec", "load", "unloaded", "CODEC_NAMES", "ErrorFeedback", "dgc_density"]
 
 # name -> (module, class). A codec's module is imported the first time it is asked for: the
 # lossless ones (fp32, fp32+zstd, rows) need numpy alone, the lossy ones torch, which costs a
@@ -79,6 +79,11 @@ def load(names: Iterable[str]) -> None:
     import them later on its event loop. Unknown names raise BadInput."""
     for name in names:
         _class(name)
+
+
+def unloaded(names: Iterable[str]) -> frozenset[str]:
+    """The codecs named that are known but not imported yet (what ``load`` would import)."""
+    return frozenset(n for n in names if n not in _CLASSES and n in _WHERE)
 
 
 def __getattr__(name: str) -> Any:
