@@ -37,7 +37,7 @@ EVENTS = frozenset({
     "member.joined", "member.left", "member.expired", "member.replaced",
     "round.restarted", "round.refused",
     "checkpoint.written", "checkpoint.failed", "wal.write_failed",
-    "parent.lost", "parent.regained", "parent.restarted", "parent.switched",
+    "parent.lost", "parent.regained", "parent.restarted", "parent.switched", "parent.returned",
     "launch.tier_died", "launch.tier_restarted", "launch.tier_failed",
     "worker.retrying", "worker.recovered", "worker.gave_up", "worker.switched",
     "training.loss_rising",

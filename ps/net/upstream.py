@@ -44,7 +44,7 @@ from ps.core.errors import HpsError, NotPrimary, TimedOut, Unavailable
 from ps.core.leases import Dataset, Grant
 from ps.core.ranks import RankInfo
 from ps.core.tensors import split
-from ps.core.types import Ack, PullMeta, PushKey, Registration, VersionMeta
+from ps.core.types import Ack, PullMeta, PushKey, Registration, TierStatus, VersionMeta
 from ps.core.view import Layout
 from ps.net.rpc import FORWARDED, AsyncCaller, cannot_connect
 from ps.net.tls import TlsFiles
@@ -62,6 +62,7 @@ from ps.net.wire import (
     pb,
     rank_from_pb,
     shards_to_pb,
+    status_from_pb,
 )
 
 __all__ = ["Upstream"]
@@ -94,6 +95,7 @@ class Upstream:
         self._tls = tls  # this relay's certificate, shown to its parent
         self._rpc = AsyncCaller(self.parents[0], tls)
         self._retired: list[AsyncCaller] = []  # earlier parents' links: calls in flight finish there
+        self._probe: AsyncCaller | None = None  # to a parent not in use: does it serve again?
         self._closing: set[asyncio.Future] = set()  # background closes and goodbyes, referenced
 
     @property
@@ -102,22 +104,34 @@ class Upstream:
         return self.parents[self.index]
 
     async def close(self) -> None:
-        for rpc in [*self._retired, self._rpc]:
+        for rpc in [*self._retired, self._rpc, *([self._probe] if self._probe else [])]:
             await rpc.close()
         self._retired.clear()
+        self._probe = None
 
-    def switch(self, jobs: list[str]) -> str:
-        """Send every call from now on to the next parent in turn; returns its address. The
-        previous one is told we leave ``jobs`` (best effort, in the background: a dead parent
-        forgets us by its member timeout instead). Its channel is closed only at a later switch:
-        a call still in flight there ends by itself (closing would cancel it, an error that is
-        not the parent's answer)."""
+    async def status_of(self, index: int, timeout: float) -> TierStatus:
+        """What ``parents[index]`` (one not in use) answers ``Status``, asked with the job tokens
+        this relay holds: whether a parent it left serves again. HpsError if it does not answer."""
+        address = self.parents[index]
+        if self._probe is None or self._probe.address != address:
+            if self._probe is not None:
+                await self._probe.close()
+            self._probe = AsyncCaller(address, self._tls)
+        held = tuple(dict.fromkeys(self.job_tokens.values()))
+        return status_from_pb(await self._probe.call("Status", pb.StatusRequest(), timeout, held))
+
+    def switch(self, jobs: list[str], to: int | None = None) -> str:
+        """Send every call from now on to parent ``to`` (default: the next in turn); returns its
+        address. The previous one is told we leave ``jobs`` (best effort, in the background: a
+        dead parent forgets us by its member timeout instead). Its channel is closed only at a
+        later switch: a call still in flight there ends by itself (closing would cancel it, an
+        error that is not the parent's answer)."""
         old = self._rpc
         while len(self._retired) > 2:  # bounded: a flapping pair must not pile up channels
             self._closing.add(task := asyncio.ensure_future(self._retired.pop(0).close()))
             task.add_done_callback(self._closing.discard)
         self._retired.append(old)
-        self.index = (self.index + 1) % len(self.parents)
+        self.index = (self.index + 1) % len(self.parents) if to is None else to
         self._rpc = AsyncCaller(self.current, self._tls)
         self.switches += 1
         self.reachable = False

@@ -32,7 +32,10 @@ timeout (a takeover comes within the lease), then tries the next parent in the l
 parent it left is first resolved at the root through the new one (``Resolve``): applied, it is
 acknowledged; not applied, it is sent again; so none is applied twice. Its children see a pause.
 Readiness goes once the relay has been cut off from every parent longer than the member timeout
-(its parent has dropped it by then: the view it serves no longer moves).
+(its parent has dropped it by then: the view it serves no longer moves). On an alternate, a relay
+asks its first parent ``Status`` every member timeout; ready at two probes in a row (and not a
+root: of a root pair, the relay follows the primary), the first parent takes the jobs back
+(``_home_loop``), as a switch does, between two bsp rounds.
 """
 
 from __future__ import annotations
@@ -168,6 +171,8 @@ class Relay(Tier):
     async def start(self) -> None:
         await super().start()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        if len(self.up.parents) > 1:
+            self._tasks.append(asyncio.create_task(self._home_loop(), name="home"))
 
     async def stop(self) -> None:
         for job in list(self.attached):
@@ -315,6 +320,49 @@ class Relay(Tier):
                     short(str(why), 160), new, self.up.index + 1, len(self.up.parents),
                     extra=event("parent.switched", parent=new, previous=old, switches=self.up.switches))
         await self._register_again([])
+
+    async def _home_loop(self) -> None:
+        """On an alternate parent: move back to the first one once it has served for a while.
+        An alternate is where a zone goes while its own regional master is down, often in
+        another region, so every round would cross the WAN until the zone restarted. Every
+        member timeout the first parent is asked ``Status``; ready (synced with its own parent)
+        on two probes in a row, it takes the jobs back, at a moment no bsp round is on its way
+        up (a round forwarded through the alternate finishes there). The parents of a root pair
+        are skipped: a relay follows whichever root is the primary."""
+        period = max(self.config.member_timeout_s, self.config.heartbeat_s)
+        ready = 0  # probes in a row that found the first parent ready
+        while True:
+            await asyncio.sleep(period)
+            if self.up.index == 0:
+                ready = 0
+                continue
+            try:
+                st = await self.up.status_of(0, period)
+            except HpsError:
+                ready = 0
+                continue
+            if st.role == "global":
+                return
+            ready = ready + 1 if st.ready and st.parent_reachable else 0
+            if ready >= 2 and await self._between_rounds(period) and self.up.index != 0:
+                ready = 0
+                old, jobs = self.up.current, sorted(self.attached)
+                self.up.switch(jobs, to=0)
+                self.attached.clear()
+                log.warning("%s: first parent %s has served for %.0fs; moving back to it from %s",
+                            self.role, self.up.current, 2 * period, old,
+                            extra=event("parent.returned", parent=self.up.current, previous=old,
+                                        switches=self.up.switches))
+                await self._register_again([])
+
+    async def _between_rounds(self, within: float) -> bool:
+        """Wait (up to ``within`` seconds) until no bsp/ssp round is being forwarded up."""
+        deadline = self.clock() + within
+        while any(lock.locked() for lock in self._fwd_locks.values()):
+            if self.clock() >= deadline:
+                return False
+            await asyncio.sleep(min(0.01, self.config.heartbeat_s))
+        return True
 
     # -- upward ----------------------------------------------------------------------------
     def _finish_round(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status, print_tree
-from tests.helpers import json_lines, step_worker
+from tests.helpers import json_lines, step_worker, wait_for
 
 FAST = {"heartbeat_s": 0.2, "member_timeout_s": 1.5}
 STEPS = 30
@@ -97,3 +97,46 @@ def test_a_worker_whose_zone_is_killed_moves_to_its_alternate_zone(tmp_path, rea
         assert j.stats.double_applied == 0
         assert [e["version"] for _, e in first[0] + rest[0]] == list(range(1, steps + 1))
         assert f"switching to {cluster.address('z-b')}" in (tmp_path / "w0.log").read_text()
+
+
+def test_a_zone_moves_back_to_its_regional_master_once_it_serves_again(tmp_path, reap):
+    """After a kill -9 of its regional master the zone trains through the alternate (in a
+    deployment, another region: every round across the WAN); once its own master is back and
+    ready, the zone moves back to it, instead of staying on the alternate until it restarts."""
+    steps = 200
+    with Cluster.start(_two_regions(), tmp_path / "logs") as cluster:
+        home, away = cluster.address("eu-1"), cluster.address("eu-2")
+        ws = [step_worker(reap, cluster.address(z), f"w{i}", steps, 0.05, tmp_path / f"w{i}.log")
+              for i, z in enumerate(("eu-a", "eu-b"))]
+        seen = [json_lines(w, 8, 90) for w in ws]
+        assert all(len(s) == 8 for s in seen), f"no training before the kill (logs: {tmp_path})"
+
+        def parent() -> str:
+            return fetch_status(cluster.address("eu-a")).parent
+
+        cluster.stop_tier("eu-1", signal.SIGKILL)
+        wait_for(lambda: parent() == away, "the zone on its alternate", 30)
+        for s, w in zip(seen, ws):
+            s += json_lines(w, 5, 60)  # training goes on through the alternate
+        cluster.restart("eu-1")
+        wait_for(lambda: parent() == home, "the zone back at its regional master", 30, pause_s=0.2)
+        # The alternate no longer counts the zone among the job's members (it was told it left).
+        wait_for(lambda: [m.member for m in fetch_status(away).jobs[0].members] == ["eu-b"],
+                 "the alternate without the zone", 10, pause_s=0.2)
+        for s, w in zip(seen, ws):
+            s += json_lines(w, steps - len(s), 120)
+            assert w.wait(timeout=30) == 0
+        assert [len(s) for s in seen] == [steps, steps], f"logs: {tmp_path}"
+        # Through both moves: one version per step (none lost, none doubled), at most one step
+        # of the moving zone's worker not applied per move, none of the other's.
+        for s in seen:
+            assert [e["version"] for e in s] == list(range(1, steps + 1)), [e["version"] for e in s]
+        dropped = [sum(not e["applied"] for e in s) for s in seen]
+        assert dropped[0] <= 2 and dropped[1] == 0, dropped
+        assert seen[0][-1]["crc"] == seen[1][-1]["crc"]
+        (j,) = fetch_status(cluster.address("root")).jobs
+        assert j.stats.double_applied == 0 and j.version == steps
+        zone = fetch_status(cluster.address("eu-a"))
+        assert zone.parent == home and zone.parent_switches == 2, zone
+        log = (tmp_path / "logs" / "eu-a.log").read_text()
+        assert f"moving back to it from {away}" in log, log[-2000:]
