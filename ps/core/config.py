@@ -236,10 +236,18 @@ class OuterConfig:
     # and a slow region's pseudo-gradient is no staler than a fast one's. The root hears each
     # region's rate with its pseudo-gradients and answers the fastest with its acknowledgement.
     dynamic_steps: bool = False
+    # Seconds a region waits for a sync (the one due, or without overlap the one just sent)
+    # before it trains on without it: with the root or the WAN down, the region keeps making
+    # inner steps, and the sync, retried meanwhile, is merged when it lands; the steps since go
+    # with the next one. 0: wait as long as the sync is retried (the round timeout).
+    sync_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
             object.__setattr__(self, "optimizer", OptimizerConfig(**self.optimizer))
+        _require(not isinstance(self.sync_wait_s, bool) and isinstance(self.sync_wait_s, (int, float))
+                 and 0 <= self.sync_wait_s <= 86400 and math.isfinite(self.sync_wait_s),
+                 f"outer sync_wait_s must be a number of seconds in [0, 86400], got {self.sync_wait_s!r}")
         _require(isinstance(self.dynamic_steps, bool), f"outer dynamic_steps must be true or false, "
                  f"got {self.dynamic_steps!r}")
         _require(not self.dynamic_steps or self.asynchronous,

@@ -398,7 +398,7 @@ def _outer_to_pb(c: OuterConfig | None) -> pb.OuterConfig | None:
     return pb.OuterConfig(inner_steps=c.inner_steps, fragments=c.fragments, codec=_CODEC[c.codec],
                           optimizer=_optimizer_to_pb(c.optimizer), inner_tier=ROLE[c.inner_tier],
                           overlap=c.overlap, asynchronous=c.asynchronous, delta_codec=_CODEC[c.delta_codec],
-                          nesterov_delay=c.nesterov_delay, dynamic_steps=c.dynamic_steps)
+                          nesterov_delay=c.nesterov_delay, dynamic_steps=c.dynamic_steps, sync_wait_s=c.sync_wait_s)
 
 
 def _outer_from_pb(m: pb.JobConfig) -> OuterConfig | None:
@@ -409,7 +409,7 @@ def _outer_from_pb(m: pb.JobConfig) -> OuterConfig | None:
                        optimizer=_optimizer_from_pb(c.optimizer), inner_tier=ROLE_NAME.get(c.inner_tier, "?"),
                        overlap=c.overlap, asynchronous=c.asynchronous,
                        delta_codec=_name(_CODEC, c.delta_codec, "codec") if c.delta_codec else "int8",
-                       nesterov_delay=c.nesterov_delay, dynamic_steps=c.dynamic_steps)
+                       nesterov_delay=c.nesterov_delay, dynamic_steps=c.dynamic_steps, sync_wait_s=c.sync_wait_s)
 
 
 def _sharding_to_pb(c: ShardingConfig | None) -> pb.ShardingConfig | None:

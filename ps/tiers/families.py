@@ -138,7 +138,10 @@ def families(snap: dict, labels: dict[str, str]) -> list:
                                                          "dropped when every member left (never silent)")
     o_period = gauge("hps_outer_inner_steps_per_sync", "Inner steps between this region's syncs now "
                      "(H / F; with dynamic steps scaled by the region's speed against the fastest region's)")
-    outer_fams = [o_version, o_syncs, o_failed, o_latency, o_bytes, o_norm, o_since, o_lost, o_period]
+    o_postponed = counter("hps_outer_syncs_postponed_total", "Due syncs put off because the one before "
+                          "had not landed within the job's sync_wait_s (the root or the WAN down): the region "
+                          "trained on")
+    outer_fams = [o_version, o_syncs, o_failed, o_latency, o_bytes, o_norm, o_since, o_lost, o_period, o_postponed]
     staleness = stale_max = None
     if s.role == "global":
         # A summary, not a histogram: the root keeps only the count, sum and maximum.
@@ -214,6 +217,7 @@ def families(snap: dict, labels: dict[str, str]) -> list:
             o_since.add_metric(lv, st.inner_steps_since_sync)
             o_lost.add_metric(lv, st.inner_steps_lost)
             o_period.add_metric(lv, st.inner_steps_per_sync)
+            o_postponed.add_metric(lv, st.outer_syncs_postponed)
         if staleness is not None:
             staleness.add_metric(lv, count_value=st.staleness_count, sum_value=st.staleness_sum)
             stale_max.add_metric(lv, st.staleness_max)

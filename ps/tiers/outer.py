@@ -107,6 +107,7 @@ class Pending:
     params: np.ndarray | None   # overlap: the parameters when it was sent (the region trains on)
     progress: int = 0           # the leased data it completes (PendingProgress.due's count)
     rejoined: bool = False      # sent before every child left, still in flight when one came back
+    postponed: bool = False     # not landed within the job's sync_wait_s: the region trains on
 
 
 @dataclass
@@ -338,7 +339,8 @@ class OuterRelay(Relay):
         landed, and send the next fragment's pseudo-gradient when due. Without overlap the
         region waits for that sync here; with it, training goes on and the outer result is
         merged at the first inner version after it lands (one step delayed, as in Streaming
-        DiLoCo's overlap). At most one sync is in flight: a due sync waits for the last one."""
+        DiLoCo's overlap). At most one sync is in flight: a due sync waits for the last one --
+        with the job's ``sync_wait_s``, at most that long (``_wait_sync``)."""
         name = ijs.config.name
         st = self.outer.get(name)
         if st is None or self.inner is None:
@@ -363,21 +365,44 @@ class OuterRelay(Relay):
         if ijs.stats.inner_steps_since_sync + idle < due and not flush:
             return
         if st.inflight is not None:
-            await self._wait_sync(st)
+            if not await self._wait_sync(ijs, st):
+                return  # postponed: training goes on, this sync is due again at the next version
             self._merge(ijs, st)
             if flush and not st.progress and ijs.stats.inner_steps_since_sync + idle < due:
                 return  # the sync that just landed carried the data: nothing more is due
         self._send(ijs, st)
         if st.inflight is not None and (outer is None or not outer.overlap):
-            await self._wait_sync(st)
-            self._merge(ijs, st)
+            if await self._wait_sync(ijs, st):
+                self._merge(ijs, st)
 
-    @staticmethod
-    async def _wait_sync(st: OuterState) -> None:
-        """Wait for the sync in flight (the region's training waits too: not counted in its rate)."""
+    async def _wait_sync(self, ijs: RootJob, st: OuterState) -> bool:
+        """Wait for the sync in flight (the region's training waits too: not counted in its rate).
+        With the job's ``sync_wait_s``, at most that long, and not again for a sync already
+        postponed: False, and the region trains on without it (the root or the WAN is down).
+        Its round trip keeps retrying; it is merged at the first inner version after it lands,
+        keeping what was trained meanwhile, which goes up with the next sync."""
+        assert st.inflight is not None and st.pending is not None
+        outer = ijs.config.outer
+        wait = outer.sync_wait_s if outer is not None and outer.sync_wait_s > 0 else None
+        if wait is not None and st.pending.postponed:
+            wait = 0.0
         t0 = time.perf_counter()
-        await asyncio.wait([st.inflight])
+        done, _ = await asyncio.wait([st.inflight], timeout=wait)
         st.rate.waited(time.perf_counter() - t0)
+        if done:
+            return True
+        ijs.stats.outer_syncs_postponed += 1
+        p = st.pending
+        if not p.postponed:
+            # Sent without overlap, nothing was trained since: these are its parameters, from
+            # which the merge keeps what the region trains meanwhile (as with overlap).
+            st.pending = dataclasses.replace(p, postponed=True,
+                                             params=ijs.params.copy() if p.params is None else p.params)
+            log.warning("%s: job %s: the sync of fragment %d (outer version %d) has not landed in %gs; "
+                        "training on without it (it is retried and merged when it lands)", self.role,
+                        ijs.config.name, p.fragment, p.outer_version, wait,
+                        extra=event("outer.sync_postponed", job=ijs.config.name, version=p.outer_version))
+        return False
 
     def _send(self, ijs: RootJob, st: OuterState) -> None:
         """Start the sync of the due fragment: its pseudo-gradient up, then the outer version

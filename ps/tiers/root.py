@@ -810,5 +810,6 @@ def _describe(cfg: JobConfig) -> str:
                  + (", overlapped" if c.overlap else "")
                  + (", asynchronous (each region's as it comes)" if c.asynchronous else "")
                  + (f", delayed Nesterov every {c.nesterov_delay}" if c.nesterov_delay else "")
-                 + (", dynamic inner steps" if c.dynamic_steps else ""))
+                 + (", dynamic inner steps" if c.dynamic_steps else "")
+                 + (f", regions train on after {c.sync_wait_s:g}s without a sync" if c.sync_wait_s else ""))
     return text

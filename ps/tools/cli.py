@@ -317,7 +317,7 @@ def _outer_config(args):
     return OuterConfig(inner_steps=int(args.inner_steps), fragments=int(args.fragments), codec=args.outer_codec,
                        delta_codec=args.outer_delta_codec, inner_tier=args.inner_tier, overlap=args.overlap,
                        asynchronous=args.asynchronous, nesterov_delay=int(args.nesterov_delay),
-                       dynamic_steps=args.dynamic_steps,
+                       dynamic_steps=args.dynamic_steps, sync_wait_s=float(args.sync_wait_s),
                        optimizer=OptimizerConfig(kind=args.outer_optimizer, lr=float(args.outer_lr),
                                                  momentum=momentum if sgd else 0.0, nesterov=sgd and momentum > 0))
 
@@ -580,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dynamic-steps", action="store_true",
                    help="--mode outer --asynchronous: each region's inner steps per sync follow its speed "
                    "(--inner-steps is the fastest region's)")
+    s.add_argument("--sync-wait-s", default="0",
+                   help="--mode outer: seconds a region waits for a sync before it trains on without it (the "
+                   "root or the WAN down: the sync is retried and merged when it lands); 0: it waits")
     s.add_argument("--optimizer", default="sgd",
                    help="the root's optimizer: any torch.optim class by name, any case (sgd, adam, adamw, "
                    "rmsprop, adagrad, adadelta, adamax, nadam, radam, asgd, rprop, ...; not lbfgs nor "

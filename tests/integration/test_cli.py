@@ -143,11 +143,13 @@ def test_job_create_takes_any_torch_optimizer_with_options_and_groups(tree):
     r = hps_job("u", "--group", "*.bias")
     assert r.returncode == 2 and "PATTERN[,PATTERN]:KEY=VALUE" in r.stderr, r.stderr
     r = hps_job("o", "--mode", "outer", "--inner-steps", "4", "--asynchronous", "--overlap", "--damping",
-                "--nesterov-delay", "3", "--dynamic-steps")
+                "--nesterov-delay", "3", "--dynamic-steps", "--sync-wait-s", "30")
     assert r.returncode == 0 and "declared" in r.stdout, (r.stdout, r.stderr)
     outer = tree.lt.call(lambda: tree.tier("root").declared["o"])
     assert outer.damping and outer.outer.asynchronous and outer.outer.overlap and outer.outer.inner_steps == 4
-    assert outer.outer.nesterov_delay == 3 and outer.outer.dynamic_steps
+    assert outer.outer.nesterov_delay == 3 and outer.outer.dynamic_steps and outer.outer.sync_wait_s == 30
+    r = hps_job("o3", "--mode", "outer", "--sync-wait-s", "-1")
+    assert r.returncode == 2 and "sync_wait_s must be a number of seconds" in r.stderr, r.stderr
     r = hps_job("o2", "--mode", "outer", "--dynamic-steps")
     assert r.returncode == 2 and "dynamic_steps applies to asynchronous" in r.stderr, r.stderr
     r = hps_job("v", "--mode", "bsp", "--damping")

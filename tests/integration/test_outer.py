@@ -641,3 +641,66 @@ def test_a_region_left_twice_while_its_sync_was_in_flight_sends_what_it_trained_
         assert tree.view("root", "twice")[1] == 2
     finally:
         run.us.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_regions_train_on_while_the_root_is_down_with_sync_wait(tree, tmp_path, overlap):
+    """With ``sync_wait_s`` a region does not stop at a sync the root cannot answer: it trains
+    on while the root is down, the sync retried meanwhile; once the root is back (from its
+    checkpoint and log) the syncs resume, and every inner step ends in the outer model."""
+    ckpt = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3)
+    tree.add("root", "global", **ckpt)
+    tree.add("eu", "regional", parent="root")
+    tree.add("us", "regional", parent="root")
+    zones = [tree.add("eu-a", "zone", parent="eu"), tree.add("us-a", "zone", parent="us")]
+    steps = 40
+    job = JobConfig(name="sw", mode="outer", optimizer=OptimizerConfig(kind="adamw", lr=0.01),
+                    outer=OuterConfig(inner_steps=2, codec="int8", sync_wait_s=0.3, overlap=overlap),
+                    min_workers=WORKERS)
+    done = threading.Event()
+    outcome: dict = {}
+
+    def train() -> None:
+        try:
+            outcome["results"] = train_mlp(zones, job, steps, WORKERS, PER_WORKER, data_steps=steps)
+        except BaseException as exc:  # surfaced below
+            outcome["error"] = exc
+        done.set()
+
+    def version(tier: str, inner: bool = False) -> int:
+        t = tree.tier(tier)
+        js = (t.inner.jobs if inner and t.inner is not None else t.jobs).get("sw")
+        return js.view.version if js is not None else 0
+
+    t = threading.Thread(target=train)
+    t.start()
+    wait_for(lambda: tree.lt.call(lambda: version("root")) >= 2, "outer versions before the root stops", 60)
+    port = tree.servers["root"][1]
+    tree.stop("root")
+    down = [tree.lt.call(lambda r=r: version(r, inner=True)) for r in ("eu", "us")]
+    # Without sync_wait_s each region would stop at its next sync (2 inner steps on) until the
+    # root is back; with it, both go on well past that.
+    wait_for(lambda: all(tree.lt.call(lambda r=r: version(r, inner=True)) >= v + 8 for r, v in zip(("eu", "us"), down))
+             or done.is_set(), "inner steps while the root is down", 60)
+    assert not done.is_set() or "error" not in outcome, outcome.get("error")
+    for r in ("eu", "us"):
+        st = tree.lt.call(lambda r=r: tree.tier(r).inner.jobs["sw"].stats)
+        assert st.outer_syncs_postponed >= 1, st
+    tree.add("root", "global", **ckpt, listen=f"127.0.0.1:{port}")
+    assert done.wait(120), "training did not finish after the root came back"
+    t.join(10)
+    assert "error" not in outcome, outcome.get("error")
+
+    def settled() -> bool:  # the regions' last syncs (the steps since their last one) have landed
+        busy = any(st.inflight is not None for r in ("eu", "us") for st in tree.tier(r).outer.values())
+        return not busy and tree.tier("root").jobs["sw"].round.pushed == {}
+
+    wait_for(lambda: tree.lt.call(settled), "the regions' last syncs", 60)
+    time.sleep(0.5)  # and the relays' follow loops hold the root's last version
+    root = tree.view("root", "sw")
+    for region in ("eu", "us"):
+        held = tree.view(region, "sw")
+        assert (held[1], held[2]) == root[1:3] and same_bits(held[3], root[3])
+        st = tree.lt.call(lambda r=region: tree.tier(r).inner.jobs["sw"].stats)
+        assert st.inner_steps_since_sync == 0 and st.inner_steps_lost == 0, st  # every step in the outer model
+        assert st.outer_syncs >= 2, st
