@@ -219,7 +219,7 @@ class JobStats:
     inner_steps_since_sync: int = 0  # inner steps not yet in any pseudo-gradient
     inner_steps_lost: int = 0    # inner steps lost to restarts of this tier (reported, never silent)
     inner_steps_per_sync: int = 0  # the region's inner steps between syncs now (dynamic steps: by its speed)
-    outer_syncs_postponed: int = 0  # due syncs put off: the one before had not landed within sync_wait_s
+    outer_syncs_postponed: int = 0  # syncs not landed within sync_wait_s: the region trained on without them
 
     def staleness(self, s: int) -> None:
         self.staleness_count += 1

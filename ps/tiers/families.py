@@ -138,9 +138,8 @@ def families(snap: dict, labels: dict[str, str]) -> list:
                                                          "dropped when every member left (never silent)")
     o_period = gauge("hps_outer_inner_steps_per_sync", "Inner steps between this region's syncs now "
                      "(H / F; with dynamic steps scaled by the region's speed against the fastest region's)")
-    o_postponed = counter("hps_outer_syncs_postponed_total", "Due syncs put off because the one before "
-                          "had not landed within the job's sync_wait_s (the root or the WAN down): the region "
-                          "trained on")
+    o_postponed = counter("hps_outer_syncs_postponed_total", "Syncs that had not landed within the job's "
+                          "sync_wait_s (the root or the WAN down): the region trained on without them")
     outer_fams = [o_version, o_syncs, o_failed, o_latency, o_bytes, o_norm, o_since, o_lost, o_period, o_postponed]
     staleness = stale_max = None
     if s.role == "global":

@@ -391,9 +391,9 @@ class OuterRelay(Relay):
         st.rate.waited(time.perf_counter() - t0)
         if done:
             return True
-        ijs.stats.outer_syncs_postponed += 1
         p = st.pending
-        if not p.postponed:
+        if not p.postponed:  # counted and said once per sync
+            ijs.stats.outer_syncs_postponed += 1
             # Sent without overlap, nothing was trained since: these are its parameters, from
             # which the merge keeps what the region trains meanwhile (as with overlap).
             st.pending = dataclasses.replace(p, postponed=True,

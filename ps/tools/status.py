@@ -173,7 +173,7 @@ def print_tree(address: str, out, token: str | None = None) -> int:
                 per = human_bytes(s.outer_bytes_up // s.outer_syncs) if s.outer_syncs else "-"
                 lost = f"; INNER STEPS LOST {s.inner_steps_lost}" if s.inner_steps_lost else ""
                 if s.outer_syncs_postponed:
-                    lost += f"; {s.outer_syncs_postponed} syncs postponed (the root did not answer in time)"
+                    lost += f"; {s.outer_syncs_postponed} syncs not landed in time (trained on without them)"
                 print(f"{pad}    outer: version {s.outer_version}, {s.outer_syncs} syncs ({s.outer_sync_failures} "
                       f"failed), {mean:.2f}s each, every {s.inner_steps_per_sync} inner steps; "
                       f"{s.inner_steps_since_sync} since the last; "
