@@ -2,7 +2,7 @@
 
     core    pure and synchronous: the standard library (no asyncio), numpy, torch, zstandard,
             xxhash, and itself. No grpc, no protobuf, no event loop.
-    net     core, grpc, protobuf: the one place the wire format lives.
+    net     core, grpc (and its health service's messages), protobuf: the one place the wire format lives.
     tiers   core, net, prometheus_client: the tiers' state machines and durability.
     server  tiers, net, core, grpc: the servicer, health and the process lifecycle.
     worker  core, net, torch, prometheus_client: what a training script imports.
@@ -27,7 +27,7 @@ STDLIB = set(sys.stdlib_module_names)
 # Third-party (and first-party) modules each layer may import, beside the standard library.
 ALLOWED: dict[str, set[str]] = {
     "core": {"numpy", "torch", "zstandard", "xxhash", "ps.core"},
-    "net": {"numpy", "xxhash", "grpc", "google.protobuf", "ps.core", "ps.net"},
+    "net": {"numpy", "xxhash", "grpc", "grpc_health", "google.protobuf", "ps.core", "ps.net"},
     "tiers": {"numpy", "xxhash", "prometheus_client", "ps.core", "ps.net", "ps.tiers"},
     "server": {"grpc", "grpc_health", "google.protobuf", "prometheus_client",
                "ps.core", "ps.net", "ps.tiers", "ps.server"},

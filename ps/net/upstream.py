@@ -36,7 +36,9 @@ import asyncio
 import hashlib
 import hmac
 
+import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2
 
 from ps.core.codecs import get_codec
 from ps.core.config import JobConfig, address_list
@@ -44,12 +46,13 @@ from ps.core.errors import HpsError, NotPrimary, TimedOut, Unavailable
 from ps.core.leases import Dataset, Grant
 from ps.core.ranks import RankInfo
 from ps.core.tensors import split
-from ps.core.types import Ack, PullMeta, PushKey, Registration, TierStatus, VersionMeta
+from ps.core.types import Ack, PullMeta, PushKey, Registration, VersionMeta
 from ps.core.view import Layout
-from ps.net.rpc import FORWARDED, AsyncCaller, cannot_connect
+from ps.net.rpc import FORWARDED, AsyncCaller, cannot_connect, error_from
 from ps.net.tls import TlsFiles
 from ps.net.wire import (
     OUTCOME_NAME,
+    RELAY_READY,
     ROLE,
     dataset_to_pb,
     decode_pull_reply,
@@ -62,7 +65,6 @@ from ps.net.wire import (
     pb,
     rank_from_pb,
     shards_to_pb,
-    status_from_pb,
 )
 
 __all__ = ["Upstream"]
@@ -109,16 +111,32 @@ class Upstream:
         self._retired.clear()
         self._probe = None
 
-    async def status_of(self, index: int, timeout: float) -> TierStatus:
-        """What ``parents[index]`` (one not in use) answers ``Status``, asked with the job tokens
-        this relay holds: whether a parent it left serves again. HpsError if it does not answer."""
+    async def relay_ready(self, index: int, timeout: float) -> bool | None:
+        """Whether ``parents[index]`` (one not in use) is a relay ready to take children again
+        (``grpc.health.v1`` service ``RELAY_READY``; no token: a parent that restarted knows no
+        job's token until a child registers through it). None: it is a root, or a build that
+        does not say; HpsError: it does not answer."""
         address = self.parents[index]
         if self._probe is None or self._probe.address != address:
-            if self._probe is not None:
-                await self._probe.close()
+            self.close_probe()
             self._probe = AsyncCaller(address, self._tls)
-        held = tuple(dict.fromkeys(self.job_tokens.values()))
-        return status_from_pb(await self._probe.call("Status", pb.StatusRequest(), timeout, held))
+        check = self._probe.channel.unary_unary(
+            "/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        try:
+            r = await check(health_pb2.HealthCheckRequest(service=RELAY_READY), timeout=timeout)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise error_from(err) from None
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close_probe(self) -> None:
+        """Close the probe's channel (in the background)."""
+        if self._probe is not None:
+            self._closing.add(task := asyncio.ensure_future(self._probe.close()))
+            task.add_done_callback(self._closing.discard)
+            self._probe = None
 
     def switch(self, jobs: list[str], to: int | None = None) -> str:
         """Send every call from now on to parent ``to`` (default: the next in turn); returns its
@@ -132,6 +150,7 @@ class Upstream:
             task.add_done_callback(self._closing.discard)
         self._retired.append(old)
         self.index = (self.index + 1) % len(self.parents) if to is None else to
+        self.close_probe()
         self._rpc = AsyncCaller(self.current, self._tls)
         self.switches += 1
         self.reachable = False

@@ -667,6 +667,9 @@ def decode_create_job(frames: Iterable[bytes]) -> tuple[JobConfig | str, Layout 
 # ---- method table (shared by the server, the relays' async link and the worker) ----------
 
 SERVICE = "hps.v1.ParameterServer"
+# grpc.health.v1 service names beside readiness ("") and SERVICE (ps.server.health): a ready
+# relay (NOT_FOUND at a root), what a relay on an alternate asks its first parent, tokenless.
+RELAY_READY = "hps.relay"
 _ident = None  # identity (de)serialiser: raw frames are passed as bytes
 # name -> (cardinality, request serialiser, response deserialiser)
 METHODS: dict[str, tuple[str, Any, Any]] = {

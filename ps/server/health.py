@@ -7,19 +7,21 @@
 >>> root = Health(Root(ServerConfig(role="global")))    # served: health_handler(health)
 >>> name(root.status("")), root.status("no.such.Service")      # ready at once; unknown: NOT_FOUND
 ('SERVING', None)
+>>> root.status(RELAY_READY) is None                          # "are you a ready relay?": not a relay
+True
 >>> async def probe(parent):
 ...     zone = Relay(ServerConfig(role="zone", parent=parent, name="eu-b"))
 ...     health = Health(zone)
-...     seen = [name(health.status("")), name(health.status(LIVENESS))]    # before it synced
+...     seen = [name(health.status(s)) for s in ("", LIVENESS, RELAY_READY)]    # before it synced
 ...     await zone.start()
 ...     while not zone.synced(): await asyncio.sleep(0.05)
-...     seen.append(name(health.status("")))
+...     seen.append(name(health.status(RELAY_READY)))
 ...     health.drain()        # on SIGTERM, before the server stops: every service NOT_SERVING
 ...     seen.append(name(health.status(LIVENESS)))
 ...     await zone.stop()
 ...     return seen
 >>> asyncio.run(probe(address))
-['NOT_SERVING', 'SERVING', 'SERVING', 'NOT_SERVING']
+['NOT_SERVING', 'SERVING', 'NOT_SERVING', 'SERVING', 'NOT_SERVING']
 
 Readiness is service ``""`` (and the hps service's own name): SERVING once the tier has synced
 with its parent -- the root at once, a relay once its upstream link has succeeded (a heartbeat
@@ -29,6 +31,10 @@ empty the Kubernetes Services below it, so a root restart would cascade down the
 and every child would sit out gRPC's reconnect backoff. A lost parent is reported by
 ``hps_upstream_reachable`` and its alert instead.
 Liveness is service ``hps.liveness``: SERVING while the event loop answers at all.
+Service ``hps.relay`` is readiness for a relay (zone or regional master) and NOT_FOUND at a
+root: what a relay on an alternate parent asks its first parent before it moves back to it
+(``ps.tiers.relay``), with no token (a restarted parent knows no job's token yet), and never
+to a root (of a hot-standby pair, a relay follows whichever is the primary).
 
 Every answer is computed from the tier's state when asked; there is nothing to keep in sync.
 """
@@ -41,9 +47,9 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ps.net.wire import SERVICE
+from ps.net.wire import RELAY_READY, SERVICE
 
-__all__ = ["Health", "LIVENESS", "health_handler"]
+__all__ = ["Health", "LIVENESS", "RELAY_READY", "health_handler"]
 
 LIVENESS = "hps.liveness"
 _READINESS = ("", SERVICE)
@@ -63,7 +69,9 @@ class Health(health_pb2_grpc.HealthServicer):
 
     def status(self, service: str):
         """The ServingStatus of ``service``, or None for a service this server does not know."""
-        if service != LIVENESS and service not in _READINESS:
+        if service == RELAY_READY and self.tier.role == "global":
+            return None
+        if service not in (LIVENESS, RELAY_READY) and service not in _READINESS:
             return None
         if self.draining:
             return _NOT_SERVING
@@ -75,8 +83,8 @@ class Health(health_pb2_grpc.HealthServicer):
         status = self.status(request.service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"unknown service {request.service!r}; ask for '' (readiness) "
-                                f"or {LIVENESS!r}")
+                                f"unknown service {request.service!r} at this {self.tier.role} tier; ask "
+                                f"for '' (readiness) or {LIVENESS!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request, context):

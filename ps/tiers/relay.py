@@ -33,9 +33,10 @@ parent it left is first resolved at the root through the new one (``Resolve``): 
 acknowledged; not applied, it is sent again; so none is applied twice. Its children see a pause.
 Readiness goes once the relay has been cut off from every parent longer than the member timeout
 (its parent has dropped it by then: the view it serves no longer moves). On an alternate, a relay
-asks its first parent ``Status`` every member timeout; ready at two probes in a row (and not a
-root: of a root pair, the relay follows the primary), the first parent takes the jobs back
-(``_home_loop``), as a switch does, between two bsp rounds.
+asks its first parent every member timeout whether it is a relay ready for children (a gRPC
+health check, tokenless: ``Upstream.relay_ready``); ready at two probes in a row, the first
+parent takes the jobs back (``_home_loop``), as a switch does, between two bsp rounds. A root
+answers that it is none: of a root pair, the relay follows whichever is the primary.
 """
 
 from __future__ import annotations
@@ -325,10 +326,11 @@ class Relay(Tier):
         """On an alternate parent: move back to the first one once it has served for a while.
         An alternate is where a zone goes while its own regional master is down, often in
         another region, so every round would cross the WAN until the zone restarted. Every
-        member timeout the first parent is asked ``Status``; ready (synced with its own parent)
-        on two probes in a row, it takes the jobs back, at a moment no bsp round is on its way
-        up (a round forwarded through the alternate finishes there). The parents of a root pair
-        are skipped: a relay follows whichever root is the primary."""
+        member timeout the first parent is asked whether it is a relay ready for children
+        (``Upstream.relay_ready``: synced with its own parent); ready on two probes in a row, it
+        takes the jobs back, at a moment no bsp round is on its way up (a round forwarded
+        through the alternate finishes there) and no job is being attached. The parents of a
+        root pair are skipped: a relay follows whichever root is the primary."""
         period = max(self.config.member_timeout_s, self.config.heartbeat_s)
         ready = 0  # probes in a row that found the first parent ready
         while True:
@@ -337,13 +339,14 @@ class Relay(Tier):
                 ready = 0
                 continue
             try:
-                st = await self.up.status_of(0, period)
+                answer = await self.up.relay_ready(0, period)
             except HpsError:
                 ready = 0
                 continue
-            if st.role == "global":
+            if answer is None:  # a root (or a build that cannot say): nothing to go back to
+                self.up.close_probe()
                 return
-            ready = ready + 1 if st.ready and st.parent_reachable else 0
+            ready = ready + 1 if answer else 0
             if ready >= 2 and await self._between_rounds(period) and self.up.index != 0:
                 ready = 0
                 old, jobs = self.up.current, sorted(self.attached)
@@ -356,9 +359,10 @@ class Relay(Tier):
                 await self._register_again([])
 
     async def _between_rounds(self, within: float) -> bool:
-        """Wait (up to ``within`` seconds) until no bsp/ssp round is being forwarded up."""
+        """Wait (up to ``within`` seconds) until no bsp/ssp round is being forwarded up and no job
+        is being attached or left (a registration in flight to the parent being left)."""
         deadline = self.clock() + within
-        while any(lock.locked() for lock in self._fwd_locks.values()):
+        while len(self._locks) or any(lock.locked() for lock in self._fwd_locks.values()):
             if self.clock() >= deadline:
                 return False
             await asyncio.sleep(min(0.01, self.config.heartbeat_s))

@@ -8,12 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.config import JobConfig, OptimizerConfig, ServerConfig
 from ps.core.errors import PermissionDenied, Unauthenticated
 from ps.core.view import KeySpec, Layout
+from ps.server import create_server
 from ps.tools import jobctl
 from ps.tools.certs import init_certs
 from ps.tools.status import fetch_status
+from tests.helpers import FAST, wait_for
 from worker import ParameterClient
 
 TOPOLOGY = {"root": {"name": "root"}, "regions": [{"name": "eu", "zones": [{"name": "eu-a"}]}]}
@@ -78,3 +80,47 @@ def test_certificates_and_tokens_together(tree, tmp_path, monkeypatch):
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_zone_moves_back_to_its_restarted_regional_master_with_tokens(tree, tmp_path):
+    """A regional master that restarted knows no job's token until a child registers through
+    it, so the zone on its alternate asks it a tokenless health question (is it a ready
+    relay?) before it moves back; every tier with an admin token, the job with its own.
+    (Plaintext: with mutual TLS a zone's certificate binds it to its own region's master, so
+    an alternate in another region refuses it.)"""
+    admin_file = tmp_path / "admin-token"
+    admin_file.write_text(ADMIN + "\n")
+    guard = dict(admin_token_file=str(admin_file))
+    root = tree.add("root", "global", **guard)
+    eu = tree.add("eu", "regional", parent="root", **guard)
+    us = tree.add("us", "regional", parent="root", **guard)
+    cfg = ServerConfig(role="zone", name="eu-a", parent=f"{eu},{us}", **{**FAST, **guard})
+    tree.servers["eu-a"] = tree.lt.run(create_server(cfg))
+    zone = tree.tier("eu-a")
+    _, token = jobctl.create(root, _job("a"), ADMIN)
+    w = ParameterClient(tree.addr("eu-a"), "a", "w0", timeout_s=10, retry_s=10, token=token)
+    try:
+        assert w.create_job("a", LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        w.register()
+        w.pull(min_version=0)
+
+        def step() -> int:
+            v, _ = w.push(np.ones(LAYOUT.numel, np.float32))
+            w.pull(min_version=v)
+            return v
+
+        assert step() == 1
+        port = tree.servers["eu"][1]
+        tree.stop("eu")
+        wait_for(lambda: tree.lt.call(lambda: zone.up.index) == 1, "the zone on its alternate", 15)
+        assert step() == 2
+        tree.add("eu", "regional", parent="root", listen=f"127.0.0.1:{port}", **guard)
+        wait_for(lambda: tree.lt.call(lambda: zone.up.index) == 0, "the zone back at its regional master", 15,
+                 pause_s=0.1)
+        versions = [step() for _ in range(3)]  # through eu again, with the job's token checked there
+        assert versions == [3, 4, 5], versions
+        st = fetch_status(eu, token=ADMIN)
+        assert [j.name for j in st.jobs] == ["a"] and [m.member for m in st.jobs[0].members] == ["eu-a"]
+        assert np.allclose(w.view.values, -0.5)  # sgd, lr 0.1, five steps of ones, one worker
+    finally:
+        w.close()
