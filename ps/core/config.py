@@ -239,7 +239,8 @@ class OuterConfig:
     # Seconds a region waits for a sync (the one due, or without overlap the one just sent)
     # before it trains on without it: with the root or the WAN down, the region keeps making
     # inner steps, and the sync, retried meanwhile, is merged when it lands; the steps since go
-    # with the next one. 0: wait as long as the sync is retried (the round timeout).
+    # with the next one. 0: wait as long as the sync is retried (the round timeout). Set it above
+    # a sync's round trip, or every sync is put off (overlap, in effect, with more steps each).
     sync_wait_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -128,6 +128,7 @@ class OuterState:
     idle_rounds: int = 0        # inner versions without a gradient since the last sync (leased data ran out)
     progress: PendingProgress = dataclasses.field(init=False)  # leased data trained, not yet in every fragment's sync
     lease_warned: bool = False  # the lease timeout was said to be too short for the syncs
+    postpone_said: float = float("-inf")  # when a postponed sync was last logged as a warning
 
     def __post_init__(self) -> None:
         self.progress = PendingProgress(self.plan.fragments)
@@ -398,10 +399,15 @@ class OuterRelay(Relay):
             # which the merge keeps what the region trains meanwhile (as with overlap).
             st.pending = dataclasses.replace(p, postponed=True,
                                              params=ijs.params.copy() if p.params is None else p.params)
-            log.warning("%s: job %s: the sync of fragment %d (outer version %d) has not landed in %gs; "
-                        "training on without it (it is retried and merged when it lands)", self.role,
-                        ijs.config.name, p.fragment, p.outer_version, wait,
-                        extra=event("outer.sync_postponed", job=ijs.config.name, version=p.outer_version))
+            # A warning a minute at most: a sync_wait_s under the WAN's round trip postpones them all.
+            now = self.clock()
+            level = logging.WARNING if now - st.postpone_said >= 60.0 else logging.DEBUG
+            if level == logging.WARNING:
+                st.postpone_said = now
+            log.log(level, "%s: job %s: the sync of fragment %d (outer version %d) has not landed in %gs; "
+                    "training on without it (it is retried and merged when it lands; %d so far)", self.role,
+                    ijs.config.name, p.fragment, p.outer_version, wait, ijs.stats.outer_syncs_postponed,
+                    extra=event("outer.sync_postponed", job=ijs.config.name, version=p.outer_version))
         return False
 
     def _send(self, ijs: RootJob, st: OuterState) -> None:
