@@ -704,3 +704,50 @@ def test_regions_train_on_while_the_root_is_down_with_sync_wait(tree, tmp_path, 
         st = tree.lt.call(lambda r=region: tree.tier(r).inner.jobs["sw"].stats)
         assert st.inner_steps_since_sync == 0 and st.inner_steps_lost == 0, st  # every step in the outer model
         assert st.outer_syncs >= 2, st
+
+
+def test_a_postponed_sync_merges_keeping_what_the_region_trained_meanwhile(tree):
+    """No overlap, sync_wait_s: eu's sync waits at the root for us (a synchronous outer round),
+    so eu trains on without it; when it lands, eu's fragment takes the outer values plus what
+    eu trained since it sent it, not the outer values alone (which would drop 3 inner steps).
+    Exact arithmetic: gradients of ones, inner SGD lr 0.25, outer SGD lr 1, fp32 both ways."""
+    zones = _two_regions(tree)
+    layout = Layout([KeySpec("w", (4,))])
+    lr = 0.25
+    job = JobConfig(name="pm", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr),
+                    outer=OuterConfig(inner_steps=2, codec="fp32", delta_codec="fp32", sync_wait_s=0.3,
+                                      optimizer=OptimizerConfig(kind="sgd", lr=1.0)))
+    eu, us = (ParameterClient(z, "pm", f"w-{z[-5:]}", timeout_s=30) for z in zones)
+    try:
+        eu.create_job(job, layout, np.zeros(layout.numel, np.float32))
+        for c in (eu, us):
+            c.register()
+            c.pull(min_version=0)
+        clock = {id(eu): 0, id(us): 0}
+
+        def step(c) -> None:
+            v, _ = c.push(np.ones(layout.numel, np.float32), clock=clock[id(c)])
+            clock[id(c)] += 1
+            c.pull(min_version=v)
+
+        def inner_values(region: str) -> np.ndarray:
+            return tree.lt.call(lambda: tree.tier(region).inner.jobs["pm"].view.values.copy())
+
+        for _ in range(4):  # eu: a sync sent after 2 steps (it waits at the root for us), 2 more
+            step(eu)
+        st = tree.lt.call(lambda: tree.tier("eu").inner.jobs["pm"].stats)
+        assert st.outer_syncs_postponed == 1 and st.outer_syncs == 0, st
+        assert np.array_equal(inner_values("eu"), np.full(4, -4 * lr, np.float32))
+        for _ in range(2):  # us: its sync closes the root's round; outer = 0 - mean(2 lr, 2 lr)
+            step(us)
+        wait_for(lambda: tree.view("eu", "pm")[1] >= 1, "eu holding the outer version", 10)
+        assert np.array_equal(tree.view("root", "pm")[3], np.full(4, -2 * lr, np.float32))
+        assert np.array_equal(inner_values("us"), np.full(4, -2 * lr, np.float32))
+        step(eu)  # the first inner version after the sync landed merges it
+        st = tree.lt.call(lambda: tree.tier("eu").inner.jobs["pm"].stats)
+        assert st.outer_syncs == 1, st
+        # outer (-2 lr) + trained since the send (-3 lr); dropping it would leave -2 lr
+        assert np.array_equal(inner_values("eu"), np.full(4, -5 * lr, np.float32)), inner_values("eu")
+    finally:
+        eu.close()
+        us.close()
