@@ -33,7 +33,7 @@ and every child would sit out gRPC's reconnect backoff. A lost parent is reporte
 Liveness is service ``hps.liveness``: SERVING while the event loop answers at all.
 Service ``hps.relay`` is readiness for a relay (zone or regional master) and NOT_FOUND at a
 root: what a relay on an alternate parent asks its first parent before it moves back to it
-(``ps.tiers.relay``), with no token (a restarted parent knows no job's token yet), and never
+(``ps.tiers.parents``), with no token (a restarted parent knows no job's token yet), and never
 to a root (of a hot-standby pair, a relay follows whichever is the primary).
 
 Every answer is computed from the tier's state when asked; there is nothing to keep in sync.

@@ -146,8 +146,8 @@ class ParentLink:
                 old, jobs = self.up.current, sorted(self.attached)
                 self.up.switch(jobs, to=0)
                 self.attached.clear()
-                log.warning("%s: first parent %s has served for %.0fs; moving back to it from %s",
-                            self.role, self.up.current, 2 * period, old,
+                log.warning("%s: first parent %s is ready again (two health checks %gs apart); moving "
+                            "back to it from %s", self.role, self.up.current, period, old,
                             extra=event("parent.returned", parent=self.up.current, previous=old,
                                         switches=self.up.switches))
                 await self._register_again([])
