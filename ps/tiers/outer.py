@@ -173,8 +173,10 @@ class OuterRelay(Relay):
         async with self._inner_made:  # two first registrations at once make one
             if self.inner is None:
                 # The root's code and torch's first optimizer import for seconds: not on the loop
-                # (a relay of other jobs never imports them).
-                root_class = await asyncio.to_thread(_inner_root_class)
+                # (a relay of other jobs never imports them), and NotReady to the children while
+                # it takes longer than their calls can wait.
+                root_class = await self.loaded(frozenset({"inner-root"}), lambda _: _inner_root_class(),
+                                               "the code of outer jobs' inner loops")
                 inner = root_class(self.config, self)
                 await inner.start()
                 self.inner = inner

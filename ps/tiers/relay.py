@@ -141,6 +141,7 @@ class Relay(ParentLink, Tier):
         self._fwd_locks: dict[str, asyncio.Lock] = {}
         self._up_issued: dict[str, int] = {}  # async: the highest sequence number sent up
         self.cut_off_at: float | None = None  # since when no parent has answered (None: one does)
+        self._loading: dict[frozenset[str], asyncio.Future] = {}  # codecs being imported, off the loop
 
     def set_address(self, address: str) -> None:
         self.up.own_address = address
@@ -189,7 +190,7 @@ class Relay(ParentLink, Tier):
                                                        self._up_issued.get(job, 0)))
         # A lossy codec's module imports torch (seconds): here, off the loop, before this job's
         # first push or delta can need it; a relay of lossless jobs never imports it.
-        await asyncio.to_thread(codecs.load, reg.config.codecs(self.config.up_codec))
+        await self.loaded(codecs.unloaded(reg.config.codecs(self.config.up_codec)), codecs.load, "its codecs")
         if js is None or js.layout != reg.layout:
             js = RelayJob(reg.config, reg.layout, created_at=self.clock(),
                           above_inner=above_inner(reg.config, self.role))
@@ -201,6 +202,25 @@ class Relay(ParentLink, Tier):
         log.info("%s: attached to job %s at parent %s, round %d", self.role, job,
                  self.up.current, reg.start_version)
         return js
+
+    async def loaded(self, key: frozenset[str], load: Callable[[frozenset[str]], object], what: str) -> object:
+        """``load(key)`` in a thread, once at a time per key; its result. A child's call waits
+        for it at most half the upstream timeout, then gets NotReady ("retry shortly") while the
+        loading goes on: importing torch the first time takes seconds, many more on a loaded
+        machine (it measured over 10 s in CI), and a call that outlives its deadline is not
+        retried (TimedOut) where NotReady is."""
+        if not key:
+            return None
+        task = self._loading.get(key)
+        if task is None:
+            task = self._loading[key] = asyncio.ensure_future(asyncio.to_thread(load, key))
+            task.add_done_callback(lambda t: self._loading.pop(key, None) if self._loading.get(key) is t else None)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        done, _ = await asyncio.wait([task], timeout=min(5.0, self.config.upstream_timeout_s / 2))
+        if not done:
+            raise NotReady(f"this {self.role} tier is loading {what} (torch, the first time: seconds); "
+                           "retry shortly")
+        return task.result()
 
     async def register(self, job: str, member: str, role: str, address: str, last_seq: int,
                        incarnation: int) -> Registration:

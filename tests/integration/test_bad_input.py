@@ -19,6 +19,7 @@ from ps.core.types import PushKey, PushMeta, StepInfo
 from ps.core.view import KeySpec, Layout
 from ps.net.frames import with_end
 from ps.net.wire import chunk_frames, encode_create_job, encode_push, encode_push_head, encode_push_tail, pb, stubs
+from tests.helpers import wait_for
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (4, 3)), KeySpec("b", (3,))])
@@ -407,3 +408,36 @@ def test_a_push_in_a_codec_not_loaded_yet_loads_it_off_the_event_loop(setup, mon
     w.pull(min_version=1)
     rpc["Push"](iter(encode_push(_meta(w, seq=2), chunks)), timeout=30)
     assert len(loaded_on) == 1
+
+
+def test_a_registration_waiting_on_a_slow_codec_import_is_told_to_retry_not_timed_out(setup, monkeypatch):
+    """A relay attaching a lossy job imports its codecs (torch) in a thread. On a loaded machine
+    that took longer than a child's call can wait (over 10 s in CI: the call timed out, and a
+    timed-out call is not retried), so the child gets NotReady after half the upstream timeout
+    while the import goes on, and its retry goes through once it is done."""
+    from ps.core import codecs
+    from ps.core.errors import NotReady
+    tree, zone, w, rpc = setup
+    root = tree.addr("root")
+    creator = ParameterClient(root, "lossy", "c0")
+    creator.create_job(JobConfig(name="lossy", push_codec="int8", optimizer=OptimizerConfig(lr=0.1)), LAYOUT,
+                       np.zeros(LAYOUT.numel, np.float32))
+    monkeypatch.delitem(codecs._CLASSES, "int8", raising=False)  # as in a zone that never loaded it
+    load, started, release = codecs.load, threading.Event(), threading.Event()
+
+    def slow(names):  # an import that outlasts the wait (5 s: half the 10 s upstream timeout)
+        started.set()
+        release.wait(30)
+        return load(names)
+
+    monkeypatch.setattr(codecs, "load", slow)
+    c = ParameterClient(zone, "lossy", "w9", timeout_s=30, retry_s=0.5)
+    with pytest.raises(NotReady, match="loading its codecs"):
+        c.register()
+    assert started.is_set()
+    release.set()
+    wait_for(lambda: not codecs.unloaded({"int8"}), "int8 loaded", 10)
+    c.register()  # the retry goes through
+    c.pull(min_version=0)
+    c.close()
+    creator.close()
