@@ -4,6 +4,7 @@ its first round on; a worker that leaves no longer holds the round."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -105,5 +106,30 @@ def test_a_failed_pass_of_member_expiry_does_not_end_expiry(tree, caplog):
     _loop(a, 2, errors)
     assert not errors and a.view.version == 2
     assert len(passes) > 2 and "expiring members failed" in caplog.text
+    assert tree.lt.call(lambda: [m.id for m in root.jobs["j"].members]) == ["a"]
+    a.close()
+
+
+def test_a_stall_of_the_tiers_own_loop_is_not_its_members_silence(tree, caplog):
+    """The tier's event loop blocked for 3x the member timeout (a long synchronous step, a GC
+    pause, a starved CPU): the heartbeats sent meanwhile wait in its queue, and no member is
+    dropped for that (before, every member of every job was dropped at once, and an outer
+    job's workers lost a step each). A member silent after the stall still is dropped."""
+    tree.add("root", "global", member_timeout_s=0.6, heartbeat_s=0.1)
+    root = tree.tier("root")
+    a, b = ParameterClient(tree.addr("root"), "j", "a"), ParameterClient(tree.addr("root"), "j", "b")
+    a.create_job(JobConfig(name="j"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    for c in (a, b):
+        c.register()
+        c.pull()
+    tree.lt.call(lambda: time.sleep(1.8))  # on the loop's thread: nothing else runs there meanwhile
+    time.sleep(0.5)  # expiry passes after the stall
+    assert tree.lt.call(lambda: sorted(m.id for m in root.jobs["j"].members)) == ["a", "b"]
+    assert tree.lt.call(lambda: root.jobs["j"].stats.members_expired) == 0
+    assert "stalled for" in caplog.text
+    b._hb_stop.set()  # b goes silent without leaving
+    errors: list = []
+    _loop(a, 2, errors)
+    assert not errors and a.view.version == 2
     assert tree.lt.call(lambda: [m.id for m in root.jobs["j"].members]) == ["a"]
     a.close()
