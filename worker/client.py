@@ -48,7 +48,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -154,6 +154,7 @@ class ParameterClient:
         self.seq = 0                # sequence number of the push in flight (or last one)
         self.acked_seq = 0          # highest sequence number acknowledged
         self._issued = 0            # pipelined pushes: the highest sequence number sent
+        self._unsure: tuple[int, bytes] | None = None  # (seq, digest) of a push whose answer never came
         self._push_lock = threading.Lock()  # async: several pushes in flight (worker.sender)
         self.bytes_up = 0
         self.bytes_down = 0
@@ -268,6 +269,20 @@ class ParameterClient:
         log.warning("%s: tier %s is gone (%s); switching to %s", self.worker_id, old, str(why)[:160], new,
                     extra=event("worker.switched", job=self.job, member=self.worker_id, tier=new))
 
+    def _settle_unsure(self) -> bool:
+        """What became of the push given up on unanswered (``_unsure``): True if the root
+        applied it (its number is spent: acknowledged now), False if not. Retried while it is
+        still in flight above, for the retry window."""
+        assert self._unsure is not None
+        seq, digest = self._unsure
+        applied = self._retrying("resolving an unanswered push", lambda: self._resolve_moved(seq, digest))
+        self._unsure = None
+        if applied is None:
+            return False
+        with self._push_lock:
+            self.acked_seq = max(self.acked_seq, seq)
+        return True
+
     def _resolve_moved(self, seq: int, digest: bytes) -> Any | None:
         """What became of push ``seq`` sent through a tier this client has left: its reply (a
         PushAck) if the root applied it, None if not (send it again); Unavailable while it is
@@ -278,12 +293,12 @@ class ParameterClient:
                                                     keys=keys_to_pb((key,))), timeout=wait_s + self.timeout_s)
         outcome = OUTCOME_NAME.get(r.outcome, "unknown")
         if outcome == "applied":
-            log.info("%s: push %d sent through the previous tier was applied as version %d", self.worker_id,
+            log.info("%s: push %d, whose answer was lost, was applied as version %d", self.worker_id,
                      seq, r.version)
             return pb.PushAck(applied_version=r.version, view_epoch=r.view_epoch, duplicate=True)
         if outcome == "not_applied":
             return None
-        raise Unavailable(f"push {seq} sent through the previous tier is still in flight above; asking again")
+        raise Unavailable(f"push {seq}, whose answer was lost, is still in flight above; asking again")
 
     def close(self) -> None:
         """Stop heart-beating, leave the job (best effort) and close the channel. Also runs at
@@ -528,12 +543,20 @@ class ParameterClient:
             # chunk covers as zeros, and the optimizer leaves an absent key alone.
             chunks = self.encoder.split(self.layout, grad, step=clock_max, copy=False,
                                         only=self._carried(step.absent)) if contributors else []
-            frames = encode_push(PushMeta(
+            meta = PushMeta(
                 self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
                 self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
-                clock_max + 1, *report, incarnation=self.incarnation, step=step), chunks)
+                clock_max + 1, *report, incarnation=self.incarnation, step=step)
+            frames = encode_push(meta, chunks)
         nbytes = payload_bytes(chunks)
         digest = bytes(decode_frame(frames[-1])[0].end.digest)
+        if not pipelined and self._unsure is not None and self._unsure[0] == seq and self._unsure[1] != digest:
+            # Another body for the number of a push whose answer never came: if the tiers
+            # applied that one, its number is spent and this push takes the next.
+            if self._settle_unsure():
+                seq = self.seq = seq + 1
+                frames = encode_push(replace(meta, seq=seq), chunks)
+                digest = bytes(decode_frame(frames[-1])[0].end.digest)
         return self._deliver(seq, lambda: iter(frames), lambda: digest, contributors, lambda: nbytes)
 
     def _deliver(self, seq: int, frames: Callable[[], Iterator[bytes]], digest: Callable[[], bytes],
@@ -552,9 +575,21 @@ class ParameterClient:
             sent_via.append(self._rpc.switches)
             return self._call("Push", frames(), timeout=self.round_timeout_s)
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
-        reply = self._retrying("push", attempt)
+        try:
+            reply = self._retrying("push", attempt)
+        except (TimedOut, Unavailable, Exhausted, NotReady):
+            # Given up on unanswered: the tiers may still apply it. A push of another body
+            # under its number asks first (``_settle_unsure``); a resend is answered as ever.
+            if contributors:
+                try:
+                    self._unsure = (seq, digest())
+                except BadInput:  # never completed, so never applied
+                    pass
+            raise
         with self._push_lock:
             self.acked_seq = max(self.acked_seq, seq)
+            if self._unsure is not None and self._unsure[0] <= self.acked_seq:
+                self._unsure = None
             self.bytes_up += nbytes()
             self.last_skipped = reply.skipped
         return reply.applied_version, nbytes()

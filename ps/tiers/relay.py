@@ -140,6 +140,10 @@ class Relay(ParentLink, Tier):
         self._force_snapshot: set[str] = set()
         self._fwd_locks: dict[str, asyncio.Lock] = {}
         self._up_issued: dict[str, int] = {}  # async: the highest sequence number sent up
+        # Forwards given up on with their outcome unknown (job -> seq -> the worker pushes it
+        # summed): the parent may yet apply one. Its number is not reused, nor its pushes placed
+        # again, before the root says what became of it (``_settle_unsure``).
+        self._unsure: dict[str, dict[int, tuple[PushKey, ...]]] = {}
         self.cut_off_at: float | None = None  # since when no parent has answered (None: one does)
         self._loading: dict[frozenset[str], asyncio.Future] = {}  # codecs being imported, off the loop
 
@@ -278,6 +282,7 @@ class Relay(ParentLink, Tier):
             # retries would carry the same number and get the first one's recorded ack --
             # acknowledged, never applied (invariant 4).
             async with self._fwd_locks.setdefault(job, asyncio.Lock()):
+                await self._settle_unsure(js)
                 await self._forward_one(js, agg, keys, floor, fut, self._up_acked.get(job, 0) + 1)
         except Exception as exc:  # never leave the children of a closed batch waiting
             if not isinstance(exc, HpsError):
@@ -359,6 +364,9 @@ class Relay(ParentLink, Tier):
             # Anything else (Stale: not applied and it will not be; BadInput; Conflict) is the
             # parent's answer to the children, passed on as it is (_forward refuses the batch).
             if self.clock() + delay > deadline:
+                # Sent, perhaps more than once, and never answered: the parent may hold it in a
+                # round still, and apply it after the children were told it failed.
+                self._unsure.setdefault(job, {})[seq] = keys
                 raise failure
             log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
                         agg.round, job, failure)
@@ -386,6 +394,30 @@ class Relay(ParentLink, Tier):
                               "above; asking again")
         return None
 
+    async def _settle_unsure(self, js: RelayJob) -> None:
+        """Before a forward takes the number of one given up on with its outcome unknown: ask
+        the root what became of that one. Applied, its number is spent (reusing it with another
+        body was refused as a Conflict at the parent for good, and its pushes were applied);
+        not applied, it is free. Unavailable while it is still in flight above."""
+        job = js.config.name
+        for seq, keys in sorted(self._unsure.get(job, {}).items()):
+            if not keys:  # an empty forward (no worker push): nothing to apply twice, skip its number
+                self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
+                self._unsure[job].pop(seq, None)
+                continue
+            wait_s = max(1.0, min(self.config.round_timeout_s, 2 * self.config.member_timeout_s + 5.0))
+            await self._resolve_here(js, keys, wait_s)
+            if seq in self._unsure.get(job, {}):
+                raise Unavailable(f"round {seq} of job {job} that this {self.role} forwarded is still in "
+                                  "flight above (its outcome is not known yet); push again shortly")
+
+    def _unsure_of(self, js: RelayJob, keys: tuple[PushKey, ...]) -> bool:
+        held = self._unsure.get(js.config.name)
+        if not held:
+            return False
+        mine = {(k.member, k.incarnation, k.seq) for k in keys}
+        return any((k.member, k.incarnation, k.seq) in mine for ks in held.values() for k in ks)
+
     def _refuse(self, js: RelayJob, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
         if js.encoder is not None and not js.encoder.lossless:
             # The refused aggregate's unsent part is in the residual, and its children will
@@ -395,8 +427,21 @@ class Relay(ParentLink, Tier):
 
     async def _resolve_here(self, js: RelayJob, keys: tuple[PushKey, ...], wait_s: float
                             ) -> tuple[str, int, int]:
-        """Nothing in flight here holds these pushes: the parent (and above it the root) knows."""
-        return await self.up.resolve(js.config.name, keys, wait_s)
+        """Nothing in flight here holds these pushes: the parent (and above it the root) knows.
+        An answer about the pushes of a forward given up on settles that forward (a forward is
+        applied whole or not at all)."""
+        job = js.config.name
+        outcome, version, epoch = await self.up.resolve(job, keys, wait_s)
+        if outcome != UNKNOWN and (held := self._unsure.get(job)):
+            mine = {(k.member, k.incarnation, k.seq) for k in keys}
+            for seq, ks in list(held.items()):
+                if any((k.member, k.incarnation, k.seq) in mine for k in ks):
+                    del held[seq]
+                    if outcome == APPLIED:
+                        self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
+                    log.warning("%s: round %d of %s, given up on with its outcome unknown, was %s", self.role,
+                                seq, job, f"applied as version {version}" if outcome == APPLIED else "not applied")
+        return outcome, version, epoch
 
     async def _rank_here(self, js: RelayJob, member: str, incarnation: int, requested: int | None,
                          release: bool) -> RankInfo:
@@ -500,7 +545,7 @@ class Relay(ParentLink, Tier):
         log.warning("%s: dropping job %s: %s", self.role, job, why)
         self.ended[job] = js.view.version
         self.attached.discard(job)
-        for per_job in (self._up_acked, self._up_issued, self._fwd_locks):
+        for per_job in (self._up_acked, self._up_issued, self._fwd_locks, self._unsure):
             per_job.pop(job, None)
         self._force_snapshot.discard(job)
         js.abort(why)

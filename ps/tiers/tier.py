@@ -308,9 +308,18 @@ class Tier:
             raise Unavailable("the push this one retries was refused while it arrived; send it again")
         if meta.sources:
             await self._wait_sources_elsewhere(js, meta)
-        grad = intake.gradient()
         keys = meta.sources or ((PushKey(meta.sender, meta.incarnation, meta.seq, digest),)
                                 if meta.contributors else ())
+        if kind == "retry" and keys and self._unsure_of(js, keys):
+            # It was in a forward this tier gave up on with its outcome unknown: the parent
+            # may have applied it since. The root decides before it is placed again.
+            resolved = await self._resolved(js, book, meta, digest, keys)
+            if resolved is not None:
+                return resolved
+            if book.classify(meta.seq) != "retry":  # another retry of it was placed meanwhile
+                raise Unavailable(f"push {meta.seq} from {meta.sender!r} is being placed by another retry; "
+                                  "retry shortly")
+        grad = intake.gradient()
         try:
             self._check_placement(js, meta)
         except Stale as exc:
@@ -416,6 +425,19 @@ class Tier:
                             keys: tuple[PushKey, ...], stale: HpsError) -> Ack:
         """A push that cannot be placed may have been applied already (its ack was lost in a
         restart): ask before saying Stale, which means "not applied, and it will not be"."""
+        ack = await self._resolved(js, book, meta, digest, keys)
+        if ack is None:
+            raise stale
+        return ack
+
+    def _unsure_of(self, js: JobState, keys: tuple[PushKey, ...]) -> bool:
+        """Whether a forward of these pushes was given up on with its outcome unknown (a relay)."""
+        return False
+
+    async def _resolved(self, js: JobState, book, meta: PushMeta, digest: bytes,
+                        keys: tuple[PushKey, ...]) -> Ack | None:
+        """The push's ack if the root applied it (recorded: a retry is a duplicate from now on),
+        None if it did not; Unavailable while that is not known."""
         js.stats.resolved += 1
         try:
             outcome, version, epoch = await self.resolve(js.config.name, keys, _RESOLVE_WAIT_S)
@@ -430,7 +452,7 @@ class Tier:
         if outcome == UNKNOWN:
             raise Unavailable(f"push {meta.seq} from {meta.sender!r} is still in flight above this tier "
                               "(its outcome is not known yet); retry shortly")
-        raise stale
+        return None
 
     def _telemetry(self, js: JobState, meta: PushMeta) -> bool:
         """Count what the push reports about training (never part of the update); False when

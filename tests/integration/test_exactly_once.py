@@ -10,6 +10,7 @@ import pytest
 
 from ps.core.codecs import get_codec
 from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.errors import TimedOut
 from ps.core.tensors import split
 from ps.core.types import PushMeta
 from ps.core.view import KeySpec, Layout
@@ -101,3 +102,53 @@ def test_a_sequence_number_older_than_the_acknowledgements_kept_is_refused_not_a
     assert tree.view("root", "j")[3].tobytes() == np.full(10, -LR * 71, np.float32).tobytes()
     for c in (a, b):
         c.close()  # their heart-beating threads must not outlive the test
+
+
+@pytest.mark.parametrize("then", ["retry", "next-step", "new-workers"])
+def test_a_forward_a_zone_gave_up_on_and_the_root_applied_later_is_not_applied_again(tree, then):
+    """The zone's round timeout passes before the root answers its forward (the root's round
+    waits for a worker pushing there directly): the zone tells its workers their pushes timed
+    out. Then the root's round closes, the forward in it. One worker retries, the other leaves:
+    the retry is answered with that version, from the root's record asked through the zone --
+    not summed into a new forward under the number the first one used (another body: the root
+    refused it as a Conflict, and every later round of the zone too) -- and the rounds after
+    it go on. Or the worker goes on to its next step instead: it asks before giving the timed
+    out push's number to another gradient, and takes the next (that one was applied). Or both
+    leave and new workers come: the zone's next forward asks the root first, and takes the
+    next number."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root", round_timeout_s=2.0)
+    a, b = ParameterClient(zone, "j", "a"), ParameterClient(zone, "j", "b")
+    d = ParameterClient(tree.addr("root"), "j", "d", round_timeout_s=20)  # a broken zone: fails, not hangs
+    a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(10, np.float32))
+    for c in (a, b, d):
+        c.register()
+        c.pull()
+    ga, gb, gd = (np.full(10, g, np.float32) for g in (1.0, 2.0, 3.0))
+    with ThreadPoolExecutor(2) as pool:
+        # The zone waits its 2 s for the root's round, then gives up on its forward.
+        for f in [pool.submit(a.push, ga), pool.submit(b.push, gb)]:
+            with pytest.raises(TimedOut):
+                f.result(30)
+        assert d.push(gd)[0] == 1  # the root's round closes, with the zone's forward in it
+        b.close()
+        if then == "retry":
+            version, _ = a.push(ga)  # the same push again: the root's answer, nothing re-applied
+            assert version == 1
+        elif then == "new-workers":
+            a.close()
+            a = ParameterClient(zone, "j", "a2")
+            a.register()
+        for step in (2, 3):
+            for c in (a, d):
+                c.pull(min_version=step - 1)
+            fa, fd = pool.submit(a.push, ga), pool.submit(d.push, gd)
+            assert fa.result(30)[0] == fd.result(30)[0] == step
+    _, root_version, _, root_values = tree.view("root", "j")
+    assert root_version == 3
+    expected = -LR * (ga + gb + gd) / 3 - 2 * LR * (ga + gd) / 2
+    np.testing.assert_allclose(root_values, expected, rtol=1e-6)
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
+    for c in (a, d):
+        c.close()
