@@ -172,6 +172,9 @@ class ParameterClient:
         self._encoder: Encoder | None = None  # the push edge's codec and residuals (after register)
         self._exit_hook: Callable[[], None] | None = None
         self._closed = False
+        # On an alternate tier: the first one's health checks (``_probe_home``).
+        self._home_ready, self._home_next, self._home_never = 0, 0.0, False
+        self._go_home = threading.Event()  # ready twice in a row: the next push goes there
 
     # -- what registering brings -----------------------------------------------------------
     def _registered(self, value: T | None) -> T:
@@ -380,6 +383,45 @@ class ParameterClient:
                     self.register()
                 except HpsError as exc:
                     log.warning("%s: re-register failed: %s", self.worker_id, exc)
+            self._probe_home()
+
+    def _probe_home(self) -> None:
+        """On an alternate tier, ask the first one every member timeout whether it is a relay
+        ready for children again (a health check, as a relay on an alternate parent does,
+        ``ps.tiers.parents``); after two ready answers in a row the next push goes there
+        (``_move_home``). A first address that is a root (a root pair) is never gone back to:
+        a worker follows the primary."""
+        if self._rpc.index == 0 or self._home_never or self._go_home.is_set():
+            self._home_ready = 0
+            return
+        now = time.monotonic()
+        if now < self._home_next:
+            return
+        self._home_next = now + max(self.member_timeout_s, self._heartbeat_s)
+        try:
+            ready = self._rpc.relay_ready(0, timeout=max(self._heartbeat_s * 2, 1.0))
+        except HpsError:
+            ready = False
+        if ready is None:
+            self._home_never = True
+            return
+        self._home_ready = self._home_ready + 1 if ready else 0
+        if self._home_ready >= 2:
+            self._go_home.set()
+
+    def _move_home(self) -> None:
+        """Between two pushes: leave the alternate tier and register at the first one again."""
+        self._go_home.clear()
+        self._home_ready = 0
+        away = self._rpc.address
+        try:
+            self._call("Leave", pb.LeaveRequest(job=self.job, member=self.worker_id), timeout=self.timeout_s)
+        except HpsError as exc:  # it forgets us by its member timeout instead
+            log.warning("%s: leaving %s failed: %s", self.worker_id, away, exc)
+        home = self._rpc.switch(to=0)
+        log.warning("%s: tier %s is ready again (two health checks); moving back to it from %s", self.worker_id,
+                    home, away, extra=event("worker.returned", job=self.job, member=self.worker_id, tier=home))
+        self.register()
 
     # -- ranks, workers, data shards ---------------------------------------------------------
     # Class-level defaults: set by the first rank or lease call.
@@ -526,6 +568,8 @@ class ParameterClient:
         finite = torch.isfinite(grad).all() if isinstance(grad, torch.Tensor) else np.isfinite(grad).all()
         if contributors and not finite:
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
+        if self._go_home.is_set() and not pipelined:
+            self._move_home()
         with self._push_lock:
             # Numbers advance only on acknowledgement: a retry (lost ack) or a refused push
             # reuses the number, and the tier answers an applied one with its recorded ack.

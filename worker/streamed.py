@@ -62,6 +62,8 @@ class StreamedPush:
     @classmethod
     def open(cls, client: ParameterClient, clock: int) -> StreamedPush:
         """Open a push of this worker's gradient at ``clock``, computed on the view it holds."""
+        if client._go_home.is_set():
+            client._move_home()
         if client._unsure is not None and client._unsure[0] == client.acked_seq + 1:
             client._settle_unsure()  # a new gradient: it may not take the number of one applied
         with client._push_lock:

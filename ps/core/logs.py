@@ -39,7 +39,7 @@ EVENTS = frozenset({
     "checkpoint.written", "checkpoint.failed", "wal.write_failed",
     "parent.lost", "parent.regained", "parent.restarted", "parent.switched", "parent.returned",
     "launch.tier_died", "launch.tier_restarted", "launch.tier_failed",
-    "worker.retrying", "worker.recovered", "worker.gave_up", "worker.switched",
+    "worker.retrying", "worker.recovered", "worker.gave_up", "worker.switched", "worker.returned",
     "training.loss_rising",
     "rank.assigned", "rank.released", "data.declared", "lease.expired",
     "root.primary", "root.promoted", "root.deposed", "standby.following", "standby.synced", "standby.in_sync",

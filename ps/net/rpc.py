@@ -31,11 +31,12 @@ from contextvars import ContextVar
 from typing import Any, NoReturn
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from ps.core.config import address_list
 from ps.core.errors import ERRORS, HpsError, NotReady, Stale, Unavailable
 from ps.net.tls import ClientTls, TlsFiles, client_options
-from ps.net.wire import stubs
+from ps.net.wire import RELAY_READY, stubs
 
 __all__ = ["MAX_MESSAGE", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "status_of", "trailers",
            "error_from", "abort", "bearer", "bearer_tokens", "FORWARDED", "Caller", "AsyncCaller",
@@ -193,6 +194,7 @@ class Caller:
         self._lock = threading.Lock()
         self._retired: list[_Channels] = []  # channels of earlier addresses: their calls finish
         self._ch = self._channels(self.addresses[0])
+        self._probe: _Channels | None = None  # to an address not in use (``relay_ready``)
 
     def _channels(self, address: str) -> _Channels:
         return _Channels(address, self._tls, lambda a, cred, opts: (
@@ -203,16 +205,17 @@ class Caller:
         """The tier the calls go to now."""
         return self.addresses[self.index]
 
-    def switch(self) -> str:
-        """Send the calls from now on to the next address in turn; returns it. The previous
-        channel is closed at a later switch or at ``close`` (calls in flight there finish)."""
+    def switch(self, to: int | None = None) -> str:
+        """Send the calls from now on to address ``to`` (default: the next in turn); returns
+        it. The previous channel is closed at a later switch or at ``close`` (calls in flight
+        there finish)."""
         with self._lock:
             while len(self._retired) > 2:
                 old = self._retired.pop(0)
                 for ch in old.retired + [old.channel]:
                     ch.close()
             self._retired.append(self._ch)
-            self.index = (self.index + 1) % len(self.addresses)
+            self.index = (self.index + 1) % len(self.addresses) if to is None else to
             self._ch = self._channels(self.address)
             self.switches += 1
             return self.address
@@ -241,8 +244,32 @@ class Caller:
         except grpc.RpcError as err:
             raise error_from(err) from None
 
+    def relay_ready(self, index: int, timeout: float) -> bool | None:
+        """Whether ``addresses[index]`` (one not in use) is a relay ready for children again
+        (``grpc.health.v1`` service ``RELAY_READY``, asked without a token). None: it is a
+        root, or a build that does not say; HpsError: it does not answer."""
+        with self._lock:
+            if self._probe is None or self._probe.address != self.addresses[index]:
+                if self._probe is not None:
+                    self._probe.channel.close()
+                self._probe = self._channels(self.addresses[index])
+            channel = self._probe.channel
+        check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        try:
+            r = check(health_pb2.HealthCheckRequest(service=RELAY_READY), timeout=timeout)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise error_from(err) from None
+        return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+
     def close(self) -> None:
         with self._lock:
+            if self._probe is not None:
+                self._probe.channel.close()
+                self._probe = None
             for chs in [*self._retired, self._ch]:
                 for ch in chs.retired + [chs.channel]:
                     ch.close()

@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+from ps.core.errors import HpsError
 from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status, print_tree
 from tests.helpers import json_lines, step_worker, wait_for
@@ -140,3 +141,46 @@ def test_a_zone_moves_back_to_its_regional_master_once_it_serves_again(tmp_path,
         assert zone.parent == home and zone.parent_switches == 2, zone
         log = (tmp_path / "logs" / "eu-a.log").read_text()
         assert f"moving back to it from {away}" in log, log[-2000:]
+
+
+def test_a_worker_moves_back_to_its_zone_once_it_serves_again(tmp_path, reap):
+    """A worker whose zone was killed trains through the alternate zone it lists; once its own
+    zone is back and ready (two health checks a member timeout apart), the worker moves back
+    between two pushes, leaving the alternate at once (its rounds do not wait a member timeout
+    for a worker that left), instead of staying there until it restarts."""
+    topo = {"host": "127.0.0.1", "settings": FAST,
+            "root": {"name": "root", "port": 0, "zones": [{"name": "z-a"}, {"name": "z-b"}]}}
+    steps = 200
+    with Cluster.start(topo, tmp_path / "logs") as cluster:
+        home, away = cluster.address("z-a"), cluster.address("z-b")
+        ws = [step_worker(reap, f"{home},{away}", "w0", steps, 0.05, tmp_path / "w0.log"),
+              step_worker(reap, away, "w1", steps, 0.05, tmp_path / "w1.log")]
+        seen = [json_lines(w, 8, 90) for w in ws]
+        assert all(len(s) == 8 for s in seen), f"no training before the kill (logs: {tmp_path})"
+
+        def members(address: str) -> list[str]:
+            try:
+                jobs = fetch_status(address).jobs
+            except HpsError:  # down, or restarting
+                return []
+            return sorted(m.member for m in jobs[0].members) if jobs else []
+
+        cluster.stop_tier("z-a", signal.SIGKILL)
+        wait_for(lambda: members(away) == ["w0", "w1"], "the worker on the alternate zone", 30, pause_s=0.2)
+        for s, w in zip(seen, ws):
+            s += json_lines(w, 5, 60)  # training goes on through the alternate
+        cluster.restart("z-a")
+        wait_for(lambda: members(home) == ["w0"], "the worker back at its zone", 30, pause_s=0.2)
+        wait_for(lambda: members(away) == ["w1"], "the alternate without the worker", 10, pause_s=0.2)
+        for s, w in zip(seen, ws):
+            s += json_lines(w, steps - len(s), 120)
+            assert w.wait(timeout=30) == 0
+        assert [len(s) for s in seen] == [steps, steps], f"logs: {tmp_path}"
+        for s in seen:  # one version per step through both moves: none lost, none doubled
+            assert [e["version"] for e in s] == list(range(1, steps + 1)), [e["version"] for e in s]
+        dropped = [sum(not e["applied"] for e in s) for s in seen]
+        assert dropped[0] <= 1 and dropped[1] == 0, dropped  # the kill's; the move back is between pushes
+        assert seen[0][-1]["crc"] == seen[1][-1]["crc"]
+        (j,) = fetch_status(cluster.address("root")).jobs
+        assert j.stats.double_applied == 0 and j.version == steps
+        assert f"moving back to it from {away}" in (tmp_path / "w0.log").read_text()
