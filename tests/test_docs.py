@@ -61,6 +61,7 @@ DOCTESTED = (
     "ps.server.lifecycle",
     "ps.server.service",
     "ps.tiers.checkpoint",
+    "ps.tiers.durable",
     "ps.tiers.families",
     "ps.tiers.jobstate",
     "ps.tiers.metrics",

@@ -1,7 +1,10 @@
-"""The global root: authoritative parameters, the optimizer, the published view, checkpoints.
+"""The global root: authoritative parameters, the optimizer, the published view, checkpoints
+(its job directories on disk -- declarations, rosters, checkpoints, the restore at start --
+are ``ps.tiers.durable``).
 
 >>> import shutil, tempfile
 >>> from ps.core.types import PushMeta
+>>> from ps.core.view import KeySpec
 >>> d, layout = tempfile.mkdtemp(), Layout([KeySpec("w", (3,))])
 >>> async def one_step():
 ...     root = Root(ServerConfig(role="global", checkpoint_dir=d))   # a server: /var/lib/hps
@@ -36,14 +39,13 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from ps.core.codecs import get_codec
-from ps.core.config import JobConfig, OptimizerConfig, ServerConfig, check_name
+from ps.core.config import JobConfig, ServerConfig, check_name
 from ps.core.consistency import Aggregate, Gradient
 from ps.core.deltas import DeltaEntry
 from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
@@ -56,22 +58,21 @@ from ps.core.ranks import RankInfo
 from ps.core.sharding import ShardPlan
 from ps.core.tensors import Pieces, all_finite, assemble, split
 from ps.core.types import Ack, LogMessage, PushKey, PushMeta, StepInfo, TierStatus
-from ps.core.view import KeySpec, Layout, checksum
+from ps.core.view import Layout, checksum
 from ps.net.tls import TlsFiles
 from ps.net.wire import framed
 from ps.tiers import checkpoint
+from ps.tiers.durable import Durable, config_from_json
 from ps.tiers.jobstate import RootJob
 from ps.tiers.pairing import Pairing
 from ps.tiers.replication import Replication
 from ps.tiers.standby import Standby, read_role
 from ps.tiers.tier import APPLIED, NOT_APPLIED, UNKNOWN, Tier
-from ps.tiers.wal import WalCorrupt, WalRecord, WalWriteError, WriteAheadLog
+from ps.tiers.wal import WalRecord, WalWriteError, WriteAheadLog
 
 __all__ = ["Root"]
 
 log = logging.getLogger("hps.root")
-
-_CKPT_APPLIED_VERSIONS = 64  # versions of applied-push records a checkpoint carries
 
 
 class TokenStore(Protocol):
@@ -94,7 +95,7 @@ def _averaged(grad: Gradient, contributors: int) -> np.ndarray:
     return np.divide(grad, np.float32(contributors), out=grad)
 
 
-class Root(Pairing, Tier):
+class Root(Durable, Pairing, Tier):
     role = "global"
     above_inner_loops = True  # an outer job's regions sync with this root (not so a region's own root)
 
@@ -128,7 +129,7 @@ class Root(Pairing, Tier):
 
     # -- primary and standby (ps.tiers.pairing): what a standby takes from its primary -------
     def follow_declared(self, c: dict) -> None:
-        cfg = _config(c)
+        cfg = config_from_json(c)
         self.declared[cfg.name] = cfg
         self.declared_at[cfg.name] = self.clock()
         self._persist_declared(cfg)
@@ -137,7 +138,7 @@ class Root(Pairing, Tier):
         version = info["version"]
         self.ended[name] = version
         if info.get("config"):
-            cfg = _config(info["config"])
+            cfg = config_from_json(info["config"])
             self.ended_configs[name] = (cfg, version)
             self._persist_declared(cfg)
         Path(self._job_dir(name)).mkdir(parents=True, exist_ok=True)
@@ -351,12 +352,6 @@ class Root(Pairing, Tier):
             except HpsError as exc:  # Unavailable: ended here; the standby gets it with its next bootstrap
                 log.warning("reaping job %s: %s", name, exc)
 
-    def _persist_declared(self, cfg: JobConfig) -> None:
-        if self.config.checkpoint_dir:
-            Path(self._job_dir(cfg.name)).mkdir(parents=True, exist_ok=True)
-            checkpoint.write_atomic(Path(self._job_dir(cfg.name)) / "declared.json",
-                                    json.dumps(dataclasses.asdict(cfg)))
-
     def _install(self, cfg: JobConfig, layout: Layout, values: np.ndarray, version: int,
                  view_values: np.ndarray | None = None, register: bool = True) -> RootJob:
         params = np.array(values, dtype=np.float32, copy=True)
@@ -382,9 +377,6 @@ class Root(Pairing, Tier):
         if cfg.outer is not None and cfg.outer.nesterov_delay:  # asynchronous outer steps
             return DelayedNesterov(opt, params, layout, delay=cfg.outer.nesterov_delay)
         return ServerOptimizer(opt, params, layout)
-
-    def _job_dir(self, job: str) -> str:
-        return f"{self.config.checkpoint_dir}/{job}"
 
     # -- rounds ----------------------------------------------------------------------------
     def _finish_round(self, js: RootJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
@@ -642,139 +634,6 @@ class Root(Pairing, Tier):
         await self._save_roster(js)
         return grant
 
-    def _roster(self, js: RootJob) -> dict:
-        state = js.leases.state()
-        return dict(ranks=js.ranks.state(), dataset=state["dataset"], leases=state["leases"])
-
-    async def _save_roster(self, js: RootJob) -> None:
-        """Ranks, the dataset and the leases held, written (atomically) when they change: rare
-        (joins, one lease per shard), so a rank or a lease is durable before it is answered.
-        The trained offsets go in checkpoints and the write-ahead log, with the versions."""
-        if not self.config.checkpoint_dir:
-            return
-        async with js.roster_lock:
-            roster = self._roster(js)
-            if roster == js.roster_saved:
-                return
-            path = Path(self._job_dir(js.config.name)) / "roster.json"
-            try:
-                await asyncio.to_thread(checkpoint.write_atomic, path, json.dumps(roster))
-            except OSError as exc:
-                raise Unavailable(f"the root could not save the ranks and data leases of job {js.config.name} "
-                                  f"({exc}); retry") from None
-            js.roster_saved = roster
-            self.replication.announce(LogMessage("roster", job=js.config.name, data=json.dumps(roster).encode()))
-
-    # -- checkpoints -----------------------------------------------------------------------
-    async def _quiesce(self, js: RootJob, apply: bool = True) -> None:
-        """Wait for the job's version being applied (``apply``) and checkpoints being written."""
-        if apply:
-            async with js.apply_lock:
-                pass
-        mine = [t for t in self._ckpt_tasks if getattr(t, "job", None) == js.config.name]
-        if mine:
-            await asyncio.gather(*mine, return_exceptions=True)
-
-    def _ckpt_state(self, js: RootJob) -> tuple[dict, dict]:
-        """A checkpoint's arrays (copies) and meta, of the job as it is now."""
-        arrays = {"params": js.params.copy(), "view": js.view.values.copy(),
-                  "applied": np.frombuffer(js.applied.dump(_CKPT_APPLIED_VERSIONS), np.uint8)}
-        for k, v in js.optimizer.state_dict().items():
-            if isinstance(v, np.ndarray):
-                arrays[f"opt.{k}"] = v
-        meta = dict(version=js.view.version, checksum=js.view.checksum, steps=js.optimizer.steps,
-                    clock_min=js.view.clock_min,
-                    data={k: v for k, v in js.leases.state().items() if k in ("done", "finished", "current_epoch")},
-                    config=dataclasses.asdict(js.config),
-                    keys=[[s.key, list(s.shape), s.dtype, s.kind] for s in js.layout])
-        return arrays, meta
-
-    def _checkpoint(self, js: RootJob) -> None:
-        if not self.config.checkpoint_dir:
-            return
-        arrays, meta = self._ckpt_state(js)
-        version, wal, name = js.view.version, js.wal, js.config.name
-        # Records after this checkpoint go to a new segment; the old ones are deleted once
-        # the checkpoint is durable (if it fails, replay still has everything).
-        wal.rotate(version + 1)  # lazy: opens nothing, so it cannot fail
-
-        def write() -> None:
-            t0 = time.perf_counter()
-            checkpoint.save(self._job_dir(name), version, arrays, meta, self.config.checkpoint_keep)
-            wal.drop_upto(version)
-            js.last_checkpoint = (time.time(), time.perf_counter() - t0, version)
-
-        task = asyncio.ensure_future(asyncio.to_thread(write))
-        task.job = name
-        self._ckpt_tasks.add(task)
-        task.add_done_callback(lambda t: self._ckpt_done(js, t))
-
-    def _ckpt_done(self, js: RootJob, task: asyncio.Task) -> None:
-        self._ckpt_tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            js.stats.checkpoint_failures += 1
-            log.error("checkpoint of job %s failed (the write-ahead log still covers it): %s",
-                      js.config.name, task.exception(), extra=event("checkpoint.failed", job=js.config.name))
-        elif not task.cancelled():
-            _, took, version = js.last_checkpoint
-            log.info("checkpoint of job %s written at version %d in %.2fs", js.config.name, version, took,
-                     extra=event("checkpoint.written", job=js.config.name, version=version, seconds=took))
-
-    def _restore_all(self) -> None:
-        for d in sorted(Path(self.config.checkpoint_dir).glob("*/")):
-            if (d / "ENDED").exists():
-                version = json.loads((d / "ENDED").read_text())["version"]
-                self.ended[d.name] = version
-                if (d / "declared.json").exists():
-                    self.ended_configs[d.name] = (_config(json.loads((d / "declared.json").read_text())), version)
-                continue
-            try:
-                js = self._load(d)
-            except (WalCorrupt, HpsError, OSError, ValueError, KeyError) as exc:
-                self.damaged[d.name] = f"its checkpoint and write-ahead log could not be restored: {exc}"
-                log.critical("job %s is not served: %s", d.name, exc)
-                continue
-            if js is None and (d / "declared.json").exists():
-                cfg = _config(json.loads((d / "declared.json").read_text()))
-                self.declared[cfg.name] = cfg
-                self.declared_at[cfg.name] = self.clock()
-
-    def _load(self, d: Path, register: bool = True) -> RootJob | None:
-        """A job from its newest checkpoint plus every logged version after it."""
-        loaded = checkpoint.load_latest(d)
-        if loaded is None:
-            return None
-        arrays, meta = loaded
-        cfg = _config(meta["config"])
-        layout = Layout([KeySpec(k[0], tuple(k[1]), k[2], *k[3:]) for k in meta["keys"]])  # kind: since issue 13
-        js = self._install(cfg, layout, arrays["params"], meta["version"], arrays["view"], register=False)
-        state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
-        js.optimizer.load_state_dict({"steps": meta["steps"], **state})
-        js.view.clock_min = js.reported_floor = meta.get("clock_min", 0)
-        if "applied" in arrays:
-            js.applied.load(arrays["applied"].tobytes())
-        roster_path = d / "roster.json"
-        roster = json.loads(roster_path.read_text()) if roster_path.exists() else {}
-        js.ranks.load(roster.get("ranks", []))
-        js.leases.load({"dataset": roster.get("dataset"), **meta.get("data", {}), "leases": roster.get("leases", [])},
-                       self.clock())
-        js.roster_saved = roster or None
-        replayed = 0
-        for rec in js.wal.records(after=js.view.version):
-            self._apply(js, rec)
-            replayed += 1
-        js.reset_round(js.view.version, "restored")
-        js.wal.rotate(js.view.version + 1)
-        if register:
-            self.jobs[cfg.name] = js
-            log.info("restored job %s: checkpoint version %d + %d replayed from the write-ahead log "
-                     "= version %d, checksum %#018x", cfg.name, meta["version"], replayed,
-                     js.view.version, js.view.checksum,
-                     extra=event("job.restored", job=cfg.name, version=js.view.version, replayed=replayed))
-        else:
-            js.wal.close()
-        return js
-
     async def stop(self) -> None:
         self._stopping = True
         if self.replication.follower is not None:
@@ -791,12 +650,6 @@ class Root(Pairing, Tier):
             if js.wal is not None:
                 js.wal.close()
         await super().stop()
-
-
-def _config(c: dict) -> JobConfig:
-    """A JobConfig from its ``dataclasses.asdict`` JSON (OptimizerConfig rebuilds its groups
-    and options from the dicts and lists JSON gives back)."""
-    return JobConfig(**{**c, "optimizer": OptimizerConfig(**c["optimizer"])})
 
 
 def _describe(cfg: JobConfig) -> str:

@@ -85,13 +85,13 @@ def find_job_dir(path: str | Path, job: str = "") -> Path:
 
 
 def _from_checkpoint(job_dir: Path) -> tuple[np.ndarray, Layout, ServerOptimizer, int]:
-    from ps.tiers.root import _config
+    from ps.tiers.durable import config_from_json
 
     loaded = checkpoint.load_latest(job_dir)
     if loaded is None:
         raise BadInput(f"{job_dir} holds no readable checkpoint")
     arrays, meta = loaded
-    cfg = _config(meta["config"])
+    cfg = config_from_json(meta["config"])
     layout = Layout([KeySpec(k[0], tuple(k[1]), k[2], *k[3:]) for k in meta["keys"]])
     params = np.array(arrays["params"], np.float32)
     opt = ServerOptimizer(cfg.optimizer, params, layout)

@@ -299,12 +299,12 @@ def test_group_helpers():
 
 
 def test_configs_are_frozen_hashable_and_survive_checkpoint_json():
-    from ps.tiers.root import _config
+    from ps.tiers.durable import config_from_json
 
     job = JobConfig(name="j", optimizer=dataclasses.replace(CONFIGS["rmsprop"], clip_grad_norm=2.0,
                                                             options=(("centered", True), ("alpha", 0.95))))
     assert job.optimizer.options == (("alpha", 0.95), ("centered", True))  # sorted: equal however written
-    again = _config(json.loads(json.dumps(dataclasses.asdict(job))))
+    again = config_from_json(json.loads(json.dumps(dataclasses.asdict(job))))
     assert again == job and hash(again) == hash(job)
     with pytest.raises(dataclasses.FrozenInstanceError):
         job.optimizer.kind = "sgd"  # type: ignore[misc]
