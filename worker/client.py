@@ -268,23 +268,24 @@ class ParameterClient:
         """Move to the next tier of ``address`` (the one in use is gone); the next call there
         is answered NotMember, and ``_retrying`` registers again."""
         old = self._rpc.address
+        self._go_home.clear()  # wherever it goes now, a move back starts over
+        self._home_ready = 0
         new = self._rpc.switch()
         log.warning("%s: tier %s is gone (%s); switching to %s", self.worker_id, old, str(why)[:160], new,
                     extra=event("worker.switched", job=self.job, member=self.worker_id, tier=new))
 
-    def _settle_unsure(self) -> bool:
-        """What became of the push given up on unanswered (``_unsure``): True if the root
-        applied it (its number is spent: acknowledged now), False if not. Retried while it is
-        still in flight above, for the retry window."""
+    def _settle_unsure(self) -> Any | None:
+        """What became of the push given up on unanswered (``_unsure``): its reply (a PushAck)
+        if the root applied it (its number is spent: acknowledged now), None if not. Retried
+        while it is still in flight above, for the retry window."""
         assert self._unsure is not None
         seq, digest = self._unsure
         applied = self._retrying("resolving an unanswered push", lambda: self._resolve_moved(seq, digest))
         self._unsure = None
-        if applied is None:
-            return False
-        with self._push_lock:
-            self.acked_seq = max(self.acked_seq, seq)
-        return True
+        if applied is not None:
+            with self._push_lock:
+                self.acked_seq = max(self.acked_seq, seq)
+        return applied
 
     def _resolve_moved(self, seq: int, digest: bytes) -> Any | None:
         """What became of push ``seq`` sent through a tier this client has left: its reply (a
@@ -398,9 +399,10 @@ class ParameterClient:
         if now < self._home_next:
             return
         self._home_next = now + max(self.member_timeout_s, self._heartbeat_s)
-        try:
-            ready = self._rpc.relay_ready(0, timeout=max(self._heartbeat_s * 2, 1.0))
-        except HpsError:
+        try:  # at most a heartbeat interval: a blackholed first zone must not hold the heartbeats
+            ready = self._rpc.relay_ready(0, timeout=max(self._heartbeat_s, 0.2))
+        except Exception as exc:  # HpsError, or TLS files mid-rotation: not ready
+            log.debug("%s: health check of %s failed: %s", self.worker_id, self._rpc.addresses[0], exc)
             ready = False
         if ready is None:
             self._home_never = True
@@ -410,18 +412,24 @@ class ParameterClient:
             self._go_home.set()
 
     def _move_home(self) -> None:
-        """Between two pushes: leave the alternate tier and register at the first one again."""
+        """Between two pushes: register at the first tier again, then leave the alternate (in
+        that order: a heartbeat the alternate answered "unknown" after the leave would register
+        this worker there again, a member that holds its rounds until it times out)."""
         self._go_home.clear()
         self._home_ready = 0
-        away = self._rpc.address
-        try:
-            self._call("Leave", pb.LeaveRequest(job=self.job, member=self.worker_id), timeout=self.timeout_s)
-        except HpsError as exc:  # it forgets us by its member timeout instead
-            log.warning("%s: leaving %s failed: %s", self.worker_id, away, exc)
+        away = self._rpc.index
+        if away == 0:  # a switch brought it home meanwhile
+            return
         home = self._rpc.switch(to=0)
         log.warning("%s: tier %s is ready again (two health checks); moving back to it from %s", self.worker_id,
-                    home, away, extra=event("worker.returned", job=self.job, member=self.worker_id, tier=home))
+                    home, self._rpc.addresses[away],
+                    extra=event("worker.returned", job=self.job, member=self.worker_id, tier=home))
         self.register()
+        try:
+            self._rpc.call_at(away, "Leave", pb.LeaveRequest(job=self.job, member=self.worker_id),
+                              timeout=self.timeout_s)
+        except HpsError as exc:  # it forgets us by its member timeout instead
+            log.warning("%s: leaving %s failed: %s", self.worker_id, self._rpc.addresses[away], exc)
 
     # -- ranks, workers, data shards ---------------------------------------------------------
     # Class-level defaults: set by the first rank or lease call.
@@ -594,10 +602,15 @@ class ParameterClient:
             frames = encode_push(meta, chunks)
         nbytes = payload_bytes(chunks)
         digest = bytes(decode_frame(frames[-1])[0].end.digest)
-        if not pipelined and self._unsure is not None and self._unsure[0] == seq and self._unsure[1] != digest:
-            # Another body for the number of a push whose answer never came: if the tiers
-            # applied that one, its number is spent and this push takes the next.
-            if self._settle_unsure():
+        if not pipelined and self._unsure is not None and self._unsure[0] == seq:
+            # The number of a push whose answer never came: the root says what became of it
+            # (at any tier: a resend through another would be placed there as new). Applied,
+            # a resend gets that version, and another body takes the next number.
+            resend = self._unsure[1] == digest
+            applied = self._settle_unsure()
+            if applied is not None and resend:
+                return applied.applied_version, nbytes
+            if applied is not None:
                 seq = self.seq = seq + 1
                 frames = encode_push(replace(meta, seq=seq), chunks)
                 digest = bytes(decode_frame(frames[-1])[0].end.digest)

@@ -98,18 +98,21 @@ class Membership:
     def leave(self, member: str) -> bool:
         return self._m.pop(member, None) is not None
 
-    def excuse(self, seconds: float) -> None:
-        """The tier was not listening for ``seconds`` (its own process or event loop stalled):
-        that is not its members' silence, so it does not count towards their timeout.
+    def excuse(self, seconds: float, now: float) -> None:
+        """The tier was not listening for ``seconds`` up to ``now`` (its own process or event
+        loop stalled): that is not its members' silence, so it does not count towards their
+        timeout (a member is never seen later than ``now``).
 
-        >>> ms = Membership(); _ = ms.join("w1", now=10.0, first_round=0)
-        >>> ms.excuse(2.5); ms.expire(now=13.0, timeout=1.0)
+        >>> ms = Membership(); _ = ms.join("w1", now=10.0, first_round=0); _ = ms.join("w2", now=12.9, first_round=0)
+        >>> ms.excuse(2.5, now=13.0); ms.expire(now=13.0, timeout=1.0)
         []
+        >>> [m.last_seen for m in ms]
+        [12.5, 13.0]
         >>> ms.expire(now=13.6, timeout=1.0)
         ['w1']
         """
         for m in self._m.values():
-            m.last_seen += seconds
+            m.last_seen = min(m.last_seen + seconds, now)
 
     def expire(self, now: float, timeout: float) -> list[str]:
         gone = [k for k, m in self._m.items() if now - m.last_seen > timeout]

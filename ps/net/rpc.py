@@ -210,6 +210,9 @@ class Caller:
         it. The previous channel is closed at a later switch or at ``close`` (calls in flight
         there finish)."""
         with self._lock:
+            if self._probe is not None:  # it may be to the address switched to: one channel there
+                self._probe.channel.close()
+                self._probe = None
             while len(self._retired) > 2:
                 old = self._retired.pop(0)
                 for ch in old.retired + [old.channel]:
@@ -244,17 +247,28 @@ class Caller:
         except grpc.RpcError as err:
             raise error_from(err) from None
 
-    def relay_ready(self, index: int, timeout: float) -> bool | None:
-        """Whether ``addresses[index]`` (one not in use) is a relay ready for children again
-        (``grpc.health.v1`` service ``RELAY_READY``, asked without a token). None: it is a
-        root, or a build that does not say; HpsError: it does not answer."""
+    def _aside(self, index: int) -> grpc.Channel:
+        """A channel to ``addresses[index]`` beside the one in use (one at a time; closed at the
+        next switch or at ``close``)."""
         with self._lock:
             if self._probe is None or self._probe.address != self.addresses[index]:
                 if self._probe is not None:
                     self._probe.channel.close()
                 self._probe = self._channels(self.addresses[index])
-            channel = self._probe.channel
-        check = channel.unary_unary("/grpc.health.v1.Health/Check",
+            return self._probe.channel
+
+    def call_at(self, index: int, name: str, request: Any, timeout: float) -> Any:
+        """``call``, to ``addresses[index]`` rather than the address in use."""
+        try:
+            return stubs(self._aside(index))[name](request, timeout=timeout, metadata=bearer([self.token or ""]))
+        except grpc.RpcError as err:
+            raise error_from(err) from None
+
+    def relay_ready(self, index: int, timeout: float) -> bool | None:
+        """Whether ``addresses[index]`` (one not in use) is a relay ready for children again
+        (``grpc.health.v1`` service ``RELAY_READY``, asked without a token). None: it is a
+        root, or a build that does not say; HpsError: it does not answer."""
+        check = self._aside(index).unary_unary("/grpc.health.v1.Health/Check",
                                     request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                                     response_deserializer=health_pb2.HealthCheckResponse.FromString)
         try:

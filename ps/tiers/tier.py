@@ -125,28 +125,28 @@ class Tier:
         self._tasks.clear()
 
     async def _expire_loop(self) -> None:
-        last = self.clock()
         while True:
+            slept = self.clock()  # after the last pass: a pass that waits on a parent is no stall
             await asyncio.sleep(self.config.heartbeat_s)
             now = self.clock()
-            late, last = now - last - self.config.heartbeat_s, now
+            late = now - slept - self.config.heartbeat_s
             if late > self.config.heartbeat_s:
-                self._stalled(late)
+                self._stalled(late, now)
             try:
                 await self._expire(now)
             except Exception:  # one bad pass must not end expiry for good (rounds would wait forever)
                 log.exception("%s: expiring members failed; trying again in %gs", self.role,
                               self.config.heartbeat_s)
 
-    def _stalled(self, seconds: float) -> None:
+    def _stalled(self, seconds: float, now: float) -> None:
         """This pass came ``seconds`` late: the tier's own loop or process stalled (a long
         synchronous step, a GC pause, a starved CPU), and heartbeats that came meanwhile are
         still queued. That is not silence of its children: excused, as Cassandra's failure
         detector ignores its own pauses, so one stall does not drop every member at once."""
         for k, (role, address, seen) in list(self.children.items()):
-            self.children[k] = (role, address, seen + seconds)
+            self.children[k] = (role, address, min(seen + seconds, now))
         for js in self.jobs.values():
-            js.members.excuse(seconds)
+            js.members.excuse(seconds, now)
         level = logging.WARNING if seconds >= self.config.member_timeout_s / 2 else logging.DEBUG
         log.log(level, "%s: stalled for %.2fs (its event loop or process did not run); not counted as its "
                 "members' silence", self.role, seconds, extra=event("tier.stalled", seconds=round(seconds, 3)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,7 +16,7 @@ from ps.core.tensors import split
 from ps.core.types import PushMeta
 from ps.core.view import KeySpec, Layout
 from ps.net.wire import encode_push, stubs
-from tests.helpers import bsp_rounds
+from tests.helpers import bsp_rounds, wait_for
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (10,))])
@@ -152,3 +153,41 @@ def test_a_forward_a_zone_gave_up_on_and_the_root_applied_later_is_not_applied_a
     assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
     for c in (a, d):
         c.close()
+
+
+def test_a_retry_of_a_push_whose_forward_was_settled_applied_is_answered_not_placed_again(tree):
+    """ssp, where no base-version check would catch it: the zone gives up on a's forward (the
+    root's apply is held past the zone's round timeout) and the root applies it afterwards.
+    c's next push makes the zone ask the root first (applied: a new number); a's resend --
+    raw frames, as a client that does not ask first would send them -- must then get the
+    version that applied it, not be placed in a new window and applied a second time."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root", round_timeout_s=2.0)
+    a, c = ParameterClient(zone, "j", "a"), ParameterClient(zone, "j", "c")
+    a.create_job(JobConfig(name="j", mode="ssp", staleness=4, optimizer=OptimizerConfig(kind="sgd", lr=LR)),
+                 LAYOUT, np.zeros(10, np.float32))
+    for x in (a, c):
+        x.register()
+        x.pull()
+    root = tree.tier("root")
+
+    async def hold(lock: asyncio.Lock) -> None:
+        async with lock:
+            await asyncio.sleep(3.0)
+
+    held = asyncio.run_coroutine_threadsafe(hold(root.jobs["j"].apply_lock), tree.lt.loop)
+    ga, gc = np.full(10, 1.0, np.float32), np.full(10, 4.0, np.float32)
+    rpc = stubs(grpc.insecure_channel(zone))
+    with pytest.raises(grpc.RpcError):  # the zone waited its 2 s for the root, then gave up
+        rpc["Push"](iter(_frames(a, 1, ga, epoch=a.view.epoch)), timeout=10)
+    held.result(10)
+    wait_for(lambda: tree.lt.call(lambda: root.jobs["j"].view.version) == 1, "the root applying it", 10)
+    assert c.push(gc)[0] == 2
+    ack = rpc["Push"](iter(_frames(a, 1, ga, epoch=a.view.epoch)), timeout=10)
+    assert ack.applied_version == 1 and ack.duplicate
+    _, root_version, _, root_values = tree.view("root", "j")
+    assert root_version == 2
+    np.testing.assert_allclose(root_values, -LR * (ga + gc) / 2, rtol=1e-6)  # each weighed by 1 of 2 workers
+    assert tree.lt.call(lambda: root.jobs["j"].stats.double_applied) == 0
+    for x in (a, c):
+        x.close()
