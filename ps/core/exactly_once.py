@@ -35,8 +35,8 @@ from typing import Any
 from ps.core.errors import BadInput, Conflict
 from ps.core.types import PushKey, StepInfo
 
-__all__ = ["SeqBook", "AppliedBook", "encode_keys", "decode_keys", "encode_applied", "decode_applied",
-           "MAX_IN_FLIGHT"]
+__all__ = ["SeqBook", "AppliedBook", "Unanswered", "encode_keys", "decode_keys", "encode_applied",
+           "decode_applied", "MAX_IN_FLIGHT"]
 
 # async: the most pushes one sender (worker or relay) keeps in flight at once. One at a time
 # made a push wait for the previous one's acknowledgement from the root at every tier:
@@ -173,6 +173,69 @@ class AppliedBook:
 
 _KEY = struct.Struct("<HQQB")  # member length, incarnation, seq, digest length
 _VERSION = struct.Struct("<QI")  # version, length of its encoded keys
+
+
+class Unanswered:
+    """A relay's forwards given up on unanswered (its round timeout passed with the outcome
+    unknown), per job: the parent may still apply one after the children were told it failed.
+    Until the root says what became of it, its sequence number goes to no other body and its
+    worker pushes are not placed again (a child's retry asks the root first). Those the root
+    applied stay "spent" (the newest ``keep`` per job), so a later retry of one of their pushes
+    still asks, and gets the version that applied it.
+
+    >>> u, a, b = Unanswered(), PushKey("a", 1, 7, bytes(16)), PushKey("b", 1, 3, bytes(16))
+    >>> u.gave_up("lm", seq=4, keys=(a, b))
+    >>> u.holds("lm", (PushKey("b", 1, 3, bytes(16)),)), u.pending("lm")[0][0]
+    (True, 4)
+    >>> u.settled("lm", (b,), applied=True)        # one push of it answered: the whole forward
+    [4]
+    >>> u.pending("lm"), u.holds("lm", (a,))       # its number is spent; a's retry still asks
+    ([], True)
+    """
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self._unsure: dict[str, dict[int, tuple[PushKey, ...]]] = {}
+        self._spent: dict[str, dict[int, tuple[PushKey, ...]]] = {}
+
+    def gave_up(self, job: str, seq: int, keys: tuple[PushKey, ...]) -> None:
+        self._record(self._unsure.setdefault(job, {}), seq, keys)
+
+    def pending(self, job: str) -> list[tuple[int, tuple[PushKey, ...]]]:
+        """The forwards of ``job`` whose outcome is still unknown, oldest first."""
+        return sorted(self._unsure.get(job, {}).items())
+
+    def forget(self, job: str, seq: int) -> None:
+        """Drop forward ``seq`` unsettled (an empty one: nothing in it to apply twice)."""
+        self._unsure.get(job, {}).pop(seq, None)
+
+    def holds(self, job: str, keys: tuple[PushKey, ...]) -> bool:
+        """Whether any of these worker pushes was in a forward given up on (settled or not)."""
+        mine = {(k.member, k.incarnation, k.seq) for k in keys}
+        held = [*self._unsure.get(job, {}).values(), *self._spent.get(job, {}).values()]
+        return any((k.member, k.incarnation, k.seq) in mine for ks in held for k in ks)
+
+    def settled(self, job: str, keys: tuple[PushKey, ...], applied: bool) -> list[int]:
+        """The root answered for these pushes: the forwards that held one are settled (a forward
+        is applied whole or not at all). Returns their numbers; ``applied`` ones are spent."""
+        held = self._unsure.get(job, {})
+        mine = {(k.member, k.incarnation, k.seq) for k in keys}
+        done = [seq for seq, ks in held.items() if any((k.member, k.incarnation, k.seq) in mine for k in ks)]
+        for seq in done:
+            ks = held.pop(seq)
+            if applied:
+                self._record(self._spent.setdefault(job, {}), seq, ks)
+        return done
+
+    def drop(self, job: str) -> None:
+        self._unsure.pop(job, None)
+        self._spent.pop(job, None)
+
+    def _record(self, held: dict[int, tuple[PushKey, ...]], seq: int, keys: tuple[PushKey, ...]) -> None:
+        # Bounded: an async job's forwards given up on are settled only by their children's retries.
+        held[seq] = keys
+        for old in sorted(held)[:-self.keep]:
+            del held[old]
 
 
 def encode_keys(keys: Iterable[PushKey]) -> bytes:

@@ -50,7 +50,7 @@ from ps.core.errors import (
     UnknownJob,
     short,
 )
-from ps.core.exactly_once import MAX_IN_FLIGHT
+from ps.core.exactly_once import MAX_IN_FLIGHT, Unanswered
 from ps.core.leases import Dataset, Grant
 from ps.core.outer import above_inner
 from ps.core.ranks import RankInfo
@@ -140,13 +140,9 @@ class Relay(ParentLink, Tier):
         self._force_snapshot: set[str] = set()
         self._fwd_locks: dict[str, asyncio.Lock] = {}
         self._up_issued: dict[str, int] = {}  # async: the highest sequence number sent up
-        # Forwards given up on with their outcome unknown (job -> seq -> the worker pushes it
-        # summed): the parent may yet apply one. Its number is not reused, nor its pushes placed
-        # again, before the root says what became of it (``_settle_unsure``). Those it applied
-        # stay in ``_spent`` (the newest few): a retry of one of their pushes still asks the
-        # root, and gets the version that applied it.
-        self._unsure: dict[str, dict[int, tuple[PushKey, ...]]] = {}
-        self._spent: dict[str, dict[int, tuple[PushKey, ...]]] = {}
+        # Forwards given up on with their outcome unknown: settled at the root before their
+        # numbers or their pushes are used again (``_settle_unsure``, ``_unsure_of``).
+        self.unanswered = Unanswered()
         self.cut_off_at: float | None = None  # since when no parent has answered (None: one does)
         self._loading: dict[frozenset[str], asyncio.Future] = {}  # codecs being imported, off the loop
 
@@ -369,7 +365,7 @@ class Relay(ParentLink, Tier):
             if self.clock() + delay > deadline:
                 # Sent, perhaps more than once, and never answered: the parent may hold it in a
                 # round still, and apply it after the children were told it failed.
-                _keep_newest(self._unsure.setdefault(job, {}), seq, keys)
+                self.unanswered.gave_up(job, seq, keys)
                 raise failure
             log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
                         agg.round, job, failure)
@@ -403,10 +399,10 @@ class Relay(ParentLink, Tier):
         body was refused as a Conflict at the parent for good, and its pushes were applied);
         not applied, it is free. Unavailable while it is still in flight above."""
         job = js.config.name
-        for seq, keys in sorted(self._unsure.get(job, {}).items()):
+        for seq, keys in self.unanswered.pending(job):
             if not keys:  # an empty forward (no worker push): nothing to apply twice, skip its number
                 self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
-                self._unsure[job].pop(seq, None)
+                self.unanswered.forget(job, seq)
                 continue
             wait_s = max(1.0, min(self.config.round_timeout_s, 2 * self.config.member_timeout_s + 5.0))
             try:
@@ -414,17 +410,12 @@ class Relay(ParentLink, Tier):
             except (NotReady, TimedOut, Exhausted, NotMember) as exc:  # not the children's doing
                 raise Unavailable(f"cannot tell yet what became of round {seq} of job {job} that this "
                                   f"{self.role} forwarded ({exc}); push again shortly") from None
-            if seq in self._unsure.get(job, {}):
+            if any(seq == s for s, _ in self.unanswered.pending(job)):
                 raise Unavailable(f"round {seq} of job {job} that this {self.role} forwarded is still in "
                                   "flight above (its outcome is not known yet); push again shortly")
 
     def _unsure_of(self, js: RelayJob, keys: tuple[PushKey, ...]) -> bool:
-        job = js.config.name
-        held = [*self._unsure.get(job, {}).values(), *self._spent.get(job, {}).values()]
-        if not held:
-            return False
-        mine = {(k.member, k.incarnation, k.seq) for k in keys}
-        return any((k.member, k.incarnation, k.seq) in mine for ks in held for k in ks)
+        return self.unanswered.holds(js.config.name, keys)
 
     def _refuse(self, js: RelayJob, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
         if js.encoder is not None and not js.encoder.lossless:
@@ -445,16 +436,12 @@ class Relay(ParentLink, Tier):
             self.attached.discard(job)
             await self._job_for_register(job)
             outcome, version, epoch = await self.up.resolve(job, keys, wait_s)
-        if outcome != UNKNOWN and (held := self._unsure.get(job)):
-            mine = {(k.member, k.incarnation, k.seq) for k in keys}
-            for seq, ks in list(held.items()):
-                if any((k.member, k.incarnation, k.seq) in mine for k in ks):
-                    del held[seq]
-                    if outcome == APPLIED:
-                        self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
-                        _keep_newest(self._spent.setdefault(job, {}), seq, ks)
-                    log.warning("%s: round %d of %s, given up on with its outcome unknown, was %s", self.role,
-                                seq, job, f"applied as version {version}" if outcome == APPLIED else "not applied")
+        if outcome != UNKNOWN:
+            for seq in self.unanswered.settled(job, keys, applied=outcome == APPLIED):
+                if outcome == APPLIED:
+                    self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
+                log.warning("%s: round %d of %s, given up on with its outcome unknown, was %s", self.role,
+                            seq, job, f"applied as version {version}" if outcome == APPLIED else "not applied")
         return outcome, version, epoch
 
     async def _rank_here(self, js: RelayJob, member: str, incarnation: int, requested: int | None,
@@ -559,8 +546,9 @@ class Relay(ParentLink, Tier):
         log.warning("%s: dropping job %s: %s", self.role, job, why)
         self.ended[job] = js.view.version
         self.attached.discard(job)
-        for per_job in (self._up_acked, self._up_issued, self._fwd_locks, self._unsure, self._spent):
+        for per_job in (self._up_acked, self._up_issued, self._fwd_locks):
             per_job.pop(job, None)
+        self.unanswered.drop(job)
         self._force_snapshot.discard(job)
         js.abort(why)
 
@@ -585,14 +573,3 @@ class Relay(ParentLink, Tier):
             js.synced_at = self.clock()
         if versions:
             js.notify()
-
-
-_UNSURE_KEPT = 64  # forwards per job whose outcome is unknown, or applied after it was (``_spent``)
-
-
-def _keep_newest(held: dict[int, tuple[PushKey, ...]], seq: int, keys: tuple[PushKey, ...]) -> None:
-    """Record a forward's pushes under its number, keeping the newest ``_UNSURE_KEPT`` (an
-    async job's forwards given up on are settled only by their children's retries)."""
-    held[seq] = keys
-    for old in sorted(held)[:-_UNSURE_KEPT]:
-        del held[old]
