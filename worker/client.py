@@ -635,8 +635,8 @@ class ParameterClient:
         try:
             reply = self._retrying("push", attempt)
         except (TimedOut, Unavailable, Exhausted, NotReady):
-            # Given up on unanswered: the tiers may still apply it. A push of another body
-            # under its number asks first (``_settle_unsure``); a resend is answered as ever.
+            # Given up on unanswered: the tiers may still apply it. The next push under its
+            # number asks the root first (``_settle_unsure``), a resend of it too.
             if contributors:
                 try:
                     self._unsure = (seq, digest())
