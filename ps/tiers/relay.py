@@ -364,8 +364,12 @@ class Relay(ParentLink, Tier):
             # parent's answer to the children, passed on as it is (_forward refuses the batch).
             if self.clock() + delay > deadline:
                 # Sent, perhaps more than once, and never answered: the parent may hold it in a
-                # round still, and apply it after the children were told it failed.
-                self.unanswered.gave_up(job, seq, keys)
+                # round still, and apply it after the children were told it failed. (An outer
+                # sync names no worker push: its number is reused as before, and the parent's
+                # book decides -- a Conflict if the first was applied; its steps are the outer
+                # loop's to settle, which it does not yet.)
+                if keys or not agg.contributors:
+                    self.unanswered.gave_up(job, seq, keys)
                 raise failure
             log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
                         agg.round, job, failure)
