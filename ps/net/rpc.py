@@ -40,7 +40,7 @@ from ps.net.wire import RELAY_READY, stubs
 
 __all__ = ["MAX_MESSAGE", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "status_of", "trailers",
            "error_from", "abort", "bearer", "bearer_tokens", "FORWARDED", "Caller", "AsyncCaller",
-           "cannot_connect"]
+           "cannot_connect", "RELAY_CHECK", "relay_check", "relay_check_failed"]
 
 MAX_MESSAGE = 16 * 1024 * 1024
 _SIZE = [("grpc.max_send_message_length", MAX_MESSAGE + 4096),
@@ -176,6 +176,26 @@ def cannot_connect(exc: HpsError) -> bool:
                                              or "connect failed" in d)
 
 
+# The tokenless health check a relay or worker on an alternate asks its first parent or tier
+# (``Caller.relay_ready``, ``ps.net.upstream.Upstream.relay_ready``).
+RELAY_CHECK = health_pb2.HealthCheckRequest(service=RELAY_READY)
+
+
+def relay_check(channel: Any) -> Any:
+    """The health check method on ``channel`` (sync or grpc.aio)."""
+    return channel.unary_unary("/grpc.health.v1.Health/Check",
+                               request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                               response_deserializer=health_pb2.HealthCheckResponse.FromString)
+
+
+def relay_check_failed(err: grpc.RpcError) -> bool | None:
+    """None where the check failed because the address is no relay (a root: NOT_FOUND);
+    otherwise the error as an HpsError."""
+    if err.code() == grpc.StatusCode.NOT_FOUND:
+        return None
+    raise error_from(err) from None
+
+
 class Caller:
     """Blocking calls to one tier: every method of the service, errors as hps exceptions.
     ``tls``: present this certificate and verify the tier's (None: plaintext); ``token``:
@@ -268,15 +288,10 @@ class Caller:
         """Whether ``addresses[index]`` (one not in use) is a relay ready for children again
         (``grpc.health.v1`` service ``RELAY_READY``, asked without a token). None: it is a
         root, or a build that does not say; HpsError: it does not answer."""
-        check = self._aside(index).unary_unary("/grpc.health.v1.Health/Check",
-                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
         try:
-            r = check(health_pb2.HealthCheckRequest(service=RELAY_READY), timeout=timeout)
+            r = relay_check(self._aside(index))(RELAY_CHECK, timeout=timeout)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise error_from(err) from None
+            return relay_check_failed(err)
         return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
     def close(self) -> None:

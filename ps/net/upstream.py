@@ -48,11 +48,10 @@ from ps.core.ranks import RankInfo
 from ps.core.tensors import split
 from ps.core.types import Ack, PullMeta, PushKey, Registration, VersionMeta
 from ps.core.view import Layout
-from ps.net.rpc import FORWARDED, AsyncCaller, cannot_connect, error_from
+from ps.net.rpc import FORWARDED, RELAY_CHECK, AsyncCaller, cannot_connect, relay_check, relay_check_failed
 from ps.net.tls import TlsFiles
 from ps.net.wire import (
     OUTCOME_NAME,
-    RELAY_READY,
     ROLE,
     dataset_to_pb,
     decode_pull_reply,
@@ -120,15 +119,10 @@ class Upstream:
         if self._probe is None or self._probe.address != address:
             self.close_probe()
             self._probe = AsyncCaller(address, self._tls)
-        check = self._probe.channel.unary_unary(
-            "/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString)
         try:
-            r = await check(health_pb2.HealthCheckRequest(service=RELAY_READY), timeout=timeout)
+            r = await relay_check(self._probe.channel)(RELAY_CHECK, timeout=timeout)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise error_from(err) from None
+            return relay_check_failed(err)
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
     def close_probe(self) -> None:
