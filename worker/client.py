@@ -65,7 +65,6 @@ from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes, split
 from ps.core.types import NO_STEP, Chunk, PullMeta, PushKey, PushMeta, StepInfo, VersionMeta
 from ps.core.view import Layout, View
-from ps.net.frames import decode_frame
 from ps.net.rpc import Caller, cannot_connect
 from ps.net.tls import TlsFiles
 from ps.net.wire import (
@@ -80,6 +79,7 @@ from ps.net.wire import (
     keys_to_pb,
     layout_from_pb,
     pb,
+    push_digest,
     rank_from_pb,
     shards_to_pb,
 )
@@ -601,7 +601,7 @@ class ParameterClient:
                 clock_max + 1, *report, incarnation=self.incarnation, step=step)
             frames = encode_push(meta, chunks)
         nbytes = payload_bytes(chunks)
-        digest = bytes(decode_frame(frames[-1])[0].end.digest)
+        digest = push_digest(frames)
         if not pipelined and self._unsure is not None and self._unsure[0] == seq:
             # The number of a push whose answer never came: the root says what became of it
             # (at any tier: a resend through another would be placed there as new). Applied,
@@ -613,7 +613,7 @@ class ParameterClient:
             if applied is not None:
                 seq = self.seq = seq + 1
                 frames = encode_push(replace(meta, seq=seq), chunks)
-                digest = bytes(decode_frame(frames[-1])[0].end.digest)
+                digest = push_digest(frames)
         return self._deliver(seq, lambda: iter(frames), lambda: digest, contributors, lambda: nbytes)
 
     def _deliver(self, seq: int, frames: Callable[[], Iterator[bytes]], digest: Callable[[], bytes],

@@ -38,8 +38,8 @@ from dataclasses import replace
 from ps.core.errors import BadInput
 from ps.core.tensors import payload_bytes
 from ps.core.types import Chunk, PushMeta, StepInfo
-from ps.net.frames import decode_frame, with_end
-from ps.net.wire import chunk_frames, encode_push_head, encode_push_tail
+from ps.net.frames import with_end
+from ps.net.wire import chunk_frames, encode_push_head, encode_push_tail, push_digest
 from worker.client import ParameterClient
 
 __all__ = ["StreamedPush"]
@@ -152,4 +152,4 @@ class StreamedPush:
             self._cv.wait_for(lambda: self._state != "open", timeout=self.client.round_timeout_s)
             if self._state != "done":
                 raise BadInput(f"push {self.meta.seq} was aborted or never completed; it has no digest")
-            return bytes(decode_frame(self._frames[-1])[0].end.digest)
+            return push_digest(self._frames)

@@ -43,8 +43,8 @@ EVENTS = frozenset({
     "training.loss_rising",
     "rank.assigned", "rank.released", "data.declared", "lease.expired",
     "root.primary", "root.promoted", "root.deposed", "standby.following", "standby.synced", "standby.in_sync",
-    "outer.started", "outer.sync_failed", "outer.sync_postponed", "outer.steps_lost", "outer.dropped",
-    "outer.steps_per_sync",
+    "outer.started", "outer.sync_failed", "outer.sync_postponed", "outer.sync_unsettled", "outer.steps_lost",
+    "outer.dropped", "outer.steps_per_sync",
 })
 
 # What every LogRecord has; anything else on a record came with ``extra=``.

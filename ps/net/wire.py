@@ -258,6 +258,12 @@ def encode_push(meta: PushMeta, chunks: Iterable[Chunk]) -> list[bytes]:
     return with_end([encode_push_head(meta), *chunk_frames(chunks)])
 
 
+def push_digest(frames: list[bytes]) -> bytes:
+    """The digest an encoded push's end marker carries: what the receiving tier's books know
+    the push by (a sender asks the root about a push by it)."""
+    return bytes(decode_frame(frames[-1])[0].end.digest)
+
+
 def encode_push_head(meta: PushMeta) -> bytes:
     """A push's header frame (a streamed push sends it before its gradient is complete)."""
     fields = {k: v for k, v in meta.__dict__.items() if k not in ("sources", "step")}

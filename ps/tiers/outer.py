@@ -66,7 +66,7 @@ import numpy as np
 from ps.core.config import JobConfig, ServerConfig
 from ps.core.consistency import Aggregate
 from ps.core.encoder import Encoder
-from ps.core.errors import HpsError, NotReady, short
+from ps.core.errors import Conflict, HpsError, NotReady, UnknownJob, short
 from ps.core.intake import PushIntake
 from ps.core.leases import GRANTED, WAIT, Dataset, Grant
 from ps.core.logs import event
@@ -76,7 +76,7 @@ from ps.core.tensors import Chunk
 from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration, StepInfo, TierStatus, VersionMeta
 from ps.tiers.jobstate import JobState, RelayJob, RootJob
 from ps.tiers.relay import Relay
-from ps.tiers.tier import new_epoch
+from ps.tiers.tier import APPLIED, NOT_APPLIED, UNKNOWN, new_epoch
 
 if TYPE_CHECKING:  # the root's code and torch: imported with the first outer job held here
     from ps.tiers.inner import InnerRoot
@@ -87,6 +87,7 @@ log = logging.getLogger("hps.outer")
 
 PullReply = tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]
 _OUTER_WAIT_S = 60.0  # at most this long for the outer version that applied a pseudo-gradient
+_SETTLE_BACKOFF_S = (0.5, 10.0)  # between asking the root about a sync given up on
 
 
 def runs_inner(cfg: JobConfig, role: str) -> bool:
@@ -444,9 +445,45 @@ class OuterRelay(Relay):
     async def _round_trip(self, ojs: RelayJob, agg: Aggregate) -> Ack:
         fut = asyncio.get_running_loop().create_future()
         await self._forward(ojs, agg, (), agg.round, fut)  # retries within round_timeout_s; never raises
-        ack: Ack = fut.result()
+        ack: Ack = fut.result() if fut.exception() is None else await self._settle_sync(ojs, fut.exception())
         await self._hold_outer(ojs, ack)
         return ack
+
+    async def _settle_sync(self, ojs: RelayJob, failure: BaseException) -> Ack:
+        """The sync failed. If it went up and was never answered (given up on after the round
+        timeout), the root may still apply it -- a synchronous outer round holds it until every
+        region has synced. Then its steps must not go up again with the next sync (applied
+        twice), nor its number carry another body (refused for good as a Conflict). So ask the
+        root by this region's own key until it knows: applied, the sync succeeded (its Ack);
+        not applied, it failed (``failure``) and its number is free."""
+        job = ojs.config.name
+        mine = [(seq, keys) for seq, keys in self.unanswered.pending(job)
+                if len(keys) == 1 and keys[0].member == self.member_id]
+        if not mine:
+            raise failure  # refused, or never sent: nothing above holds it
+        seq, keys = mine[-1]
+        wait_s = max(1.0, min(self.config.round_timeout_s, 2 * self.config.member_timeout_s + 5.0))
+        delay, said = _SETTLE_BACKOFF_S[0], False
+        while True:
+            try:
+                async with self._fwd_locks.setdefault(job, asyncio.Lock()):
+                    outcome, version, epoch = await self._resolve_here(ojs, keys, wait_s)
+            except (UnknownJob, Conflict):
+                raise
+            except HpsError as exc:
+                outcome = f"not known ({short(str(exc), 120)})"
+            if outcome == APPLIED:
+                return Ack(version, epoch or ojs.view.epoch, duplicate=True)
+            if outcome == NOT_APPLIED:
+                raise failure
+            if not said:  # once per sync: the root or the other regions are slow, not gone
+                said = True
+                log.warning("%s: job %s: the sync sent as push %d was given up on unanswered; its outcome "
+                            "is %s: asking the root until it knows (training goes on with sync_wait_s or "
+                            "overlap)", self.role, job, seq, outcome if outcome != UNKNOWN else "not known yet",
+                            extra=event("outer.sync_unsettled", job=job, seq=seq))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _SETTLE_BACKOFF_S[1])
 
     def _merge(self, ijs: RootJob, st: OuterState) -> None:
         """A sync ended: rebase its fragment on the outer version and publish that as an inner

@@ -60,7 +60,7 @@ from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration
 from ps.core.view import Layout
 from ps.net.tls import TlsFiles
 from ps.net.upstream import Upstream
-from ps.net.wire import encode_push
+from ps.net.wire import encode_push, push_digest
 from ps.tiers.jobstate import RelayJob
 from ps.tiers.parents import ParentLink
 from ps.tiers.tier import APPLIED, UNKNOWN, Tier
@@ -364,12 +364,12 @@ class Relay(ParentLink, Tier):
             # parent's answer to the children, passed on as it is (_forward refuses the batch).
             if self.clock() + delay > deadline:
                 # Sent, perhaps more than once, and never answered: the parent may hold it in a
-                # round still, and apply it after the children were told it failed. (An outer
-                # sync names no worker push: its number is reused as before, and the parent's
-                # book decides -- a Conflict if the first was applied; its steps are the outer
-                # loop's to settle, which it does not yet.)
-                if keys or not agg.contributors:
-                    self.unanswered.gave_up(job, seq, keys)
+                # round still, and apply it after the children were told it failed. A push
+                # that names no worker push (a region's outer sync) is known above by this
+                # relay's own key: the outer loop settles it before its next sync (its steps
+                # must not go up twice).
+                own = (PushKey(self.member_id, self.epoch, seq, push_digest(frames)),) if agg.contributors else ()
+                self.unanswered.gave_up(job, seq, keys or own)
                 raise failure
             log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
                         agg.round, job, failure)

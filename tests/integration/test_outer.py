@@ -751,3 +751,64 @@ def test_a_postponed_sync_merges_keeping_what_the_region_trained_meanwhile(tree)
     finally:
         eu.close()
         us.close()
+
+
+def test_a_sync_given_up_on_that_the_root_applied_later_is_not_sent_again(tree):
+    """eu gives up on its sync after its 2 s round timeout (it waits at the root for us, in a
+    synchronous outer round), and the root applies it once us syncs. eu must take it as landed
+    -- not count it failed and send its steps again with the next sync under the same number
+    (refused for good as another body) or a new one (applied twice). Exact arithmetic as in the
+    postponed-sync test: gradients of ones, inner SGD lr 0.25, outer SGD lr 1, fp32."""
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root", round_timeout_s=2.0)
+    tree.add("us", "regional", parent="root")
+    zones = [tree.add(f"{r}-a", "zone", parent=r) for r in ("eu", "us")]
+    layout = Layout([KeySpec("w", (4,))])
+    lr = 0.25
+    job = JobConfig(name="gu", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr),
+                    outer=OuterConfig(inner_steps=2, codec="fp32", delta_codec="fp32", sync_wait_s=0.3,
+                                      optimizer=OptimizerConfig(kind="sgd", lr=1.0)))
+    eu, us = (ParameterClient(z, "gu", f"w-{z[-4:]}", timeout_s=30) for z in zones)
+    try:
+        eu.create_job(job, layout, np.zeros(layout.numel, np.float32))
+        for c in (eu, us):
+            c.register()
+            c.pull(min_version=0)
+        clock = {id(eu): 0, id(us): 0}
+
+        def step(c) -> None:
+            v, _ = c.push(np.ones(layout.numel, np.float32), clock=clock[id(c)])
+            clock[id(c)] += 1
+            c.pull(min_version=v)
+
+        def region(name: str):
+            return tree.lt.call(lambda: (tree.tier(name).inner.jobs["gu"].stats,
+                                         tree.tier(name).inner.jobs["gu"].view.values.copy()))
+
+        for _ in range(4):  # eu: a sync after 2 steps, waiting at the root for us; 2 more
+            step(eu)
+        wait_for(lambda: tree.lt.call(lambda: tree.tier("eu").jobs["gu"].stats.refused_rounds) >= 1,
+                 "eu giving up on its sync after its round timeout", 15)
+        for _ in range(2):  # us: its sync closes the root's round, which applies eu's too
+            step(us)
+        wait_for(lambda: tree.view("root", "gu")[1] >= 1, "the root applying the outer round", 10)
+        assert np.array_equal(tree.view("root", "gu")[3], np.full(4, -2 * lr, np.float32))
+        wait_for(lambda: tree.lt.call(lambda: tree.tier("eu").outer["gu"].inflight.done()),
+                 "eu's sync settled", 20)
+        step(eu)  # merged at the first inner version after it: landed, not failed
+        st, values = region("eu")
+        assert st.outer_syncs == 1 and st.outer_sync_failures == 0, st
+        assert np.array_equal(values, np.full(4, -5 * lr, np.float32)), values  # outer + 3 steps since
+        # eu's next sync (sent at that merge: 3 steps since the last) carries those 3 steps
+        # only; us's carries its next 2. Applied once each: -2 lr - (3 lr + 2 lr) / 2.
+        for _ in range(2):
+            step(us)
+        wait_for(lambda: tree.view("root", "gu")[1] >= 2, "the second outer round", 20)
+        root = tree.view("root", "gu")
+        assert root[1] == 2 and np.array_equal(root[3], np.full(4, -4.5 * lr, np.float32)), root
+        assert tree.lt.call(lambda: tree.tier("root").jobs["gu"].stats.double_applied) == 0
+        st, _ = region("eu")
+        assert st.outer_sync_failures == 0, st
+    finally:
+        eu.close()
+        us.close()
