@@ -154,7 +154,8 @@ class ParameterClient:
         self.seq = 0                # sequence number of the push in flight (or last one)
         self.acked_seq = 0          # highest sequence number acknowledged
         self._issued = 0            # pipelined pushes: the highest sequence number sent
-        self._unsure: tuple[int, bytes] | None = None  # (seq, digest) of a push whose answer never came
+        # (seq, digest, tier switch count when sent) of a push whose answer never came
+        self._unsure: tuple[int, bytes, int] | None = None
         self._push_lock = threading.Lock()  # async: several pushes in flight (worker.sender)
         self.bytes_up = 0
         self.bytes_down = 0
@@ -279,22 +280,26 @@ class ParameterClient:
         if the root applied it (its number is spent: acknowledged now), None if not. Retried
         while it is still in flight above, for the retry window."""
         assert self._unsure is not None
-        seq, digest = self._unsure
-        applied = self._retrying("resolving an unanswered push", lambda: self._resolve_moved(seq, digest))
+        seq, digest, sent_via = self._unsure
+        applied = self._retrying("resolving an unanswered push",
+                                 lambda: self._resolve_moved(seq, digest, moved=sent_via != self._rpc.switches))
         self._unsure = None
         if applied is not None:
             with self._push_lock:
                 self.acked_seq = max(self.acked_seq, seq)
         return applied
 
-    def _resolve_moved(self, seq: int, digest: bytes) -> Any | None:
-        """What became of push ``seq`` sent through a tier this client has left: its reply (a
-        PushAck) if the root applied it, None if not (send it again); Unavailable while it is
-        still in flight above (a batch there holds it until the tier it went through times out)."""
+    def _resolve_moved(self, seq: int, digest: bytes, moved: bool = True) -> Any | None:
+        """What became of push ``seq``, sent through a tier this client has left (``moved``) or
+        given up on unanswered: its reply (a PushAck) if the root applied it, None if not (send
+        it again); NotReady while it is still in flight above (a batch there holds it until the
+        tier it went through times out). A tier asked by a worker that moved there does not
+        hold the open round for it (its gradient for that round went the other way)."""
         wait_s = min(30.0, 2 * (self.member_timeout_s or _SWITCH_AFTER_S) + 5.0)
         key = PushKey(self.worker_id, self.incarnation, seq, digest)
         r = self._call("Resolve", pb.ResolveRequest(job=self.job, member=self.worker_id, wait_ms=int(wait_s * 1000),
-                                                    keys=keys_to_pb((key,))), timeout=wait_s + self.timeout_s)
+                                                    moved=moved, keys=keys_to_pb((key,))),
+                       timeout=wait_s + self.timeout_s)
         outcome = OUTCOME_NAME.get(r.outcome, "unknown")
         if outcome == "applied":
             log.info("%s: push %d, whose answer was lost, was applied as version %d", self.worker_id,
@@ -302,7 +307,9 @@ class ParameterClient:
             return pb.PushAck(applied_version=r.version, view_epoch=r.view_epoch, duplicate=True)
         if outcome == "not_applied":
             return None
-        raise Unavailable(f"push {seq}, whose answer was lost, is still in flight above; asking again")
+        # NotReady, not Unavailable: this tier answers (the push is in a batch above), so it is
+        # no reason to move to another one.
+        raise NotReady(f"push {seq}, whose answer was lost, is still in flight above; asking again")
 
     def close(self) -> None:
         """Stop heart-beating, leave the job (best effort) and close the channel. Also runs at
@@ -639,7 +646,7 @@ class ParameterClient:
             # number asks the root first (``_settle_unsure``), a resend of it too.
             if contributors:
                 try:
-                    self._unsure = (seq, digest())
+                    self._unsure = (seq, digest(), sent_via[-1] if sent_via else self._rpc.switches)
                 except BadInput:  # never completed, so never applied
                     pass
             raise

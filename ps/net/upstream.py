@@ -226,10 +226,12 @@ class Upstream:
             self.minted[cfg if isinstance(cfg, str) else cfg.name] = r.job_token
         return r.created, r.version, r.view_epoch
 
-    async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float) -> tuple[str, int, int]:
-        """Ask the parent what became of these worker pushes (see ``Tier.resolve``)."""
+    async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float, moved: bool = False
+                      ) -> tuple[str, int, int]:
+        """Ask the parent what became of these worker pushes (see ``Tier.resolve``); ``moved``:
+        they went up through a parent this relay has left since."""
         r = await self._call("Resolve", pb.ResolveRequest(job=job, member=self.member, keys=keys_to_pb(keys),
-                                                          wait_ms=int(wait_s * 1000)),
+                                                          wait_ms=int(wait_s * 1000), moved=moved),
                              timeout=wait_s + self.timeout_s, job=job)
         return OUTCOME_NAME.get(r.outcome, "unknown"), r.version, r.view_epoch
 

@@ -428,7 +428,8 @@ class _Servicer:
         self._check_child(context, req.member, "worker")  # relays ask; a worker cert may not as one
         self._check_job(context, req.job, relay_role=True)
         outcome, version, epoch = await self.tier.resolve(check_name(req.job), keys_from_pb(req.keys),
-                                                          min(req.wait_ms, 60_000) / 1000.0)
+                                                          min(req.wait_ms, 60_000) / 1000.0,
+                                                          asker=req.member if req.moved else "")
         return pb.ResolveReply(outcome=OUTCOME[outcome], version=version, view_epoch=epoch)
 
     @_unary("Rank")

@@ -575,10 +575,11 @@ class OuterRelay(Relay):
             return await self.inner.pull(job, member, view_epoch, since, min_version, wait_s, min_clock)
         return await super().pull(job, member, view_epoch, since, min_version, wait_s, min_clock)
 
-    async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float) -> tuple[str, int, int]:
+    async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float, asker: str = ""
+                      ) -> tuple[str, int, int]:
         if self.inner is not None and self._inner(job):
-            return await self.inner.resolve(job, keys, wait_s)
-        return await super().resolve(job, keys, wait_s)
+            return await self.inner.resolve(job, keys, wait_s, asker)
+        return await super().resolve(job, keys, wait_s, asker)
 
     async def rank(self, job: str, member: str, incarnation: int, requested: int | None = None,
                    release: bool = False) -> RankInfo:

@@ -387,7 +387,7 @@ class Relay(ParentLink, Tier):
         job = js.config.name
         await self._job_for_register(job)  # a member of the new parent first: it asks on our behalf
         wait_s = max(1.0, min(deadline - self.clock(), 2 * self.config.member_timeout_s + 5.0))
-        outcome, version, epoch = await self.up.resolve(job, keys, wait_s)
+        outcome, version, epoch = await self.up.resolve(job, keys, wait_s, moved=True)
         if outcome == APPLIED:
             log.info("%s: round of %s sent through the previous parent was applied as version %d",
                      self.role, job, version)

@@ -576,19 +576,44 @@ class Tier:
             fut.exception()  # retrieved: a batch's pushers may all be gone
 
     # -- resolve ---------------------------------------------------------------------------
-    async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float) -> tuple[str, int, int]:
+    async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float, asker: str = ""
+                      ) -> tuple[str, int, int]:
         """What became of these worker pushes: (APPLIED, version, epoch), (NOT_APPLIED, 0, 0) or
-        (UNKNOWN, 0, 0). Pushes still in a batch here are waited for (at most ``wait_s``)."""
+        (UNKNOWN, 0, 0). Pushes still in a batch here are waited for (at most ``wait_s``).
+        ``asker``: a child that sent them through a tier it has left since (``_excuse_moved``)."""
         deadline = self.clock() + max(0.0, wait_s)
         while True:
             js = self.job(job)
             futs = {f for f in (js.batch_of(k) for k in keys) if f is not None}
             if not futs:
-                return await self._resolve_here(js, keys, max(0.0, deadline - self.clock()))
+                answer = await self._resolve_here(js, keys, max(0.0, deadline - self.clock()))
+                break
             left = deadline - self.clock()
             if left <= 0:
-                return UNKNOWN, 0, 0
+                answer = UNKNOWN, 0, 0
+                break
             await asyncio.wait([asyncio.shield(f) for f in futs], timeout=left)
+        if asker and answer[0] == UNKNOWN:
+            self._excuse_moved(self.job(job), asker)
+        return answer
+
+    def _excuse_moved(self, js: JobState, asker: str) -> None:
+        """``asker`` moved here from another tier with a push sent that way, and it is still in a
+        batch above after a whole wait. If the asker joined during the open BSP round and has not
+        pushed in it, that batch may be waiting for this tier's round, which waits for the asker,
+        which waits for the answer (the tier it left lives on and keeps the push in the root's
+        round): the round stops waiting for it. Only then -- when the tier it left died, its push
+        leaves the root's round once that tier times out there (not applied), and the round here
+        waits for the asker's resend. Once excused, a resend is still placed while the round is
+        open (else it is Stale: its workers pull and compute again)."""
+        m = js.members.find(asker)
+        if m is None or not js.bsp or m.first_round != js.round.round or asker in js.round.pushed:
+            return
+        m.first_round = js.round.round + 1
+        log.warning("%s: job %s: %r moved here during round %d with a push sent through another tier, still "
+                    "in flight above; the round does not wait for it", self.role, js.config.name, asker,
+                    js.round.round)
+        self._progress(js)
 
     async def _resolve_here(self, js: JobState, keys: tuple[PushKey, ...], wait_s: float
                             ) -> tuple[str, int, int]:

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 
 from ps.core.codecs import get_codec
-from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.config import JobConfig, OptimizerConfig, ServerConfig
 from ps.core.errors import TimedOut
 from ps.core.tensors import split
 from ps.core.types import PushMeta
 from ps.core.view import KeySpec, Layout
 from ps.net.wire import encode_push, stubs
-from tests.helpers import bsp_rounds, wait_for
+from ps.server import create_server
+from ps.tools.wanem import Link, LinkProxy
+from tests.helpers import FAST, bsp_rounds, wait_for
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (10,))])
@@ -190,4 +192,75 @@ def test_a_retry_of_a_push_whose_forward_was_settled_applied_is_answered_not_pla
     np.testing.assert_allclose(root_values, -LR * (ga + gc) / 2, rtol=1e-6)  # each weighed by 1 of 2 workers
     assert tree.lt.call(lambda: root.jobs["j"].stats.double_applied) == 0
     for x in (a, c):
+        x.close()
+
+
+
+def test_a_push_in_flight_when_its_zone_became_unreachable_is_resolved_at_the_root_not_placed_again(tree):
+    """a's push is in the root's round (forwarded by za, which waits there for zb) when a loses
+    its link to za -- za itself lives on. a moves to its alternate zb and resends the same body
+    there: zb would place it as new and the root apply a's gradient twice (once from za's
+    forward, once from zb's). a must ask the root first and get the version that applied the
+    one za forwarded -- and zb's round must not wait meanwhile for a's push, which is za's to
+    bring (the root's round waits for zb: each would wait for the other)."""
+    tree.add("root", "global")
+    za, zb = tree.add("za", "zone", parent="root"), tree.add("zb", "zone", parent="root")
+    link = tree.lt.run(LinkProxy(Link(), za).start())
+    a, b, c = (ParameterClient(addr, "j", name, round_timeout_s=30)  # bounded: a hang fails the test
+               for addr, name in ((f"{link.address},{zb}", "a"), (zb, "b"), (za, "c")))  # c keeps za in
+    a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(10, np.float32))
+    for x in (a, b, c):
+        x.register()
+        x.pull()
+    ga, gb, gc = (np.full(10, g, np.float32) for g in (1.0, 3.0, 4.0))
+    rt = tree.tier("root")
+    with ThreadPoolExecutor(2) as ex:
+        pushed = [ex.submit(a.push, ga), ex.submit(c.push, gc)]
+        wait_for(lambda: tree.lt.call(lambda: len(rt.jobs["j"].round.pushed)) == 1, "za's forward at the root", 10)
+        tree.lt.run(link.close())
+        wait_for(lambda: tree.lt.call(lambda: "a" in tree.tier("zb").jobs["j"].members), "a at its alternate zone", 30)
+        assert b.push(gb)[0] == 1
+        assert [p.result(60)[0] for p in pushed] == [1, 1]
+    _, root_version, _, root_values = tree.view("root", "j")
+    assert root_version == 1
+    np.testing.assert_array_equal(root_values, (-LR * (ga + gb + gc) / 3).astype(np.float32))  # each once
+    assert tree.lt.call(lambda: rt.jobs["j"].stats.double_applied) == 0
+    for x in (a, b, c):
+        x.close()
+
+
+def test_a_forward_in_flight_when_its_parent_became_unreachable_is_resolved_not_placed_again(tree):
+    """The relay's form of the test above: za's forward of a's push is in the root's round
+    (through r1, which waits there for r2) when za loses its link to r1 -- r1 lives on, with
+    zone zc. za moves to its alternate parent r2: it asks the root first instead of forwarding
+    a's push again through r2 (applied twice), and r2's round does not wait for za meanwhile."""
+    tree.add("root", "global")
+    r1, r2 = tree.add("r1", "regional", parent="root"), tree.add("r2", "regional", parent="root")
+    link = tree.lt.run(LinkProxy(Link(), r1).start())
+    tree.servers["za"] = tree.lt.run(create_server(ServerConfig(role="zone", name="za", parent=f"{link.address},{r2}",
+                                                                **FAST)))
+    za = tree.addr("za")
+    zb, zc = tree.add("zb", "zone", parent="r2"), tree.add("zc", "zone", parent="r1")
+    a, b, c = (ParameterClient(addr, "j", name, round_timeout_s=30)  # bounded: a hang fails the test
+               for addr, name in ((za, "a"), (zb, "b"), (zc, "c")))
+    a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(10, np.float32))
+    for x in (a, b, c):
+        x.register()
+        x.pull()
+    ga, gb, gc = (np.full(10, g, np.float32) for g in (1.0, 3.0, 4.0))
+    rt = tree.tier("root")
+    with ThreadPoolExecutor(2) as ex:
+        pushed = [ex.submit(a.push, ga), ex.submit(c.push, gc)]
+        wait_for(lambda: tree.lt.call(lambda: len(rt.jobs["j"].round.pushed)) == 1, "r1's forward at the root", 10)
+        tree.lt.run(link.close())
+        wait_for(lambda: tree.lt.call(lambda: "za" in tree.tier("r2").jobs["j"].members), "za at r2", 30)
+        assert b.push(gb)[0] == 1
+        assert [p.result(60)[0] for p in pushed] == [1, 1]
+    _, root_version, _, root_values = tree.view("root", "j")
+    assert root_version == 1
+    np.testing.assert_array_equal(root_values, (-LR * (ga + gb + gc) / 3).astype(np.float32))  # each once
+    assert tree.lt.call(lambda: rt.jobs["j"].stats.double_applied) == 0
+    for x in (a, b, c):
         x.close()
