@@ -282,14 +282,14 @@ class ParameterClient:
         assert self._unsure is not None
         seq, digest, sent_via = self._unsure
         applied = self._retrying("resolving an unanswered push",
-                                 lambda: self._resolve_moved(seq, digest, moved=sent_via != self._rpc.switches))
+                                 lambda: self._resolve_push(seq, digest, moved=sent_via != self._rpc.switches))
         self._unsure = None
         if applied is not None:
             with self._push_lock:
                 self.acked_seq = max(self.acked_seq, seq)
         return applied
 
-    def _resolve_moved(self, seq: int, digest: bytes, moved: bool = True) -> Any | None:
+    def _resolve_push(self, seq: int, digest: bytes, moved: bool = True) -> Any | None:
         """What became of push ``seq``, sent through a tier this client has left (``moved``) or
         given up on unanswered: its reply (a PushAck) if the root applied it, None if not (send
         it again); NotReady while it is still in flight above (a batch there holds it until the
@@ -633,7 +633,7 @@ class ParameterClient:
         def attempt() -> Any:
             if sent_via and sent_via[-1] != self._rpc.switches and contributors:
                 # Sent through a tier this client has left: the root decides before it goes again.
-                resolved = self._resolve_moved(seq, digest())
+                resolved = self._resolve_push(seq, digest())
                 if resolved is not None:
                     return resolved
             sent_via.append(self._rpc.switches)
