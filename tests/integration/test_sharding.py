@@ -353,7 +353,7 @@ def test_one_job_token_acts_at_every_shard(roots, tmp_path):
 
 
 def test_ssp_and_async_keep_their_bounds_at_every_shard(roots, tmp_path):
-    """ssp over 2 shards: a worker 5x slower holds the fast ones back at every shard, by no
+    """ssp over 2 shards: a worker 15x slower holds the fast ones back at every shard, by no
     more than the bound (each shard measures the staleness of what it applies, in clocks), and
     they do run ahead of it; async over 2 shards: the slow worker blocks no one."""
     from tests.integration.test_modes import _fast_ones_never_wait, _model, _problem, _run
@@ -364,7 +364,7 @@ def test_ssp_and_async_keep_their_bounds_at_every_shard(roots, tmp_path):
     job = JobConfig(name="ssp", mode="ssp", staleness=s, optimizer=OptimizerConfig(lr=0.05), sharding=sharding)
     models = [_model(0) for _ in range(3)]
     opts = [(HpsOptimizer(m, _address(rs), job, worker_id=f"ssp-w{i}"), m) for i, m in enumerate(models)]
-    ts, errors = _run(opts, 18, [0.004, 0.004, 0.02], _problem(1))
+    ts, errors = _run(opts, 18, [0.004, 0.004, 0.06], _problem(1))
     [t.join(120) for t in ts]
     assert not errors, errors
     for o, _ in opts:
