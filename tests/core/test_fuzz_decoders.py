@@ -65,7 +65,7 @@ SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=
 RNG = st.randoms(use_true_random=False)  # Hypothesis draws (and replays) every choice
 U64 = (1 << 64) - 1
 _MEMORY_SLACK = 1 << 30  # what one decode may allocate beyond the process's size
-_TIME_LIMIT_S = 1.0      # generous for a 2-core shared machine; real decodes take microseconds
+_TIME_LIMIT_S = 1.0      # CPU seconds; real decodes take microseconds
 
 LAYOUT = Layout([KeySpec("enc.w", (20, 7)), KeySpec("enc.b", (7,)), KeySpec("emb", (6, 4))])
 NAMES = ("lm", "w0", "zone-a", "enc.w", "enc.b", "emb")
@@ -115,8 +115,10 @@ def _bounded_memory(slack: int = _MEMORY_SLACK):
 
 def _untrusted(fn, *args):
     """``fn(*args)``, or None when it refuses with BadInput; any other exception, a call past
-    ``_TIME_LIMIT_S`` or an allocation past ``_MEMORY_SLACK`` fails the test."""
-    t0 = time.monotonic()
+    ``_TIME_LIMIT_S`` or an allocation past ``_MEMORY_SLACK`` fails the test. The time is the
+    thread's CPU time: a decode that loops burns it, while a shared machine's load only
+    stretches the wall clock (1.0 s of wall time failed once under CI's load)."""
+    t0 = time.thread_time()
     try:
         with _bounded_memory():
             return fn(*args)
@@ -124,8 +126,8 @@ def _untrusted(fn, *args):
         assert str(exc), "a refusal needs a sentence"
         return None
     finally:
-        took = time.monotonic() - t0
-        assert took < _TIME_LIMIT_S, f"{fn.__name__} took {took:.2f}s"
+        took = time.thread_time() - t0
+        assert took < _TIME_LIMIT_S, f"{fn.__name__} took {took:.2f}s of CPU"
 
 
 def _is_end(frame: bytes) -> bool:
