@@ -457,24 +457,29 @@ class OuterRelay(Relay):
         root by this region's own key until it knows: applied, the sync succeeded (its Ack);
         not applied, it failed (``failure``) and its number is free."""
         job = ojs.config.name
-        mine = [(seq, keys) for seq, keys in self.unanswered.pending(job)
-                if len(keys) == 1 and keys[0].member == self.member_id]
-        if not mine:
+        unsure = self.own_unsure.pop(job, None)
+        if unsure is None:
             raise failure  # refused, or never sent: nothing above holds it
-        seq, keys = mine[-1]
+        seq, keys, via = unsure
         wait_s = max(1.0, min(self.config.round_timeout_s, 2 * self.config.member_timeout_s + 5.0))
         delay, said = _SETTLE_BACKOFF_S[0], False
         while True:
             try:
                 async with self._fwd_locks.setdefault(job, asyncio.Lock()):
-                    outcome, version, epoch = await self._resolve_here(ojs, keys, wait_s)
+                    outcome, version, epoch = await self._resolve_here(ojs, keys, wait_s,
+                                                                       moved=via != self.up.switches)
             except (UnknownJob, Conflict):
+                # Not settled: the next sync reuses the number, and the root's book decides (a
+                # Conflict if this one was applied) -- never a second application.
+                self.unanswered.forget(job, seq)
                 raise
             except HpsError as exc:
                 outcome = f"not known ({short(str(exc), 120)})"
-            if outcome == APPLIED:
+            if outcome == APPLIED:  # the encoder's residual holds what it did not carry: kept
                 return Ack(version, epoch or ojs.view.epoch, duplicate=True)
             if outcome == NOT_APPLIED:
+                if ojs.encoder is not None and not ojs.encoder.lossless:
+                    ojs.encoder.reset()  # the next sync carries these steps again, whole
                 raise failure
             if not said:  # once per sync: the root or the other regions are slow, not gone
                 said = True

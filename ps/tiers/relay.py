@@ -143,6 +143,9 @@ class Relay(ParentLink, Tier):
         # Forwards given up on with their outcome unknown: settled at the root before their
         # numbers or their pushes are used again (``_settle_unsure``, ``_unsure_of``).
         self.unanswered = Unanswered()
+        # job -> (seq, its own key, parent switch count when last sent) of an outer sync given
+        # up on unanswered, until the outer loop settles it
+        self.own_unsure: dict[str, tuple[int, tuple[PushKey, ...], int]] = {}
         self.cut_off_at: float | None = None  # since when no parent has answered (None: one does)
         self._loading: dict[frozenset[str], asyncio.Future] = {}  # codecs being imported, off the loop
 
@@ -320,16 +323,19 @@ class Relay(ParentLink, Tier):
                 chunks = enc.split(js.layout, dense(agg.grad), agg.round, only, copy=False)
             return encode_push(meta, chunks), payload_bytes(chunks)
         frames, nbytes = await asyncio.to_thread(frames_of)
+        # A push that names no worker push (a region's outer sync) is known above by this
+        # relay's own key: asked about by it, as worker pushes are by theirs.
+        own = (PushKey(self.member_id, self.epoch, seq, push_digest(frames)),) if agg.contributors and not keys else ()
         js.reported_floor = max(js.reported_floor, floor)
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]
         sent_via: int | None = None  # the parent link (switch count) of the last unanswered send
         while True:
             try:
-                if sent_via is not None and sent_via != self.up.switches and keys:
+                if sent_via is not None and sent_via != self.up.switches and (keys or own):
                     # Sent through a parent this relay has left since: that one may have passed
                     # it on. The root decides (through the new parent) before it goes again.
-                    resolved = await self._resolve_moved(js, keys, deadline)
+                    resolved = await self._resolve_moved(js, keys or own, deadline)
                     if resolved is not None:
                         ack = resolved
                         break
@@ -364,12 +370,12 @@ class Relay(ParentLink, Tier):
             # parent's answer to the children, passed on as it is (_forward refuses the batch).
             if self.clock() + delay > deadline:
                 # Sent, perhaps more than once, and never answered: the parent may hold it in a
-                # round still, and apply it after the children were told it failed. A push
-                # that names no worker push (a region's outer sync) is known above by this
-                # relay's own key: the outer loop settles it before its next sync (its steps
-                # must not go up twice).
-                own = (PushKey(self.member_id, self.epoch, seq, push_digest(frames)),) if agg.contributors else ()
+                # round still, and apply it after the children were told it failed. An outer
+                # sync (``own``) is the outer loop's to settle before its next one: its steps
+                # must not go up twice (``OuterRelay._settle_sync``).
                 self.unanswered.gave_up(job, seq, keys or own)
+                if own:
+                    self.own_unsure[job] = (seq, own, sent_via if sent_via is not None else self.up.switches)
                 raise failure
             log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
                         agg.round, job, failure)
@@ -422,24 +428,26 @@ class Relay(ParentLink, Tier):
         return self.unanswered.holds(js.config.name, keys)
 
     def _refuse(self, js: RelayJob, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
-        if js.encoder is not None and not js.encoder.lossless:
+        # (An outer sync given up on unanswered keeps its residual until the root says whether
+        # it was applied: ``OuterRelay._settle_sync``.)
+        if js.encoder is not None and not js.encoder.lossless and js.config.name not in self.own_unsure:
             # The refused aggregate's unsent part is in the residual, and its children will
             # send the same gradients again: drop it rather than count it twice.
             js.encoder.reset()
         super()._refuse(js, agg, fut, exc)
 
-    async def _resolve_here(self, js: RelayJob, keys: tuple[PushKey, ...], wait_s: float
+    async def _resolve_here(self, js: RelayJob, keys: tuple[PushKey, ...], wait_s: float, moved: bool = False
                             ) -> tuple[str, int, int]:
         """Nothing in flight here holds these pushes: the parent (and above it the root) knows.
         An answer about the pushes of a forward given up on settles that forward (a forward is
         applied whole or not at all)."""
         job = js.config.name
         try:
-            outcome, version, epoch = await self.up.resolve(job, keys, wait_s)
+            outcome, version, epoch = await self.up.resolve(job, keys, wait_s, moved)
         except NotMember:  # the parent forgot us (it restarted): a member again, then ask
             self.attached.discard(job)
             await self._job_for_register(job)
-            outcome, version, epoch = await self.up.resolve(job, keys, wait_s)
+            outcome, version, epoch = await self.up.resolve(job, keys, wait_s, moved)
         if outcome != UNKNOWN:
             for seq in self.unanswered.settled(job, keys, applied=outcome == APPLIED):
                 if outcome == APPLIED:
@@ -553,6 +561,7 @@ class Relay(ParentLink, Tier):
         for per_job in (self._up_acked, self._up_issued, self._fwd_locks):
             per_job.pop(job, None)
         self.unanswered.drop(job)
+        self.own_unsure.pop(job, None)
         self._force_snapshot.discard(job)
         js.abort(why)
 

@@ -593,7 +593,9 @@ class Tier:
                 answer = UNKNOWN, 0, 0
                 break
             await asyncio.wait([asyncio.shield(f) for f in futs], timeout=left)
-        if asker and answer[0] == UNKNOWN:
+        # (A whole wait: a dead tier the push went through is dropped above within two member
+        # timeouts, and its push with it -- no reason to excuse anyone.)
+        if asker and answer[0] == UNKNOWN and wait_s >= 2 * self.config.member_timeout_s:
             self._excuse_moved(self.job(job), asker)
         return answer
 

@@ -20,6 +20,7 @@ from ps.core.errors import BadInput, HpsError
 from ps.core.outer import OuterPlan, StepRate
 from ps.core.view import KeySpec, Layout
 from ps.server import create_server
+from ps.tools.wanem import Link, LinkProxy
 from tests.helpers import FAST, ServeProcess, mlp_batches, mlp_loss, same_bits, small_mlp, train_mlp, wait_for
 from worker import HpsOptimizer, ParameterClient
 
@@ -812,3 +813,58 @@ def test_a_sync_given_up_on_that_the_root_applied_later_is_not_sent_again(tree):
     finally:
         eu.close()
         us.close()
+
+
+def test_a_sync_sent_through_a_parent_the_zone_left_is_resolved_not_sent_again(tree):
+    """Inner loops at the zones. za's sync is in the root's synchronous round (through r1, with
+    zc's) when za loses its link to r1 -- r1 lives on. za moves to r2: it asks the root about
+    its sync by its own key instead of sending it again through r2 (whose forward the root
+    could not place while r1's batch holds it: each round waited for the other), and r2's
+    round stops waiting for za. Exact fp32 arithmetic: gradients of ones, inner SGD lr 0.25."""
+    tree.add("root", "global")
+    r1, r2 = tree.add("r1", "regional", parent="root"), tree.add("r2", "regional", parent="root")
+    link = tree.lt.run(LinkProxy(Link(), r1).start())
+    tree.servers["za"] = tree.lt.run(create_server(ServerConfig(role="zone", name="za", parent=f"{link.address},{r2}",
+                                                                **FAST)))
+    zones = [tree.addr("za"), tree.add("zb", "zone", parent="r2"), tree.add("zc", "zone", parent="r1")]
+    layout = Layout([KeySpec("w", (4,))])
+    lr = 0.25
+    job = JobConfig(name="mv", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr),
+                    outer=OuterConfig(inner_steps=2, codec="fp32", delta_codec="fp32", sync_wait_s=0.3,
+                                      inner_tier="zone", optimizer=OptimizerConfig(kind="sgd", lr=1.0)))
+    a, b, c = (ParameterClient(z, "mv", f"w-{n}", timeout_s=30, round_timeout_s=60) for z, n in zip(zones, "abc"))
+    root = tree.tier("root")
+    try:
+        a.create_job(job, layout, np.zeros(layout.numel, np.float32))
+        for x in (a, b, c):
+            x.register()
+            x.pull(min_version=0)
+        clock = {id(x): 0 for x in (a, b, c)}
+
+        def step(x) -> None:
+            v, _ = x.push(np.ones(layout.numel, np.float32), clock=clock[id(x)])
+            clock[id(x)] += 1
+            x.pull(min_version=v)
+
+        for x in (a, a, c, c):  # za's and zc's syncs: r1 sums them, and the root waits for r2
+            step(x)
+        wait_for(lambda: tree.lt.call(lambda: len(root.jobs["mv"].round.pushed)) == 1, "r1's sum at the root", 10)
+        tree.lt.run(link.close())
+        wait_for(lambda: tree.lt.call(lambda: "za" in tree.tier("r2").jobs["mv"].members), "za at r2", 30)
+        for _ in range(2):  # zb's sync: r2's round, then the root's, close
+            step(b)
+        wait_for(lambda: tree.view("root", "mv")[1] >= 1, "the outer round", 40)
+        assert np.array_equal(tree.view("root", "mv")[3], np.full(4, -2 * lr, np.float32))
+        wait_for(lambda: tree.lt.call(lambda: tree.tier("za").outer["mv"].inflight.done()), "za's sync settled", 30)
+        step(a)  # merged: landed, not failed
+        st = tree.lt.call(lambda: tree.tier("za").inner.jobs["mv"].stats)
+        assert st.outer_syncs == 1 and st.outer_sync_failures == 0, st
+        for x in (a, c, c, b, b):  # 2 more steps each: the next outer round, each sync applied once
+            step(x)
+        wait_for(lambda: tree.view("root", "mv")[1] >= 2, "the second outer round", 40)
+        got = tree.view("root", "mv")
+        assert got[1] == 2 and np.array_equal(got[3], np.full(4, -4 * lr, np.float32)), got
+        assert tree.lt.call(lambda: root.jobs["mv"].stats.double_applied) == 0
+    finally:
+        for x in (a, b, c):
+            x.close()
