@@ -67,6 +67,7 @@ class Sender:
         self._busy = 0  # pushes in flight
         self.peak_in_flight = 0
         self._pipelined = in_flight > 1
+        self._moving = False  # moving back to the first tier: no push starts until it is done
         self._error: HpsError | None = None
         self._stop = False
         self._threads = [threading.Thread(target=self._run, daemon=True, name=f"hps-sender-{client.worker_id}-{i}")
@@ -100,15 +101,26 @@ class Sender:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self._sum is None and not self._stop:
+                while not self._stop and (self._sum is None or self._moving):
                     self._cv.wait()
-                if self._sum is None:
+                if self._stop and (self._sum is None or self._moving):
                     return
-                grad, n, clocks, (epoch, base) = self._sum, self._n, self._clocks, self._base
-                report, step = self._report, self._step
-                self._sum = None
-                self._busy += 1
-                self.peak_in_flight = max(self.peak_in_flight, self._busy)
+                if self._pipelined and self._home_due():
+                    # Back to the first tier between two pushes (as a non-pipelined push moves
+                    # itself): none in flight -- those out finish where they went, and what
+                    # is submitted meanwhile is summed here.
+                    self._moving = True
+                    self._cv.wait_for(lambda: self._busy == 0)
+                    grad = None
+                else:
+                    grad, n, clocks, (epoch, base) = self._sum, self._n, self._clocks, self._base
+                    report, step = self._report, self._step
+                    self._sum = None
+                    self._busy += 1
+                    self.peak_in_flight = max(self.peak_in_flight, self._busy)
+            if grad is None:
+                self._move_home()
+                continue
             try:
                 version, nbytes = self.client.push(grad, clocks[0], clock_max=clocks[1], base_version=base,
                                                    view_epoch=epoch, contributors=n, report=report,
@@ -129,6 +141,20 @@ class Sender:
                 with self._cv:
                     self._busy -= 1
                     self._cv.notify_all()
+
+    def _home_due(self) -> bool:
+        return isinstance(self.client, ParameterClient) and self.client._go_home.is_set()
+
+    def _move_home(self) -> None:
+        assert isinstance(self.client, ParameterClient)
+        try:
+            self.client._move_home()
+        except HpsError as exc:  # the next push registers again wherever it is answered
+            log.warning("%s: moving back to the first tier failed: %s", self.client.worker_id, exc)
+        finally:
+            with self._cv:
+                self._moving = False
+                self._cv.notify_all()
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until everything submitted is acknowledged (or failed); False on timeout."""

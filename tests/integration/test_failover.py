@@ -10,10 +10,17 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
+
+from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.errors import HpsError
+from ps.core.view import KeySpec, Layout
 from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status, print_tree
+from ps.tools.wanem import Link, LinkProxy
 from tests.helpers import json_lines, step_worker, wait_for
+from worker import ParameterClient
+from worker.sender import Sender
 
 FAST = {"heartbeat_s": 0.2, "member_timeout_s": 1.5}
 STEPS = 30
@@ -184,3 +191,50 @@ def test_a_worker_moves_back_to_its_zone_once_it_serves_again(tmp_path, reap):
         (j,) = fetch_status(cluster.address("root")).jobs
         assert j.stats.double_applied == 0 and j.version == steps
         assert f"moving back to it from {away}" in (tmp_path / "w0.log").read_text()
+
+
+def test_an_async_worker_moves_back_to_its_zone_once_it_serves_again(tree):
+    """Pipelined pushes (async, up to 4 in flight) move back too, between two pushes with none
+    in flight: a move with a push still out would leave it to the alternate's round after the
+    worker left it. In one process, the first zone behind a link that is cut and restored."""
+    tree.add("root", "global")
+    za, zb = tree.add("za", "zone", parent="root"), tree.add("zb", "zone", parent="root")
+    link = tree.lt.run(LinkProxy(Link(), za).start())
+    c = ParameterClient(f"{link.address},{zb}", "as", "w0", timeout_s=10)
+    layout = Layout([KeySpec("w", (8,))])
+    c.create_job(JobConfig(name="as", mode="async", optimizer=OptimizerConfig(kind="sgd", lr=0.01)), layout,
+                 np.zeros(8, np.float32))
+    c.register()
+    c.pull()
+    sender = Sender(c, in_flight=4)
+    clock = [0]
+
+    def push_until(cond, what: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+            sender.submit(np.ones(8, np.float32), clock[0], c.view.version, c.view.epoch)  # raises a push's error
+            clock[0] += 1
+            time.sleep(0.02)
+
+    back = None
+    try:
+        push_until(lambda: clock[0] >= 10, "10 pushes", 30)
+        tree.lt.run(link.close())
+        push_until(lambda: c._rpc.index == 1, "the worker on its alternate zone", 30)
+        assert sender.drain(30)
+        back = tree.lt.run(LinkProxy(Link(), za, listen=link.address).start())
+        push_until(lambda: c._rpc.index == 0, "the worker back at its first zone", 30)
+        before = clock[0]
+        push_until(lambda: clock[0] >= before + 5, "5 more pushes", 30)
+        assert sender.drain(30)
+        wait_for(lambda: tree.lt.call(lambda: "w0" not in tree.tier("zb").jobs["as"].members),
+                 "the alternate no longer counting the worker", 10)
+        assert tree.lt.call(lambda: tree.tier("za").jobs["as"].members.find("w0").pushes) > 0
+        assert c.lost_steps == 0
+        assert tree.lt.call(lambda: tree.tier("root").jobs["as"].stats.double_applied) == 0
+    finally:
+        sender.close()
+        c.close()
+        if back is not None:
+            tree.lt.run(back.close())
