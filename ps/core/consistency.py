@@ -49,6 +49,7 @@ class Member:
     workers: int = 1  # live workers at or below it, as its latest accepted push reported
     incarnation: int = 0  # the member process's incarnation, as it registered
     in_flight: int = 0  # its pushes being received or waiting for their batch here
+    joined: float = 0.0  # when this incarnation joined here
 
 
 class Membership:
@@ -84,7 +85,7 @@ class Membership:
             old.last_seen, old.role, old.address = now, role, address
             return old
         # New, or a new incarnation replacing a dead one (the caller dropped its contribution).
-        m = Member(member, role, address, first_round, now, floor=floor, incarnation=incarnation)
+        m = Member(member, role, address, first_round, now, floor=floor, incarnation=incarnation, joined=now)
         self._m[member] = m
         return m
 

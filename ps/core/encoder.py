@@ -136,6 +136,11 @@ class Encoder:
         with self._lock:
             self._undo = {}
 
+    @property
+    def recording(self) -> bool:
+        """Between ``begin`` and ``commit`` or ``roll_back``."""
+        return self._undo is not None
+
     def commit(self) -> None:
         with self._lock:
             self._undo = None

@@ -460,7 +460,8 @@ class OuterRelay(Relay):
         unsure = self.own_unsure.pop(job, None)
         if unsure is None:
             raise failure  # refused, or never sent: nothing above holds it
-        seq, keys, via = unsure
+        seq, keys, via, nbytes = unsure
+        enc = ojs.encoder
         wait_s = max(1.0, min(self.config.round_timeout_s, 2 * self.config.member_timeout_s + 5.0))
         delay, said = _SETTLE_BACKOFF_S[0], False
         while True:
@@ -472,14 +473,19 @@ class OuterRelay(Relay):
                 # Not settled: the next sync reuses the number, and the root's book decides (a
                 # Conflict if this one was applied) -- never a second application.
                 self.unanswered.forget(job, seq)
+                if enc is not None and enc.recording:
+                    enc.roll_back()
                 raise
             except HpsError as exc:
                 outcome = f"not known ({short(str(exc), 120)})"
             if outcome == APPLIED:  # the encoder's residual holds what it did not carry: kept
+                if enc is not None and enc.recording:
+                    enc.commit()
+                ojs.stats.bytes_pushed_up += nbytes
                 return Ack(version, epoch or ojs.view.epoch, duplicate=True)
             if outcome == NOT_APPLIED:
-                if ojs.encoder is not None and not ojs.encoder.lossless:
-                    ojs.encoder.reset()  # the next sync carries these steps again, whole
+                if enc is not None and enc.recording:
+                    enc.roll_back()  # as before its encode: the next sync carries these steps, whole
                 raise failure
             if not said:  # once per sync: the root or the other regions are slow, not gone
                 said = True

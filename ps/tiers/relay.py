@@ -144,8 +144,9 @@ class Relay(ParentLink, Tier):
         # numbers or their pushes are used again (``_settle_unsure``, ``_unsure_of``).
         self.unanswered = Unanswered()
         # job -> (seq, its own key, parent switch count when last sent) of an outer sync given
-        # up on unanswered, until the outer loop settles it
-        self.own_unsure: dict[str, tuple[int, tuple[PushKey, ...], int]] = {}
+        # up on unanswered, until the outer loop settles it (``OuterRelay._settle_sync``),
+        # and the payload bytes it carried
+        self.own_unsure: dict[str, tuple[int, tuple[PushKey, ...], int, int]] = {}
         self.cut_off_at: float | None = None  # since when no parent has answered (None: one does)
         self._loading: dict[frozenset[str], asyncio.Future] = {}  # codecs being imported, off the loop
 
@@ -320,6 +321,8 @@ class Relay(ParentLink, Tier):
             elif (verbatim := _verbatim(enc, agg.grad, absent, js.layout)) is not None:
                 chunks = verbatim
             else:
+                if not keys:  # an outer sync: its residual is put back if it is not applied
+                    enc.begin()
                 chunks = enc.split(js.layout, dense(agg.grad), agg.round, only, copy=False)
             return encode_push(meta, chunks), payload_bytes(chunks)
         frames, nbytes = await asyncio.to_thread(frames_of)
@@ -375,7 +378,8 @@ class Relay(ParentLink, Tier):
                 # must not go up twice (``OuterRelay._settle_sync``).
                 self.unanswered.gave_up(job, seq, keys or own)
                 if own:
-                    self.own_unsure[job] = (seq, own, sent_via if sent_via is not None else self.up.switches)
+                    self.own_unsure[job] = (seq, own, sent_via if sent_via is not None else self.up.switches,
+                                            nbytes)
                 raise failure
             log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
                         agg.round, job, failure)
@@ -383,6 +387,8 @@ class Relay(ParentLink, Tier):
             delay = min(delay * 2, _BACKOFF_S[1])
         self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
         js.stats.bytes_pushed_up += nbytes
+        if enc.recording:
+            enc.commit()
         if not fut.done():
             fut.set_result(ack)
 
@@ -428,12 +434,15 @@ class Relay(ParentLink, Tier):
         return self.unanswered.holds(js.config.name, keys)
 
     def _refuse(self, js: RelayJob, agg: Aggregate, fut: asyncio.Future, exc: Exception) -> None:
-        # (An outer sync given up on unanswered keeps its residual until the root says whether
-        # it was applied: ``OuterRelay._settle_sync``.)
-        if js.encoder is not None and not js.encoder.lossless and js.config.name not in self.own_unsure:
+        enc = js.encoder
+        if enc is None or enc.lossless or js.config.name in self.own_unsure:
+            pass  # (an outer sync given up on unanswered: ``OuterRelay._settle_sync`` decides)
+        elif enc.recording:  # an outer sync not applied: its steps go with the next one, whole
+            enc.roll_back()
+        else:
             # The refused aggregate's unsent part is in the residual, and its children will
             # send the same gradients again: drop it rather than count it twice.
-            js.encoder.reset()
+            enc.reset()
         super()._refuse(js, agg, fut, exc)
 
     async def _resolve_here(self, js: RelayJob, keys: tuple[PushKey, ...], wait_s: float, moved: bool = False

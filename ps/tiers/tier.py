@@ -593,23 +593,25 @@ class Tier:
                 answer = UNKNOWN, 0, 0
                 break
             await asyncio.wait([asyncio.shield(f) for f in futs], timeout=left)
-        # (A whole wait: a dead tier the push went through is dropped above within two member
-        # timeouts, and its push with it -- no reason to excuse anyone.)
-        if asker and answer[0] == UNKNOWN and wait_s >= 2 * self.config.member_timeout_s:
+        if asker and answer[0] == UNKNOWN:
             self._excuse_moved(self.job(job), asker)
         return answer
 
     def _excuse_moved(self, js: JobState, asker: str) -> None:
-        """``asker`` moved here from another tier with a push sent that way, and it is still in a
-        batch above after a whole wait. If the asker joined during the open BSP round and has not
-        pushed in it, that batch may be waiting for this tier's round, which waits for the asker,
-        which waits for the answer (the tier it left lives on and keeps the push in the root's
-        round): the round stops waiting for it. Only then -- when the tier it left died, its push
-        leaves the root's round once that tier times out there (not applied), and the round here
-        waits for the asker's resend. Once excused, a resend is still placed while the round is
-        open (else it is Stale: its workers pull and compute again)."""
+        """``asker`` moved here from another tier with a push sent that way, which is still in a
+        batch above (the answer was UNKNOWN). If the asker joined during the open BSP round, has
+        not pushed in it, and joined two member timeouts ago, that batch may be waiting for this
+        tier's round, which waits for the asker, which waits for the answer (the tier it left
+        lives on and keeps the push in the root's round): the round stops waiting for it. Not
+        sooner: when the tier it left died, its push leaves the root's round once that tier
+        times out there (not applied), and the round here waits for the asker's resend. Once
+        excused, a resend is still placed while the round is open (else it is Stale: its
+        workers pull and compute again)."""
         m = js.members.find(asker)
-        if m is None or not js.bsp or m.first_round != js.round.round or asker in js.round.pushed:
+        if (m is None or not js.bsp or m.first_round != js.round.round or asker in js.round.pushed
+                # A dead tier the push went through is dropped above within two member timeouts
+                # of its death, and its push with it: till then, no reason to excuse anyone.
+                or self.clock() - m.joined < 2 * self.config.member_timeout_s):
             return
         m.first_round = js.round.round + 1
         log.warning("%s: job %s: %r moved here during round %d with a push sent through another tier, still "
