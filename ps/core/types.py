@@ -220,6 +220,7 @@ class JobStats:
     inner_steps_lost: int = 0    # inner steps lost to restarts of this tier (reported, never silent)
     inner_steps_per_sync: int = 0  # the region's inner steps between syncs now (dynamic steps: by its speed)
     outer_syncs_postponed: int = 0  # syncs not landed within sync_wait_s: the region trained on without them
+    outer_syncs_unsettled: int = 0  # syncs given up on unanswered, then asked about until the root knew
 
     def staleness(self, s: int) -> None:
         self.staleness_count += 1

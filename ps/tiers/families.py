@@ -140,7 +140,11 @@ def families(snap: dict, labels: dict[str, str]) -> list:
                      "(H / F; with dynamic steps scaled by the region's speed against the fastest region's)")
     o_postponed = counter("hps_outer_syncs_postponed_total", "Syncs that had not landed within the job's "
                           "sync_wait_s (the root or the WAN down): the region trained on without them")
-    outer_fams = [o_version, o_syncs, o_failed, o_latency, o_bytes, o_norm, o_since, o_lost, o_period, o_postponed]
+    o_unsettled = counter("hps_outer_syncs_unsettled_total", "Syncs given up on after the round timeout "
+                          "with no answer, then asked about until the root knew whether it applied them "
+                          "(without sync_wait_s or overlap the region waits meanwhile)")
+    outer_fams = [o_version, o_syncs, o_failed, o_latency, o_bytes, o_norm, o_since, o_lost, o_period, o_postponed,
+                  o_unsettled]
     staleness = stale_max = None
     if s.role == "global":
         # A summary, not a histogram: the root keeps only the count, sum and maximum.
@@ -217,6 +221,7 @@ def families(snap: dict, labels: dict[str, str]) -> list:
             o_lost.add_metric(lv, st.inner_steps_lost)
             o_period.add_metric(lv, st.inner_steps_per_sync)
             o_postponed.add_metric(lv, st.outer_syncs_postponed)
+            o_unsettled.add_metric(lv, st.outer_syncs_unsettled)
         if staleness is not None:
             staleness.add_metric(lv, count_value=st.staleness_count, sum_value=st.staleness_sum)
             stale_max.add_metric(lv, st.staleness_max)

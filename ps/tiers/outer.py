@@ -462,6 +462,9 @@ class OuterRelay(Relay):
             raise failure  # refused, or never sent: nothing above holds it
         seq, keys, via, nbytes = unsure
         enc = ojs.encoder
+        ijs = self.inner.jobs.get(job) if self.inner is not None else None
+        if ijs is not None:
+            ijs.stats.outer_syncs_unsettled += 1
         wait_s = max(1.0, min(self.config.round_timeout_s, 2 * self.config.member_timeout_s + 5.0))
         delay, said = _SETTLE_BACKOFF_S[0], False
         while True:

@@ -174,6 +174,8 @@ def print_tree(address: str, out, token: str | None = None) -> int:
                 lost = f"; INNER STEPS LOST {s.inner_steps_lost}" if s.inner_steps_lost else ""
                 if s.outer_syncs_postponed:
                     lost += f"; {s.outer_syncs_postponed} syncs not landed in time (trained on without them)"
+                if s.outer_syncs_unsettled:
+                    lost += f"; {s.outer_syncs_unsettled} syncs given up on unanswered (asked the root about them)"
                 print(f"{pad}    outer: version {s.outer_version}, {s.outer_syncs} syncs ({s.outer_sync_failures} "
                       f"failed), {mean:.2f}s each, every {s.inner_steps_per_sync} inner steps; "
                       f"{s.inner_steps_since_sync} since the last; "

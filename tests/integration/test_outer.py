@@ -798,7 +798,7 @@ def test_a_sync_given_up_on_that_the_root_applied_later_is_not_sent_again(tree):
                  "eu's sync settled", 20)
         step(eu)  # merged at the first inner version after it: landed, not failed
         st, values = region("eu")
-        assert st.outer_syncs == 1 and st.outer_sync_failures == 0, st
+        assert st.outer_syncs == 1 and st.outer_sync_failures == 0 and st.outer_syncs_unsettled == 1, st
         assert np.array_equal(values, np.full(4, -5 * lr, np.float32)), values  # outer + 3 steps since
         # eu's next sync (sent at that merge: 3 steps since the last) carries those 3 steps
         # only; us's carries its next 2. Applied once each: -2 lr - (3 lr + 2 lr) / 2.
