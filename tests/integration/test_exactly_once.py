@@ -196,38 +196,50 @@ def test_a_retry_of_a_push_whose_forward_was_settled_applied_is_answered_not_pla
 
 
 
+def _cut_link_mid_round(tree, link: LinkProxy, addresses: tuple[str, str, str], moved: tuple[str, str]) -> None:
+    """Workers a, b, c at ``addresses``; a and c push, and once the root's round holds their
+    forward (waiting for b's side), ``link`` -- on a's path -- is cut and the one that moves
+    (``moved``: its member id and the tier it moves to) joins there; then b pushes. Every
+    gradient must be applied once, in version 1."""
+    a, b, c = (ParameterClient(addr, "j", name, round_timeout_s=30)  # bounded: a hang fails the test
+               for addr, name in zip(addresses, "abc"))
+    try:
+        a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                     np.zeros(10, np.float32))
+        for x in (a, b, c):
+            x.register()
+            x.pull()
+        ga, gb, gc = (np.full(10, g, np.float32) for g in (1.0, 3.0, 4.0))
+        rt = tree.tier("root")
+        with ThreadPoolExecutor(2) as ex:
+            pushed = [ex.submit(a.push, ga), ex.submit(c.push, gc)]
+            wait_for(lambda: tree.lt.call(lambda: len(rt.jobs["j"].round.pushed)) == 1, "a forward at the root", 10)
+            tree.lt.run(link.close())
+            member, tier = moved
+            wait_for(lambda: tree.lt.call(lambda: member in tree.tier(tier).jobs["j"].members),
+                     f"{member} at {tier}", 30)
+            assert b.push(gb)[0] == 1
+            assert [p.result(60)[0] for p in pushed] == [1, 1]
+        _, root_version, _, root_values = tree.view("root", "j")
+        assert root_version == 1
+        np.testing.assert_array_equal(root_values, (-LR * (ga + gb + gc) / 3).astype(np.float32))  # each once
+        assert tree.lt.call(lambda: rt.jobs["j"].stats.double_applied) == 0
+    finally:
+        for x in (a, b, c):
+            x.close()
+
+
 def test_a_push_in_flight_when_its_zone_became_unreachable_is_resolved_at_the_root_not_placed_again(tree):
     """a's push is in the root's round (forwarded by za, which waits there for zb) when a loses
-    its link to za -- za itself lives on. a moves to its alternate zb and resends the same body
-    there: zb would place it as new and the root apply a's gradient twice (once from za's
-    forward, once from zb's). a must ask the root first and get the version that applied the
-    one za forwarded -- and zb's round must not wait meanwhile for a's push, which is za's to
-    bring (the root's round waits for zb: each would wait for the other)."""
+    its link to za -- za itself lives on, with c. a moves to its alternate zb and resends the
+    same body there: zb would place it as new and the root apply a's gradient twice (once from
+    za's forward, once from zb's). a must ask the root first and get the version that applied
+    the one za forwarded -- and zb's round must not wait meanwhile for a's push, which is za's
+    to bring (the root's round waits for zb: each would wait for the other)."""
     tree.add("root", "global")
     za, zb = tree.add("za", "zone", parent="root"), tree.add("zb", "zone", parent="root")
     link = tree.lt.run(LinkProxy(Link(), za).start())
-    a, b, c = (ParameterClient(addr, "j", name, round_timeout_s=30)  # bounded: a hang fails the test
-               for addr, name in ((f"{link.address},{zb}", "a"), (zb, "b"), (za, "c")))  # c keeps za in
-    a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
-                 np.zeros(10, np.float32))
-    for x in (a, b, c):
-        x.register()
-        x.pull()
-    ga, gb, gc = (np.full(10, g, np.float32) for g in (1.0, 3.0, 4.0))
-    rt = tree.tier("root")
-    with ThreadPoolExecutor(2) as ex:
-        pushed = [ex.submit(a.push, ga), ex.submit(c.push, gc)]
-        wait_for(lambda: tree.lt.call(lambda: len(rt.jobs["j"].round.pushed)) == 1, "za's forward at the root", 10)
-        tree.lt.run(link.close())
-        wait_for(lambda: tree.lt.call(lambda: "a" in tree.tier("zb").jobs["j"].members), "a at its alternate zone", 30)
-        assert b.push(gb)[0] == 1
-        assert [p.result(60)[0] for p in pushed] == [1, 1]
-    _, root_version, _, root_values = tree.view("root", "j")
-    assert root_version == 1
-    np.testing.assert_array_equal(root_values, (-LR * (ga + gb + gc) / 3).astype(np.float32))  # each once
-    assert tree.lt.call(lambda: rt.jobs["j"].stats.double_applied) == 0
-    for x in (a, b, c):
-        x.close()
+    _cut_link_mid_round(tree, link, (f"{link.address},{zb}", zb, za), moved=("a", "zb"))
 
 
 def test_a_forward_in_flight_when_its_parent_became_unreachable_is_resolved_not_placed_again(tree):
@@ -240,27 +252,5 @@ def test_a_forward_in_flight_when_its_parent_became_unreachable_is_resolved_not_
     link = tree.lt.run(LinkProxy(Link(), r1).start())
     tree.servers["za"] = tree.lt.run(create_server(ServerConfig(role="zone", name="za", parent=f"{link.address},{r2}",
                                                                 **FAST)))
-    za = tree.addr("za")
     zb, zc = tree.add("zb", "zone", parent="r2"), tree.add("zc", "zone", parent="r1")
-    a, b, c = (ParameterClient(addr, "j", name, round_timeout_s=30)  # bounded: a hang fails the test
-               for addr, name in ((za, "a"), (zb, "b"), (zc, "c")))
-    a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
-                 np.zeros(10, np.float32))
-    for x in (a, b, c):
-        x.register()
-        x.pull()
-    ga, gb, gc = (np.full(10, g, np.float32) for g in (1.0, 3.0, 4.0))
-    rt = tree.tier("root")
-    with ThreadPoolExecutor(2) as ex:
-        pushed = [ex.submit(a.push, ga), ex.submit(c.push, gc)]
-        wait_for(lambda: tree.lt.call(lambda: len(rt.jobs["j"].round.pushed)) == 1, "r1's forward at the root", 10)
-        tree.lt.run(link.close())
-        wait_for(lambda: tree.lt.call(lambda: "za" in tree.tier("r2").jobs["j"].members), "za at r2", 30)
-        assert b.push(gb)[0] == 1
-        assert [p.result(60)[0] for p in pushed] == [1, 1]
-    _, root_version, _, root_values = tree.view("root", "j")
-    assert root_version == 1
-    np.testing.assert_array_equal(root_values, (-LR * (ga + gb + gc) / 3).astype(np.float32))  # each once
-    assert tree.lt.call(lambda: rt.jobs["j"].stats.double_applied) == 0
-    for x in (a, b, c):
-        x.close()
+    _cut_link_mid_round(tree, link, (tree.addr("za"), zb, zc), moved=("za", "r2"))

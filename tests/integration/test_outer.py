@@ -707,51 +707,74 @@ def test_regions_train_on_while_the_root_is_down_with_sync_wait(tree, tmp_path, 
         assert st.outer_syncs >= 2, st
 
 
+_LR = 0.25  # exact-arithmetic jobs below: gradients of ones, inner SGD at this lr, outer SGD lr 1
+
+
+class _Ones:
+    """Workers of an outer job (one per address) that push gradients of ones: inner SGD lr 0.25,
+    outer SGD lr 1, fp32 both ways, H = 2, ``sync_wait_s`` 0.3 -- every value exact in fp32.
+    ``step(c)`` pushes and pulls the version that applied it."""
+
+    def __init__(self, addresses: list[str], name: str, round_timeout_s: float = 600.0, **outer) -> None:
+        self.layout = Layout([KeySpec("w", (4,))])
+        self.job = JobConfig(name=name, mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=_LR),
+                             outer=OuterConfig(inner_steps=2, codec="fp32", delta_codec="fp32", sync_wait_s=0.3,
+                                               optimizer=OptimizerConfig(kind="sgd", lr=1.0), **outer))
+        self.clients = [ParameterClient(a, name, f"w-{i}", timeout_s=30, round_timeout_s=round_timeout_s)
+                        for i, a in enumerate(addresses)]
+        self._clock = [0] * len(self.clients)
+        try:
+            self.clients[0].create_job(self.job, self.layout, np.zeros(self.layout.numel, np.float32))
+            for c in self.clients:
+                c.register()
+                c.pull(min_version=0)
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, c: ParameterClient) -> None:
+        i = self.clients.index(c)
+        v, _ = c.push(np.ones(self.layout.numel, np.float32), clock=self._clock[i])
+        self._clock[i] += 1
+        c.pull(min_version=v)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+def _full(x: float) -> np.ndarray:
+    return np.full(4, x * _LR, np.float32)
+
+
 def test_a_postponed_sync_merges_keeping_what_the_region_trained_meanwhile(tree):
     """No overlap, sync_wait_s: eu's sync waits at the root for us (a synchronous outer round),
     so eu trains on without it; when it lands, eu's fragment takes the outer values plus what
     eu trained since it sent it, not the outer values alone (which would drop 3 inner steps).
-    Exact arithmetic: gradients of ones, inner SGD lr 0.25, outer SGD lr 1, fp32 both ways."""
-    zones = _two_regions(tree)
-    layout = Layout([KeySpec("w", (4,))])
-    lr = 0.25
-    job = JobConfig(name="pm", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr),
-                    outer=OuterConfig(inner_steps=2, codec="fp32", delta_codec="fp32", sync_wait_s=0.3,
-                                      optimizer=OptimizerConfig(kind="sgd", lr=1.0)))
-    eu, us = (ParameterClient(z, "pm", f"w-{z[-5:]}", timeout_s=30) for z in zones)
+    Exact arithmetic (``_Ones``)."""
+    ones = _Ones(_two_regions(tree), "pm")
+    eu, us = ones.clients
     try:
-        eu.create_job(job, layout, np.zeros(layout.numel, np.float32))
-        for c in (eu, us):
-            c.register()
-            c.pull(min_version=0)
-        clock = {id(eu): 0, id(us): 0}
-
-        def step(c) -> None:
-            v, _ = c.push(np.ones(layout.numel, np.float32), clock=clock[id(c)])
-            clock[id(c)] += 1
-            c.pull(min_version=v)
-
         def inner_values(region: str) -> np.ndarray:
             return tree.lt.call(lambda: tree.tier(region).inner.jobs["pm"].view.values.copy())
 
         for _ in range(4):  # eu: a sync sent after 2 steps (it waits at the root for us), 2 more
-            step(eu)
+            ones.step(eu)
         st = tree.lt.call(lambda: tree.tier("eu").inner.jobs["pm"].stats)
         assert st.outer_syncs_postponed == 1 and st.outer_syncs == 0, st
-        assert np.array_equal(inner_values("eu"), np.full(4, -4 * lr, np.float32))
+        assert np.array_equal(inner_values("eu"), _full(-4))
         for _ in range(2):  # us: its sync closes the root's round; outer = 0 - mean(2 lr, 2 lr)
-            step(us)
+            ones.step(us)
         wait_for(lambda: tree.view("eu", "pm")[1] >= 1, "eu holding the outer version", 10)
-        assert np.array_equal(tree.view("root", "pm")[3], np.full(4, -2 * lr, np.float32))
-        assert np.array_equal(inner_values("us"), np.full(4, -2 * lr, np.float32))
-        step(eu)  # the first inner version after the sync landed merges it
+        assert np.array_equal(tree.view("root", "pm")[3], _full(-2))
+        assert np.array_equal(inner_values("us"), _full(-2))
+        ones.step(eu)  # the first inner version after the sync landed merges it
         st = tree.lt.call(lambda: tree.tier("eu").inner.jobs["pm"].stats)
         assert st.outer_syncs == 1, st
         # outer (-2 lr) + trained since the send (-3 lr); dropping it would leave -2 lr
-        assert np.array_equal(inner_values("eu"), np.full(4, -5 * lr, np.float32)), inner_values("eu")
+        assert np.array_equal(inner_values("eu"), _full(-5)), inner_values("eu")
     finally:
-        eu.close()
-        us.close()
+        ones.close()
 
 
 def test_a_sync_given_up_on_that_the_root_applied_later_is_not_sent_again(tree):
@@ -759,60 +782,43 @@ def test_a_sync_given_up_on_that_the_root_applied_later_is_not_sent_again(tree):
     synchronous outer round), and the root applies it once us syncs. eu must take it as landed
     -- not count it failed and send its steps again with the next sync under the same number
     (refused for good as another body) or a new one (applied twice). Exact arithmetic as in the
-    postponed-sync test: gradients of ones, inner SGD lr 0.25, outer SGD lr 1, fp32."""
+    postponed-sync test (``_Ones``)."""
     tree.add("root", "global")
     tree.add("eu", "regional", parent="root", round_timeout_s=2.0)
     tree.add("us", "regional", parent="root")
-    zones = [tree.add(f"{r}-a", "zone", parent=r) for r in ("eu", "us")]
-    layout = Layout([KeySpec("w", (4,))])
-    lr = 0.25
-    job = JobConfig(name="gu", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr),
-                    outer=OuterConfig(inner_steps=2, codec="fp32", delta_codec="fp32", sync_wait_s=0.3,
-                                      optimizer=OptimizerConfig(kind="sgd", lr=1.0)))
-    eu, us = (ParameterClient(z, "gu", f"w-{z[-4:]}", timeout_s=30) for z in zones)
+    ones = _Ones([tree.add(f"{r}-a", "zone", parent=r) for r in ("eu", "us")], "gu")
+    eu, us = ones.clients
     try:
-        eu.create_job(job, layout, np.zeros(layout.numel, np.float32))
-        for c in (eu, us):
-            c.register()
-            c.pull(min_version=0)
-        clock = {id(eu): 0, id(us): 0}
-
-        def step(c) -> None:
-            v, _ = c.push(np.ones(layout.numel, np.float32), clock=clock[id(c)])
-            clock[id(c)] += 1
-            c.pull(min_version=v)
-
         def region(name: str):
             return tree.lt.call(lambda: (tree.tier(name).inner.jobs["gu"].stats,
                                          tree.tier(name).inner.jobs["gu"].view.values.copy()))
 
         for _ in range(4):  # eu: a sync after 2 steps, waiting at the root for us; 2 more
-            step(eu)
+            ones.step(eu)
         wait_for(lambda: tree.lt.call(lambda: tree.tier("eu").jobs["gu"].stats.refused_rounds) >= 1,
                  "eu giving up on its sync after its round timeout", 15)
         for _ in range(2):  # us: its sync closes the root's round, which applies eu's too
-            step(us)
+            ones.step(us)
         wait_for(lambda: tree.view("root", "gu")[1] >= 1, "the root applying the outer round", 10)
-        assert np.array_equal(tree.view("root", "gu")[3], np.full(4, -2 * lr, np.float32))
+        assert np.array_equal(tree.view("root", "gu")[3], _full(-2))
         wait_for(lambda: tree.lt.call(lambda: tree.tier("eu").outer["gu"].inflight.done()),
                  "eu's sync settled", 20)
-        step(eu)  # merged at the first inner version after it: landed, not failed
+        ones.step(eu)  # merged at the first inner version after it: landed, not failed
         st, values = region("eu")
         assert st.outer_syncs == 1 and st.outer_sync_failures == 0 and st.outer_syncs_unsettled == 1, st
-        assert np.array_equal(values, np.full(4, -5 * lr, np.float32)), values  # outer + 3 steps since
+        assert np.array_equal(values, _full(-5)), values  # outer + 3 steps since
         # eu's next sync (sent at that merge: 3 steps since the last) carries those 3 steps
         # only; us's carries its next 2. Applied once each: -2 lr - (3 lr + 2 lr) / 2.
         for _ in range(2):
-            step(us)
+            ones.step(us)
         wait_for(lambda: tree.view("root", "gu")[1] >= 2, "the second outer round", 20)
         root = tree.view("root", "gu")
-        assert root[1] == 2 and np.array_equal(root[3], np.full(4, -4.5 * lr, np.float32)), root
+        assert root[1] == 2 and np.array_equal(root[3], _full(-4.5)), root
         assert tree.lt.call(lambda: tree.tier("root").jobs["gu"].stats.double_applied) == 0
         st, _ = region("eu")
         assert st.outer_sync_failures == 0, st
     finally:
-        eu.close()
-        us.close()
+        ones.close()
 
 
 def test_a_sync_sent_through_a_parent_the_zone_left_is_resolved_not_sent_again(tree):
@@ -820,51 +826,35 @@ def test_a_sync_sent_through_a_parent_the_zone_left_is_resolved_not_sent_again(t
     zc's) when za loses its link to r1 -- r1 lives on. za moves to r2: it asks the root about
     its sync by its own key instead of sending it again through r2 (whose forward the root
     could not place while r1's batch holds it: each round waited for the other), and r2's
-    round stops waiting for za. Exact fp32 arithmetic: gradients of ones, inner SGD lr 0.25."""
+    round stops waiting for za. Exact arithmetic (``_Ones``)."""
     tree.add("root", "global")
     r1, r2 = tree.add("r1", "regional", parent="root"), tree.add("r2", "regional", parent="root")
     link = tree.lt.run(LinkProxy(Link(), r1).start())
     tree.servers["za"] = tree.lt.run(create_server(ServerConfig(role="zone", name="za", parent=f"{link.address},{r2}",
                                                                 **FAST)))
     zones = [tree.addr("za"), tree.add("zb", "zone", parent="r2"), tree.add("zc", "zone", parent="r1")]
-    layout = Layout([KeySpec("w", (4,))])
-    lr = 0.25
-    job = JobConfig(name="mv", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=lr),
-                    outer=OuterConfig(inner_steps=2, codec="fp32", delta_codec="fp32", sync_wait_s=0.3,
-                                      inner_tier="zone", optimizer=OptimizerConfig(kind="sgd", lr=1.0)))
-    a, b, c = (ParameterClient(z, "mv", f"w-{n}", timeout_s=30, round_timeout_s=60) for z, n in zip(zones, "abc"))
+    ones = _Ones(zones, "mv", round_timeout_s=60, inner_tier="zone")  # bounded: a hang fails the test
+    a, b, c = ones.clients
     root = tree.tier("root")
     try:
-        a.create_job(job, layout, np.zeros(layout.numel, np.float32))
-        for x in (a, b, c):
-            x.register()
-            x.pull(min_version=0)
-        clock = {id(x): 0 for x in (a, b, c)}
-
-        def step(x) -> None:
-            v, _ = x.push(np.ones(layout.numel, np.float32), clock=clock[id(x)])
-            clock[id(x)] += 1
-            x.pull(min_version=v)
-
         for x in (a, a, c, c):  # za's and zc's syncs: r1 sums them, and the root waits for r2
-            step(x)
+            ones.step(x)
         wait_for(lambda: tree.lt.call(lambda: len(root.jobs["mv"].round.pushed)) == 1, "r1's sum at the root", 10)
         tree.lt.run(link.close())
         wait_for(lambda: tree.lt.call(lambda: "za" in tree.tier("r2").jobs["mv"].members), "za at r2", 30)
         for _ in range(2):  # zb's sync: r2's round, then the root's, close
-            step(b)
+            ones.step(b)
         wait_for(lambda: tree.view("root", "mv")[1] >= 1, "the outer round", 40)
-        assert np.array_equal(tree.view("root", "mv")[3], np.full(4, -2 * lr, np.float32))
+        assert np.array_equal(tree.view("root", "mv")[3], _full(-2))
         wait_for(lambda: tree.lt.call(lambda: tree.tier("za").outer["mv"].inflight.done()), "za's sync settled", 30)
-        step(a)  # merged: landed, not failed
+        ones.step(a)  # merged: landed, not failed
         st = tree.lt.call(lambda: tree.tier("za").inner.jobs["mv"].stats)
         assert st.outer_syncs == 1 and st.outer_sync_failures == 0, st
         for x in (a, c, c, b, b):  # 2 more steps each: the next outer round, each sync applied once
-            step(x)
+            ones.step(x)
         wait_for(lambda: tree.view("root", "mv")[1] >= 2, "the second outer round", 40)
         got = tree.view("root", "mv")
-        assert got[1] == 2 and np.array_equal(got[3], np.full(4, -4 * lr, np.float32)), got
+        assert got[1] == 2 and np.array_equal(got[3], _full(-4)), got
         assert tree.lt.call(lambda: root.jobs["mv"].stats.double_applied) == 0
     finally:
-        for x in (a, b, c):
-            x.close()
+        ones.close()
