@@ -149,7 +149,7 @@ class Sender:
         assert isinstance(self.client, ParameterClient)
         try:
             self.client._move_home()
-        except HpsError as exc:  # the next push registers again wherever it is answered
+        except Exception as exc:  # (never the sending thread's end) the next push registers again
             log.warning("%s: moving back to the first tier failed: %s", self.client.worker_id, exc)
         finally:
             with self._cv:
