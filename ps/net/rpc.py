@@ -54,7 +54,10 @@ CHANNEL_OPTIONS = _SIZE + [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
-SERVER_OPTIONS = list(_SIZE)
+# No SO_REUSEPORT (gRPC's default is on): with it a second process binds a port in use without
+# an error and takes a share of its connections, and servers that ask for port 0 at once can be
+# handed the same port (grpc/grpc#10755; a CI run's health probe was refused by it).
+SERVER_OPTIONS = [*_SIZE, ("grpc.so_reuseport", 0)]
 
 log = logging.getLogger("hps.rpc")
 

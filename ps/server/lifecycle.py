@@ -28,6 +28,7 @@ import logging
 import signal
 import sys
 import weakref
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -52,7 +53,20 @@ log = logging.getLogger("hps.server")
 _OPS: weakref.WeakKeyDictionary[Tier, tuple[Health, TierMetrics, grpc.aio.Server | None, int | None]] = \
     weakref.WeakKeyDictionary()
 # The health-only port takes nothing larger than a HealthCheckRequest (a service name).
-_HEALTH_OPTIONS = [("grpc.max_receive_message_length", 4096)]
+_HEALTH_OPTIONS = [("grpc.max_receive_message_length", 4096), ("grpc.so_reuseport", 0)]
+
+
+def _bind(add_port: Callable[[], int], address: str, what: str = "") -> int:
+    """The port ``add_port`` bound, or OSError with a sentence: gRPC returns 0 or raises
+    RuntimeError (by version) for an address in use or not of this host."""
+    try:
+        port = add_port()
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"could not bind {what}{address}: in use by another process, or not an address of "
+                      "this host")
+    return port
 
 
 async def create_server(config: ServerConfig, registry: CollectorRegistry | None = None
@@ -70,20 +84,17 @@ async def create_server(config: ServerConfig, registry: CollectorRegistry | None
     server.add_generic_rpc_handlers([handler(tier, metrics.rpc, guard_for(config, tier))])
     server.add_generic_rpc_handlers([health_handler(health)])  # grpc.health.v1: probes
     if config.secure:
-        port = server.add_secure_port(config.listen, server_credentials(
-            TlsFiles(config.tls_cert, config.tls_key, config.tls_ca)))
+        creds = server_credentials(TlsFiles(config.tls_cert, config.tls_key, config.tls_ca))
+        port = _bind(lambda: server.add_secure_port(config.listen, creds), config.listen)
     else:
-        port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"could not bind {config.listen}")
+        port = _bind(lambda: server.add_insecure_port(config.listen), config.listen)
     host = config.listen.rsplit(":", 1)[0]
     probe_server, probe_port = None, None
     if config.health_port >= 0:  # probes without TLS: this server has the health service and nothing else
         probe_server = grpc.aio.server(options=_HEALTH_OPTIONS)
         probe_server.add_generic_rpc_handlers([health_handler(health)])
-        probe_port = probe_server.add_insecure_port(f"{host}:{config.health_port}")
-        if probe_port == 0:
-            raise OSError(f"could not bind the health port {host}:{config.health_port}")
+        probe = f"{host}:{config.health_port}"
+        probe_port = _bind(lambda: probe_server.add_insecure_port(probe), probe, "the health port ")
     tier.set_address(f"{host}:{port}")
     await server.start()
     if probe_server is not None:

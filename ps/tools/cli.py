@@ -131,7 +131,11 @@ def _serve(args) -> int:
         import uvloop
 
         uvloop.install()
-    asyncio.run(serve(cfg, ready_stream=None if json_logs else sys.stdout))
+    try:
+        asyncio.run(serve(cfg, ready_stream=None if json_logs else sys.stdout))
+    except OSError as exc:  # a port in use, a directory it may not write: a sentence, not a traceback
+        print(f"hps serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -343,3 +343,16 @@ def test_hps_serve_serves_metrics_and_health_and_stops_on_sigterm(reap):
     assert _check(address) == _NOT_SERVING and _check(address, LIVENESS) == _SERVING
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=20) == 0, p.stderr.read()
+
+
+def test_a_second_tier_on_a_port_in_use_fails_to_start_instead_of_sharing_it(tree):
+    """gRPC sets SO_REUSEPORT by default: a second process started on a port in use bound it
+    silently and took a share of its connections. Refused now, with the port in the sentence;
+    the first tier serves on."""
+    root = tree.add("root", "global", health_port=0)
+    with pytest.raises(OSError, match=re.escape(root)):
+        tree.lt.run(create_server(ServerConfig(role="global", name="again", listen=root, **FAST)))
+    probe = grpc.insecure_channel(root)
+    reply = health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    probe.close()
