@@ -465,7 +465,7 @@ class OuterRelay(Relay):
         ijs = self.inner.jobs.get(job) if self.inner is not None else None
         if ijs is not None:
             ijs.stats.outer_syncs_unsettled += 1
-        wait_s = max(1.0, min(self.config.round_timeout_s, 2 * self.config.member_timeout_s + 5.0))
+        wait_s = self._resolve_wait_s(self.config.round_timeout_s)
         delay, said = _SETTLE_BACKOFF_S[0], False
         while True:
             try:

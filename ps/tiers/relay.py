@@ -398,7 +398,7 @@ class Relay(ParentLink, Tier):
         above (a batch at the root holds it until the left parent times out there)."""
         job = js.config.name
         await self._job_for_register(job)  # a member of the new parent first: it asks on our behalf
-        wait_s = max(1.0, min(deadline - self.clock(), 2 * self.config.member_timeout_s + 5.0))
+        wait_s = self._resolve_wait_s(deadline - self.clock())
         outcome, version, epoch = await self.up.resolve(job, keys, wait_s, moved=True)
         if outcome == APPLIED:
             log.info("%s: round of %s sent through the previous parent was applied as version %d",
@@ -408,6 +408,12 @@ class Relay(ParentLink, Tier):
             raise Unavailable(f"a push of job {job} sent through the previous parent is still in flight "
                               "above; asking again")
         return None
+
+    def _resolve_wait_s(self, limit: float) -> float:
+        """How long one question to the root about pushes still in flight above may wait: a
+        batch holds them until the tier they went through times out there (two member
+        timeouts and some), at most ``limit``, at least a second."""
+        return max(1.0, min(limit, 2 * self.config.member_timeout_s + 5.0))
 
     async def _settle_unsure(self, js: RelayJob) -> None:
         """Before a forward takes the number of one given up on with its outcome unknown: ask
@@ -420,7 +426,7 @@ class Relay(ParentLink, Tier):
                 self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
                 self.unanswered.forget(job, seq)
                 continue
-            wait_s = max(1.0, min(self.config.round_timeout_s, 2 * self.config.member_timeout_s + 5.0))
+            wait_s = self._resolve_wait_s(self.config.round_timeout_s)
             try:
                 await self._resolve_here(js, keys, wait_s)
             except (NotReady, TimedOut, Exhausted, NotMember) as exc:  # not the children's doing
