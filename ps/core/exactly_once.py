@@ -103,12 +103,38 @@ class SeqBook:
 
 class AppliedBook:
     """The worker pushes the last ``horizon`` versions applied, by key (the root keeps one per
-    job; its checkpoints and write-ahead log carry it across restarts)."""
+    job; its checkpoints and write-ahead log carry it across restarts).
 
-    def __init__(self, horizon: int = 1024) -> None:
+    Past the horizon a key is *forgotten*, never taken for "not applied": for each sender
+    incarnation the book keeps the highest push number it dropped, so a key no longer found is
+    known to have been applied at or before ``dropped_upto`` when its number is at most that
+    (``forgotten``), and known not to have been applied when it is above it (an applied push
+    above it would still be held). Without this a region that asked about its sync after an
+    outage of more than ``horizon`` versions, or a relay after a root restart (a checkpoint
+    keeps the newest 64 versions' records), was told "not applied" and sent it again: applied
+    twice, and uncounted (its first record was gone). The safe side: a number at most the mark
+    that was in fact never applied (given up on while later ones were applied and aged out) is
+    lost, never acknowledged; none is applied twice, and one applied again is counted.
+
+    >>> book, d = AppliedBook(horizon=2), bytes(16)
+    >>> for v in (1, 2, 3):
+    ...     _ = book.add(v, [PushKey("r1", 7, v, d)])
+    >>> book.lookup(PushKey("r1", 7, 1, d)), book.forgotten(PushKey("r1", 7, 1, d)), book.dropped_upto
+    (None, True, 1)
+    >>> book.forgotten(PushKey("r1", 7, 4, d)), book.forgotten(PushKey("r1", 8, 1, d))  # newer; another incarnation
+    (False, False)
+    """
+
+    def __init__(self, horizon: int = 1024, senders: int = 1 << 16) -> None:
         self.horizon = horizon
         self._versions: OrderedDict[int, tuple[PushKey, ...]] = OrderedDict()
         self._where: dict[tuple[str, int, int], tuple[bytes, int]] = {}
+        # (member, incarnation) -> the highest push number of it dropped from the horizon; the
+        # oldest senders go past ``senders`` of them (bounded memory; their keys then read as
+        # never applied, as every key past the horizon did before).
+        self._dropped: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._senders = senders
+        self.dropped_upto = 0  # the newest version whose record was dropped
 
     def __len__(self) -> int:
         return len(self._where)
@@ -123,19 +149,30 @@ class AppliedBook:
         doubles = 0
         for k in keys:
             where = (k.member, k.incarnation, k.seq)
-            doubles += where in self._where and self._where[where][1] != version
+            doubles += (where in self._where and self._where[where][1] != version) or self.forgotten(k)
             self._where[where] = (k.digest, version)
         while self._versions and next(iter(self._versions)) <= version - self.horizon:
-            old_version, old = self._versions.popitem(last=False)
-            for k in old:
-                where = (k.member, k.incarnation, k.seq)
-                if self._where.get(where, (b"", None))[1] == old_version:
-                    del self._where[where]
+            self._drop(*self._versions.popitem(last=False))
         return doubles
 
+    def _drop(self, version: int, keys: tuple[PushKey, ...]) -> None:
+        for k in keys:
+            where = (k.member, k.incarnation, k.seq)
+            if self._where.get(where, (b"", None))[1] == version:
+                del self._where[where]
+            self._note_dropped(k.member, k.incarnation, k.seq, version)
+
+    def _note_dropped(self, member: str, incarnation: int, seq: int, version: int) -> None:
+        sender = (member, incarnation)
+        self._dropped[sender] = max(self._dropped.pop(sender, 0), seq)
+        while len(self._dropped) > self._senders:
+            self._dropped.popitem(last=False)
+        self.dropped_upto = max(self.dropped_upto, version)
+
     def lookup(self, key: PushKey) -> int | None:
-        """The version that applied ``key``, None if none in the horizon did; Conflict if one
-        applied the same sender's push number with another body."""
+        """The version that applied ``key``, None if none in the horizon did (see ``forgotten``
+        for one applied before it); Conflict if one applied the same sender's push number with
+        another body."""
         hit = self._where.get((key.member, key.incarnation, key.seq))
         if hit is None:
             return None
@@ -144,16 +181,43 @@ class AppliedBook:
                            "another body")
         return hit[1]
 
+    def forgotten(self, key: PushKey) -> bool:
+        """Whether ``key``, not held, is one the book dropped: applied at or before
+        ``dropped_upto`` (its body can no longer be compared)."""
+        if (key.member, key.incarnation, key.seq) in self._where:
+            return False
+        return key.seq <= self._dropped.get((key.member, key.incarnation), 0)
+
     def dump(self, last: int) -> bytes:
         """The newest ``last`` versions' records as bytes (what a checkpoint keeps: a retry that
-        outlives a root restart refers to the versions just before it)."""
+        outlives a root restart refers to the versions just before it). ``dump_dropped(last)``
+        is what the book knows of the others."""
         out = bytearray()
         for v, keys in list(self._versions.items())[-last:]:
             body = encode_keys(keys)
             out += _VERSION.pack(v, len(body)) + body
         return bytes(out)
 
-    def load(self, data: bytes) -> None:
+    def dump_dropped(self, last: int) -> bytes:
+        """The dropped-push marks, counting the records ``dump(last)`` leaves out as dropped:
+        ``dropped_upto`` then one key per sender (member, incarnation, highest number dropped;
+        no digest)."""
+        copy = AppliedBook(self.horizon, self._senders)
+        copy._dropped, copy.dropped_upto = OrderedDict(self._dropped), self.dropped_upto
+        for v, keys in list(self._versions.items())[:-last] if last else self._versions.items():
+            for k in keys:
+                copy._note_dropped(k.member, k.incarnation, k.seq, v)
+        return _UPTO.pack(copy.dropped_upto) + encode_keys(
+            PushKey(m, inc, seq, b"") for (m, inc), seq in copy._dropped.items())
+
+    def load(self, data: bytes, dropped: bytes = b"") -> None:
+        """What ``dump`` (and ``dump_dropped``) wrote; an older checkpoint has no marks."""
+        if dropped:
+            if len(dropped) < _UPTO.size:
+                raise BadInput(f"applied-push marks cut short: {len(dropped)} bytes")
+            (upto,) = _UPTO.unpack_from(dropped)
+            for k in decode_keys(dropped[_UPTO.size:]):
+                self._note_dropped(k.member, k.incarnation, k.seq, upto)
         pos, view = 0, memoryview(data)
         while pos < len(view):
             if pos + _VERSION.size > len(view):
@@ -169,10 +233,13 @@ class AppliedBook:
     def clear(self) -> None:
         self._versions.clear()
         self._where.clear()
+        self._dropped.clear()
+        self.dropped_upto = 0
 
 
 _KEY = struct.Struct("<HQQB")  # member length, incarnation, seq, digest length
 _VERSION = struct.Struct("<QI")  # version, length of its encoded keys
+_UPTO = struct.Struct("<Q")  # the newest version dropped
 
 
 class Unanswered:

@@ -35,7 +35,7 @@ EVENTS = frozenset({
     "tier.started", "tier.stopping", "tier.stopped", "tier.insecure", "tier.stalled",
     "job.created", "job.declared", "job.ended", "job.restored",
     "member.joined", "member.left", "member.expired", "member.replaced",
-    "round.restarted", "round.refused",
+    "round.restarted", "round.refused", "push.forgotten",
     "checkpoint.written", "checkpoint.failed", "wal.write_failed",
     "parent.lost", "parent.regained", "parent.restarted", "parent.switched", "parent.returned",
     "launch.tier_died", "launch.tier_restarted", "launch.tier_failed",

@@ -114,6 +114,42 @@ def test_applied_book_survives_a_dump_and_load():
     assert again.lookup(PushKey("w1", 7, 79, bytes([79]) * 16)) == 79
     assert again.lookup(PushKey("w1", 7, 16, bytes([16]) * 16)) == 16   # the 64th newest
     assert again.lookup(PushKey("w0", 7, 15, bytes([15]) * 16)) is None  # older: not carried
+    # loaded without its marks (a checkpoint written before them): nothing known as dropped
+    assert not again.forgotten(PushKey("w0", 7, 15, bytes([15]) * 16)) and again.dropped_upto == 0
+
+    again = AppliedBook()
+    again.load(book.dump(last=64), book.dump_dropped(last=64))
+    assert again.lookup(PushKey("w0", 7, 15, bytes([15]) * 16)) is None
+    assert again.forgotten(PushKey("w0", 7, 15, bytes([15]) * 16)) and again.dropped_upto == 15
+    assert not again.forgotten(PushKey("w0", 7, 80, A))    # never applied: after every number held
+    assert not again.forgotten(PushKey("w0", 8, 15, A))    # another incarnation of w0
+    assert not again.forgotten(PushKey("w1", 7, 79, A))    # held (its body differs: lookup says so)
+
+
+def test_a_push_past_the_horizon_is_forgotten_never_taken_for_not_applied():
+    """A region's sync asked about after an outage of more than ``horizon`` versions was
+    answered "not applied" and sent again: applied twice, and not even counted."""
+    book = AppliedBook(horizon=4)
+    old = PushKey("eu", 3, 1, A)
+    book.add(1, [old])
+    for v in range(2, 10):
+        book.add(v, [PushKey("us", 5, v, B)])
+    assert book.lookup(old) is None and book.forgotten(old) and book.dropped_upto == 5
+    assert not book.forgotten(PushKey("eu", 3, 2, A))          # eu's next number was never applied
+    assert book.add(10, [old]) == 1                            # applied again: counted as double
+    book.clear()
+    assert not book.forgotten(old) and book.dropped_upto == 0
+
+
+def test_the_dropped_marks_are_bounded_by_sender_count():
+    book = AppliedBook(horizon=1, senders=2)
+    for v, member in enumerate(("a", "b", "c"), start=1):
+        book.add(v, [PushKey(member, 1, 1, A)])
+    book.add(4, [PushKey("d", 1, 1, A)])
+    # a's mark went first (the oldest sender): its key reads as never applied, as before marks
+    assert [book.forgotten(PushKey(m, 1, 1, A)) for m in "abc"] == [False, True, True]
+    with pytest.raises(BadInput, match="cut short"):
+        AppliedBook().load(b"", b"\x01")
 
 
 def test_push_keys_round_trip_and_damage_is_bad_input():
