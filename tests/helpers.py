@@ -185,8 +185,9 @@ class ServeProcess:
                 self.proc.wait(10)
 
     def status(self, timeout: float = 2.0):
+        from ps.net.messages import status_from_pb
         from ps.net.rpc import Caller
-        from ps.net.wire import pb, status_from_pb
+        from ps.net.wire import pb
 
         with Caller(self.address) as rpc:
             return status_from_pb(rpc.call("Status", pb.StatusRequest(), timeout))

@@ -65,24 +65,19 @@ from ps.core.replica import apply_pull
 from ps.core.tensors import payload_bytes, split
 from ps.core.types import NO_STEP, Chunk, PullMeta, PushKey, PushMeta, StepInfo, VersionMeta
 from ps.core.view import Layout, View
-from ps.net.rpc import Caller, cannot_connect
-from ps.net.tls import TlsFiles
-from ps.net.wire import (
+from ps.net.messages import (
     OUTCOME_NAME,
     ROLE,
     dataset_to_pb,
-    decode_pull_reply,
-    encode_create_job,
-    encode_push,
     grant_from_pb,
     job_from_pb,
-    keys_to_pb,
     layout_from_pb,
-    pb,
-    push_digest,
     rank_from_pb,
     shards_to_pb,
 )
+from ps.net.rpc import Caller, cannot_connect
+from ps.net.tls import TlsFiles
+from ps.net.wire import decode_pull_reply, encode_create_job, encode_push, keys_to_pb, pb, push_digest
 
 __all__ = ["ParameterClient", "StepResult", "RETRY_FLOOR_S"]
 

@@ -20,9 +20,10 @@ import grpc
 
 from ps.core.errors import HpsError, Unavailable
 from ps.core.types import LogMessage, TierStatus
+from ps.net.messages import status_from_pb
 from ps.net.rpc import AsyncCaller, bearer, error_from
 from ps.net.tls import TlsFiles
-from ps.net.wire import SERVICE, LogReader, encode_log, pb, status_from_pb
+from ps.net.wire import SERVICE, LogReader, encode_log, pb
 
 __all__ = ["LogLink"]
 

@@ -48,23 +48,20 @@ from ps.core.ranks import RankInfo
 from ps.core.tensors import split
 from ps.core.types import Ack, PullMeta, PushKey, Registration, VersionMeta
 from ps.core.view import Layout
-from ps.net.rpc import FORWARDED, RELAY_CHECK, AsyncCaller, cannot_connect, relay_check, relay_check_failed
-from ps.net.tls import TlsFiles
-from ps.net.wire import (
+from ps.net.messages import (
     OUTCOME_NAME,
     ROLE,
     dataset_to_pb,
-    decode_pull_reply,
-    encode_create_job,
     grant_from_pb,
     job_from_pb,
     jobs_from_pb,
-    keys_to_pb,
     layout_from_pb,
-    pb,
     rank_from_pb,
     shards_to_pb,
 )
+from ps.net.rpc import FORWARDED, RELAY_CHECK, AsyncCaller, cannot_connect, relay_check, relay_check_failed
+from ps.net.tls import TlsFiles
+from ps.net.wire import decode_pull_reply, encode_create_job, keys_to_pb, pb
 
 __all__ = ["Upstream"]
 

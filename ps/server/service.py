@@ -55,29 +55,31 @@ from ps.core.config import JobConfig, check_name
 from ps.core.errors import BadInput, Conflict, HpsError, Internal, short
 from ps.core.tensors import Assembler
 from ps.net.frames import BodyReader
+from ps.net.messages import (
+    OUTCOME,
+    ROLE_NAME,
+    dataset_from_pb,
+    grant_to_pb,
+    job_to_pb,
+    jobs_to_pb,
+    layout_to_pb,
+    rank_to_pb,
+    shards_from_pb,
+    status_to_pb,
+)
 from ps.net.rpc import FORWARDED, abort, bearer_tokens
 from ps.net.wire import (
     METHODS,
-    OUTCOME,
-    ROLE_NAME,
     SERVICE,
     LogReader,
     adopted_token,
     chunks_of,
     create_job_of,
-    dataset_from_pb,
     encode_log,
     encode_pull_reply,
-    grant_to_pb,
-    job_to_pb,
-    jobs_to_pb,
     keys_from_pb,
-    layout_to_pb,
     pb,
     push_meta_of,
-    rank_to_pb,
-    shards_from_pb,
-    status_to_pb,
     with_tail,
 )
 from ps.server.auth import Guard, relay_identity

@@ -368,9 +368,10 @@ def _promote(args) -> int:
     """Make a standby root the primary now (a planned switch-over, or a takeover the standby
     would not make by itself: it was not in sync, or the old primary still answers its Status)."""
     from ps.core.errors import HpsError
+    from ps.net.messages import status_from_pb
     from ps.net.rpc import Caller
     from ps.net.tls import TlsFiles
-    from ps.net.wire import pb, status_from_pb
+    from ps.net.wire import pb
     from ps.tools import jobctl
 
     _client_tls(args)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import os
 
 from ps.core.config import JobConfig
+from ps.net.messages import jobs_from_pb
 from ps.net.rpc import Caller
 from ps.net.tls import TlsFiles
-from ps.net.wire import encode_create_job, jobs_from_pb, pb
+from ps.net.wire import encode_create_job, pb
 
 __all__ = ["admin_token", "create", "declare", "list_jobs", "end", "format_jobs"]
 

@@ -30,9 +30,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps.core.errors import HpsError
 from ps.core.types import TierStatus
+from ps.net.messages import status_from_pb
 from ps.net.rpc import CHANNEL_OPTIONS, Caller
 from ps.net.tls import ClientTls, TlsFiles, client_options
-from ps.net.wire import pb, status_from_pb
+from ps.net.wire import pb
 from ps.tools.format import human_bytes
 
 __all__ = ["fetch_status", "fetch_ready", "print_tree", "print_launch", "read_state", "walk", "STATE_FILE"]

@@ -41,6 +41,7 @@ from ps.core.exactly_once import AppliedBook, decode_keys, encode_keys
 from ps.core.tensors import Assembler, Chunk, assemble, split
 from ps.core.types import PullMeta, PushKey, PushMeta, VersionMeta
 from ps.core.view import KeySpec, Layout
+from ps.net.messages import job_from_pb, job_to_pb, layout_from_pb, layout_to_pb
 from ps.net.wire import (
     METHODS,
     decode_create_job,
@@ -51,10 +52,6 @@ from ps.net.wire import (
     encode_frame,
     encode_pull_reply,
     encode_push,
-    job_from_pb,
-    job_to_pb,
-    layout_from_pb,
-    layout_to_pb,
     pb,
 )
 from ps.server.service import parse

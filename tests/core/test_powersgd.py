@@ -18,7 +18,7 @@ from ps.core.encoder import Encoder
 from ps.core.errors import BadInput
 from ps.core.tensors import assemble, split
 from ps.core.view import KeySpec, Layout
-from ps.net.wire import job_from_pb, job_to_pb
+from ps.net.messages import job_from_pb, job_to_pb
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])

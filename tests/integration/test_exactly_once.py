@@ -15,7 +15,8 @@ from ps.core.errors import TimedOut
 from ps.core.tensors import split
 from ps.core.types import PushKey, PushMeta
 from ps.core.view import KeySpec, Layout
-from ps.net.wire import OUTCOME_NAME, encode_push, keys_to_pb, pb, push_digest, stubs
+from ps.net.messages import OUTCOME_NAME
+from ps.net.wire import encode_push, keys_to_pb, pb, push_digest, stubs
 from ps.server import create_server
 from ps.tools.wanem import Link, LinkProxy
 from tests.helpers import FAST, bsp_rounds, wait_for

@@ -46,10 +46,10 @@ from ps.core.errors import BadInput, HpsError
 from ps.core.tensors import Chunk, assemble, split
 from ps.core.types import PushKey, PushMeta
 from ps.core.view import KeySpec, Layout
+from ps.net.messages import ROLE_NAME
 from ps.net.rpc import CHANNEL_OPTIONS, Caller
 from ps.net.wire import (
     METHODS,
-    ROLE_NAME,
     SERVICE,
     decode_frame,
     decode_pull_reply,

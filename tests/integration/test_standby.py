@@ -20,8 +20,9 @@ import pytest
 from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.errors import HpsError, Unavailable
 from ps.core.view import KeySpec, Layout
+from ps.net.messages import status_from_pb
 from ps.net.rpc import Caller
-from ps.net.wire import decode_pull_reply, pb, status_from_pb
+from ps.net.wire import decode_pull_reply, pb
 from ps.tools.status import fetch_ready
 from tests.helpers import ServeProcess
 from worker import ParameterClient

@@ -13,9 +13,10 @@ import pytest
 
 from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.errors import HpsError
+from ps.net.messages import ROLE
 from ps.net.rpc import CHANNEL_OPTIONS, Caller
 from ps.net.tls import TlsFiles, client_options
-from ps.net.wire import METHODS, ROLE, SERVICE, pb
+from ps.net.wire import METHODS, SERVICE, pb
 from ps.tools.certs import init_certs, issue
 from tests.helpers import bsp_rounds
 from worker import ParameterClient

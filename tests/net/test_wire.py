@@ -1,4 +1,4 @@
-"""Unit tests for ps.net.wire: hand-written raw frames, push/pull streams and job conversion.
+"""Unit tests for ps.net.wire and ps.net.messages: hand-written raw frames, push/pull streams and job conversion.
 
     .venv/bin/python -m pytest -q tests/net/test_wire.py
 
@@ -19,6 +19,7 @@ from ps.core.tensors import assemble, split
 from ps.core.types import PullMeta, PushKey, PushMeta, VersionMeta
 from ps.core.view import KeySpec, Layout
 from ps.net.frames import BodyReader, decode_frame, encode_frame
+from ps.net.messages import job_from_pb, job_to_pb, layout_from_pb, layout_to_pb
 from ps.net.wire import (
     decode_create_job,
     decode_pull_reply,
@@ -26,10 +27,6 @@ from ps.net.wire import (
     encode_create_job,
     encode_pull_reply,
     encode_push,
-    job_from_pb,
-    job_to_pb,
-    layout_from_pb,
-    layout_to_pb,
     pb,
 )
 
