@@ -712,13 +712,16 @@ _LR = 0.25  # exact-arithmetic jobs below: gradients of ones, inner SGD at this 
 
 class _Ones:
     """Workers of an outer job (one per address) that push gradients of ones: inner SGD lr 0.25,
-    outer SGD lr 1, fp32 both ways, H = 2, ``sync_wait_s`` 0.3 -- every value exact in fp32.
+    outer SGD lr 1, fp32 both ways, H = 2, ``sync_wait_s`` 0.3 -- every value exact in fp32
+    (``codec`` and ``grad``: another pseudo-gradient codec, another gradient).
     ``step(c)`` pushes and pulls the version that applied it."""
 
-    def __init__(self, addresses: list[str], name: str, round_timeout_s: float = 600.0, **outer) -> None:
+    def __init__(self, addresses: list[str], name: str, round_timeout_s: float = 600.0, codec: str = "fp32",
+                 grad: np.ndarray | None = None, **outer) -> None:
         self.layout = Layout([KeySpec("w", (4,))])
+        self.grad = np.ones(self.layout.numel, np.float32) if grad is None else grad
         self.job = JobConfig(name=name, mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=_LR),
-                             outer=OuterConfig(inner_steps=2, codec="fp32", delta_codec="fp32", sync_wait_s=0.3,
+                             outer=OuterConfig(inner_steps=2, codec=codec, delta_codec="fp32", sync_wait_s=0.3,
                                                optimizer=OptimizerConfig(kind="sgd", lr=1.0), **outer))
         self.clients = [ParameterClient(a, name, f"w-{i}", timeout_s=30, round_timeout_s=round_timeout_s)
                         for i, a in enumerate(addresses)]
@@ -734,7 +737,7 @@ class _Ones:
 
     def step(self, c: ParameterClient) -> None:
         i = self.clients.index(c)
-        v, _ = c.push(np.ones(self.layout.numel, np.float32), clock=self._clock[i])
+        v, _ = c.push(self.grad, clock=self._clock[i])
         self._clock[i] += 1
         c.pull(min_version=v)
 
@@ -857,4 +860,63 @@ def test_a_sync_sent_through_a_parent_the_zone_left_is_resolved_not_sent_again(t
         assert got[1] == 2 and np.array_equal(got[3], _full(-4)), got
         assert tree.lt.call(lambda: root.jobs["mv"].stats.double_applied) == 0
     finally:
+        ones.close()
+
+
+def test_a_refused_sync_leaves_no_trace_in_a_lossy_codecs_residual(tree):
+    """int8 pseudo-gradients under error feedback: what one sync does not carry stays in the
+    region's residual for the next. A sync the root refuses is sent again whole (its steps with
+    the next sync), so its encode must leave no trace: the residual goes back to what it was
+    before it (an earlier build reset it to zero at every refusal, dropping the remainder owed
+    from the syncs before; kept, the refused remainder would be carried twice). Checked
+    directly, and by conservation: the outer values applied plus the residual left equal every
+    inner step's displacement (outer SGD lr 1, one region of one worker)."""
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    g = np.array([1.0, 0.3, 0.7, -0.45], np.float32)  # not a multiple of one level: int8 rounds
+    ones = _Ones([tree.add("eu-a", "zone", parent="eu")], "ef", codec="int8", grad=g)
+    (w,) = ones.clients
+    root, eu = tree.tier("root"), tree.tier("eu")
+    refuse = threading.Event()
+    apply = root._apply_durably
+
+    async def refusing(js, agg, rec, keys, step, fut):
+        if refuse.is_set():
+            refuse.clear()
+            # as a step that made the parameters non-finite is refused: nothing applied
+            root._refuse(js, agg, fut, BadInput("refused by the test: nothing was applied"))
+            return
+        await apply(js, agg, rec, keys, step, fut)
+
+    root._apply_durably = refusing
+    try:
+        def residual() -> np.ndarray:
+            state = tree.lt.call(lambda: eu.jobs["ef"].encoder.state_dict())
+            return state.get("w@0", np.zeros(4, np.float32)).copy()  # none: nothing owed
+
+        def stats():
+            return tree.lt.call(lambda: eu.inner.jobs["ef"].stats)
+
+        for _ in range(2):  # the first sync lands: int8 leaves a remainder in the residual
+            ones.step(w)
+        wait_for(lambda: stats().outer_syncs == 1, "the first sync", 10)
+        before = residual()
+        assert np.abs(before).max() > 1e-4, before
+        refuse.set()
+        for _ in range(2):  # the second is refused by the root
+            ones.step(w)
+        wait_for(lambda: stats().outer_sync_failures == 1, "the refused sync", 10)
+        assert same_bits(residual(), before), (residual(), before)
+        steps = 4  # on until two more syncs landed and every step is in one (the next carries the 2 refused)
+        while not (stats().outer_syncs >= 3 and stats().inner_steps_since_sync == 0):
+            assert steps < 12, stats()
+            ones.step(w)
+            steps += 1
+        outer = tree.view("root", "ef")
+        assert outer[1] == stats().outer_syncs and stats().outer_sync_failures == 1, (outer[:2], stats())
+        trained = np.float32(steps * _LR) * g  # every inner step, each in a sync that landed
+        np.testing.assert_allclose(residual() - outer[3], trained, rtol=0, atol=1e-5)
+        assert tree.lt.call(lambda: root.jobs["ef"].stats.double_applied) == 0
+    finally:
+        root._apply_durably = apply
         ones.close()
