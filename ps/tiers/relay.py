@@ -333,17 +333,29 @@ class Relay(ParentLink, Tier):
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]
         sent_via: int | None = None  # the parent link (switch count) of the last unanswered send
+        # Whether a send may have been placed above (its answer was lost), and the incarnation
+        # of the parent it went to.
+        unknown, sent_to = False, self.up.server_epoch
         while True:
             try:
-                if sent_via is not None and sent_via != self.up.switches and (keys or own):
-                    # Sent through a parent this relay has left since: that one may have passed
-                    # it on. The root decides (through the new parent) before it goes again.
-                    resolved = await self._resolve_moved(js, keys or own, deadline)
+                moved = sent_via is not None and sent_via != self.up.switches
+                # A parent that restarted since remembers nothing of it and would place it as
+                # new: in ssp and async nothing else stopped that (applied twice).
+                restarted = unknown and sent_to != self.up.server_epoch
+                if (moved or restarted) and (keys or own):
+                    # Sent through a parent this relay has left since (that one may have passed
+                    # it on), or one that forgot it: the root decides before it goes again.
+                    resolved = await self._resolve_moved(js, keys or own, deadline, moved)
                     if resolved is not None:
                         ack = resolved
                         break
-                sent_via = self.up.switches
-                ack = await self.up.push(frames, timeout=max(1.0, deadline - self.clock()), job=job)
+                    unknown = False
+                sent_via, sent_to = self.up.switches, self.up.server_epoch
+                try:
+                    ack = await self.up.push(frames, timeout=max(1.0, deadline - self.clock()), job=job)
+                except (Unavailable, TimedOut):
+                    unknown = True
+                    raise
                 break
             except NotMember as exc:
                 # The parent does not know us (it restarted, or timed us out): register again
@@ -392,17 +404,19 @@ class Relay(ParentLink, Tier):
         if not fut.done():
             fut.set_result(ack)
 
-    async def _resolve_moved(self, js: RelayJob, keys: tuple[PushKey, ...], deadline: float) -> Ack | None:
-        """What became of a push sent through a parent this relay has left: its Ack if the root
-        applied it, None if it was not (send it again); Unavailable while it is still in flight
-        above (a batch at the root holds it until the left parent times out there)."""
+    async def _resolve_moved(self, js: RelayJob, keys: tuple[PushKey, ...], deadline: float,
+                             moved: bool = True) -> Ack | None:
+        """What became of a push sent through a parent this relay has left (``moved``), or
+        through one that restarted since: its Ack if the root applied it, None if it was not
+        (send it again); Unavailable while it is still in flight above (a batch at the root
+        holds it until the left parent times out there)."""
         job = js.config.name
         await self._job_for_register(job)  # a member of the new parent first: it asks on our behalf
         wait_s = self._resolve_wait_s(deadline - self.clock())
-        outcome, version, epoch = await self.up.resolve(job, keys, wait_s, moved=True)
+        outcome, version, epoch = await self.up.resolve(job, keys, wait_s, moved=moved)
         if outcome == APPLIED:
-            log.info("%s: round of %s sent through the previous parent was applied as version %d",
-                     self.role, job, version)
+            log.info("%s: round of %s sent through the %s parent was applied as version %d",
+                     self.role, job, "previous" if moved else "restarted", version)
             return Ack(version, epoch or js.view.epoch, duplicate=True)
         if outcome == UNKNOWN:
             raise Unavailable(f"a push of job {job} sent through the previous parent is still in flight "

@@ -28,9 +28,9 @@ LAYOUT = Layout([KeySpec("w", (8,))])
 FAST = {"heartbeat_s": 0.2, "member_timeout_s": 1.5}
 
 
-def _clients(addrs: list[str], ids: list[str], lr: float = 1.0, **kw) -> list[ParameterClient]:
+def _clients(addrs: list[str], ids: list[str], lr: float = 1.0, mode: str = "bsp", **kw) -> list[ParameterClient]:
     out = [ParameterClient(a, "j", i, timeout_s=10, **kw) for a, i in zip(addrs, ids)]
-    out[0].create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=lr)), LAYOUT,
+    out[0].create_job(JobConfig(name="j", mode=mode, optimizer=OptimizerConfig(kind="sgd", lr=lr)), LAYOUT,
                       np.zeros(LAYOUT.numel, np.float32))
     for c in out:
         c.register()
@@ -86,13 +86,16 @@ def test_a_restarted_worker_is_not_answered_with_its_old_incarnations_acks(tree)
         c.close()
 
 
-def test_a_retry_after_a_relay_restart_is_resolved_as_applied_not_stale(tree):
+@pytest.mark.parametrize("mode", ["bsp", "ssp", "async"])
+def test_a_retry_after_a_relay_restart_is_resolved_as_applied_not_stale(tree, mode):
     """The zone forwarded round 0 and the root applied it, but the zone died before it told its
-    worker. The worker's retry reaches a new zone whose round is 1: before saying "not
-    applied", the zone asks the root, which knows the push was applied in version 1."""
+    worker. The worker's retry reaches a new zone, which remembers nothing of it: the root,
+    which knows the push was applied in version 1, decides before it is placed again. In bsp
+    the new zone's round (1) would refuse it anyway; in ssp and async nothing did, and the new
+    zone forwarded it as new: applied twice (found by a review)."""
     tree.add("root", "global")
     zone = tree.add("z", "zone", parent="root")
-    (w,) = _clients([zone], ["w0"])
+    (w,) = _clients([zone], ["w0"], mode=mode)
     z = tree.tier("z")
     forward = z._forward_one
 
@@ -111,8 +114,39 @@ def test_a_retry_after_a_relay_restart_is_resolved_as_applied_not_stale(tree):
     assert w.lost_steps == 0
     root = tree.tier("root")
     assert tree.view("root", "j")[1] == 1
-    assert tree.lt.call(lambda: tree.tier("z").jobs["j"].stats.resolved) == 1
-    assert tree.lt.call(lambda: root.jobs["j"].stats.duplicates + root.jobs["j"].stats.pushes) >= 1
+    assert tree.lt.call(lambda: root.jobs["j"].stats.double_applied) == 0
+    w.pull(min_version=1)
+    v, _ = w.push(np.ones(LAYOUT.numel, np.float32), clock=1)  # and training goes on
+    assert v == 2
+    w.close()
+
+
+@pytest.mark.parametrize("mode", ["ssp", "async"])
+def test_a_forward_retried_after_its_parent_restarted_is_resolved_not_applied_again(tree, mode):
+    """The same one hop up: the regional master forwarded the zone's round and the root applied
+    it, but it died before it told the zone. The zone's retry reaches a new regional master,
+    which would place it as new: the root decides first, and the worker gets version 1."""
+    tree.add("root", "global")
+    tree.add("r", "regional", parent="root")
+    zone = tree.add("z", "zone", parent="r")
+    (w,) = _clients([zone], ["w0"], mode=mode)
+    r = tree.tier("r")
+    forward = r._forward_one
+
+    async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never reaches the zone
+        import asyncio
+        await forward(js, agg, keys, floor, asyncio.get_running_loop().create_future(), seq)
+        await asyncio.sleep(3600)
+    r._forward_one = forward_then_die
+    t, out = _in_thread(w.push, np.ones(LAYOUT.numel, np.float32))
+    _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply version 1")
+    port = tree.servers["r"][1]
+    tree.stop("r")
+    tree.add("r", "regional", parent="root", listen=f"127.0.0.1:{port}")  # a new incarnation
+    t.join(60)
+    assert out.get("result", (None,))[0] == 1, out  # acknowledged as applied in version 1, once
+    assert tree.view("root", "j")[1] == 1
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
     w.pull(min_version=1)
     v, _ = w.push(np.ones(LAYOUT.numel, np.float32), clock=1)  # and training goes on
     assert v == 2
