@@ -66,7 +66,7 @@ import numpy as np
 from ps.core.config import JobConfig, ServerConfig
 from ps.core.consistency import Aggregate
 from ps.core.encoder import Encoder
-from ps.core.errors import Conflict, HpsError, NotReady, UnknownJob, short
+from ps.core.errors import Conflict, HpsError, NotReady, Stale, UnknownJob, short
 from ps.core.intake import PushIntake
 from ps.core.leases import GRANTED, WAIT, Dataset, Grant
 from ps.core.logs import event
@@ -86,7 +86,7 @@ __all__ = ["OuterRelay", "runs_inner"]
 log = logging.getLogger("hps.outer")
 
 PullReply = tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]
-_OUTER_WAIT_S = 60.0  # at most this long for the outer version that applied a pseudo-gradient
+_OUTER_WAIT_S = 60.0  # a warning this often while the outer version that applied a sync is awaited
 _SETTLE_BACKOFF_S = (0.5, 10.0)  # between asking the root about a sync given up on
 
 
@@ -551,15 +551,31 @@ class OuterRelay(Relay):
                   name, p.fragment, ojs.view.version, ijs.view.version, time.perf_counter() - p.t0)
 
     async def _hold_outer(self, ojs: RelayJob, ack: Ack) -> None:
-        """Wait until the followed outer view holds the version that applied our push."""
-        deadline = self.clock() + _OUTER_WAIT_S
+        """Wait until the followed outer view holds the version that applied our push, however
+        long that takes: the push was applied, so a sync counted failed here would send its
+        steps again with the next one (applied twice; a slow WAN or a partition after the ack
+        did that at 60 s). A warning every ``_OUTER_WAIT_S``. Only a lineage newer than the
+        ack's (the root restarted after it) that lacks that version ends the wait: that root
+        kept no record of it (no checkpoints), so the sync failed and its steps go again."""
+        start, reached = ojs.view.epoch, False
+        said = self.clock()
         while ojs.view.version < ack.applied_version or ojs.view.epoch != ack.view_epoch:
-            if self.clock() > deadline:
-                raise asyncio.TimeoutError(f"outer version {ack.applied_version} did not arrive within "
-                                           f"{_OUTER_WAIT_S:g}s")
-            if ojs.view.epoch != ack.view_epoch and ojs.view.version >= ack.applied_version:
-                return  # the root restarted meanwhile: a newer lineage holds at least that version
-            await ojs.wait_change(deadline - self.clock())
+            if self.jobs.get(ojs.config.name) is not ojs:
+                raise UnknownJob(f"job {ojs.config.name} is no longer held here")
+            epoch = ojs.view.epoch
+            reached = reached or epoch == ack.view_epoch
+            if epoch != ack.view_epoch and (reached or epoch != start):  # newer than the ack's
+                if ojs.view.version >= ack.applied_version:
+                    return  # the root restarted meanwhile: its lineage holds at least that version
+                raise Stale(f"the root restarted without outer version {ack.applied_version}, which "
+                            "applied this sync (it keeps no checkpoints): the sync's steps go again")
+            if self.clock() - said >= _OUTER_WAIT_S:
+                said = self.clock()
+                log.warning("%s: job %s: the sync applied as outer version %d was acknowledged, but this "
+                            "region holds version %d of the outer view still; waiting for it (the WAN "
+                            "or the root is slow)", self.role, ojs.config.name, ack.applied_version,
+                            ojs.view.version)
+            await ojs.wait_change(_OUTER_WAIT_S)
 
     # -- children's calls: the inner root answers for inner jobs ----------------------------
     def heartbeat(self, member: str, jobs: list[str], role: str = "worker", address: str = "") -> list[str]:
@@ -643,7 +659,9 @@ class OuterRelay(Relay):
     def _drop_job(self, job: str, why: str) -> None:
         super()._drop_job(job, why)
         ijs = self.inner.jobs.pop(job, None) if self.inner is not None else None
-        self.outer.pop(job, None)
+        st = self.outer.pop(job, None)
+        if st is not None and st.inflight is not None:  # it would wait for an outer view no more followed
+            st.inflight.cancel()
         if ijs is not None and self.inner is not None:
             self.inner.ended[job] = ijs.view.version
             ijs.abort(why)

@@ -6,6 +6,7 @@ under each, two workers per zone.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import threading
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import ps.tiers.outer
 from ps.core.config import JobConfig, OptimizerConfig, OuterConfig, ServerConfig
 from ps.core.errors import BadInput, HpsError
 from ps.core.outer import OuterPlan, StepRate
@@ -919,4 +921,53 @@ def test_a_refused_sync_leaves_no_trace_in_a_lossy_codecs_residual(tree):
         assert tree.lt.call(lambda: root.jobs["ef"].stats.double_applied) == 0
     finally:
         root._apply_durably = apply
+        ones.close()
+
+
+def test_a_sync_applied_whose_outer_version_is_slow_to_arrive_is_not_counted_failed(tree, monkeypatch):
+    """The root applied the sync and said so, but the region's follow of the outer view is
+    slow (a slow WAN, a partition after the ack). The region waited for that version at most 60 s
+    (1 s here) and then counted the sync failed: its steps went again with the next sync,
+    applied twice (found by a review). Now it waits for it, however long; exact arithmetic
+    (``_Ones``): every inner step once in the outer values."""
+    monkeypatch.setattr(ps.tiers.outer, "_OUTER_WAIT_S", 1.0)
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    ones = _Ones([tree.add("eu-a", "zone", parent="eu")], "slowv")
+    (w,) = ones.clients
+    eu = tree.tier("eu")
+    blocked = threading.Event()
+    pull = eu.up.pull
+
+    async def gated(*args, **kwargs):  # what a pull brings is held while blocked
+        got = await pull(*args, **kwargs)
+        while blocked.is_set():
+            await asyncio.sleep(0.05)
+        return got
+
+    eu.up.pull = gated
+    try:
+        def stats():
+            return tree.lt.call(lambda: eu.inner.jobs["slowv"].stats)
+
+        for _ in range(2):
+            ones.step(w)
+        wait_for(lambda: stats().outer_syncs == 1, "the first sync", 10)
+        blocked.set()
+        for _ in range(2):  # the second sync is applied; its outer version does not arrive
+            ones.step(w)
+        wait_for(lambda: tree.view("root", "slowv")[1] == 2, "the root applying the second sync", 10)
+        time.sleep(2.5)  # past the old wait (1 s here), twice
+        blocked.clear()
+        steps = 4
+        while not (stats().outer_syncs >= 3 and stats().inner_steps_since_sync == 0):
+            assert steps < 12, stats()
+            ones.step(w)
+            steps += 1
+        assert stats().outer_sync_failures == 0, stats()
+        outer = tree.view("root", "slowv")
+        assert np.array_equal(outer[3], _full(-steps)), (outer[3], steps)  # each inner step once
+    finally:
+        eu.up.pull = pull
+        blocked.clear()
         ones.close()
