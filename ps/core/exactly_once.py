@@ -25,14 +25,16 @@ can then still tell a retry that was applied from one that was not.
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ps.core.errors import BadInput, Conflict
+from ps.core.errors import BadInput, Conflict, short
 from ps.core.types import PushKey, StepInfo
 
 __all__ = ["SeqBook", "AppliedBook", "Unanswered", "encode_keys", "decode_keys", "encode_applied",
@@ -106,33 +108,35 @@ class AppliedBook:
     job; its checkpoints and write-ahead log carry it across restarts).
 
     Past the horizon a key is *forgotten*, never taken for "not applied": for each sender
-    incarnation the book keeps the highest push number it dropped, so a key no longer found is
-    known to have been applied at or before ``dropped_upto`` when its number is at most that
-    (``forgotten``), and known not to have been applied when it is above it (an applied push
-    above it would still be held). Without this a region that asked about its sync after an
-    outage of more than ``horizon`` versions, or a relay after a root restart (a checkpoint
-    keeps the newest 64 versions' records), was told "not applied" and sent it again: applied
-    twice, and uncounted (its first record was gone). The safe side: a number at most the mark
-    that was in fact never applied (given up on while later ones were applied and aged out) is
-    lost, never acknowledged; none is applied twice, and one applied again is counted.
+    incarnation the book keeps the runs of push numbers it dropped (``[first, last]`` ranges;
+    a sender's applied numbers are nearly always one run), so a key no longer found is known to
+    have been applied at or before ``dropped_upto`` when its number lies in one (``forgotten``),
+    and known not to have been applied otherwise. Without this a region that asked about its
+    sync after an outage of more than ``horizon`` versions, or a relay after a root restart (a
+    checkpoint keeps the newest 64 versions' records), was told "not applied" and sent it
+    again: applied twice, and uncounted (its first record was gone). A forgotten key's body can
+    no longer be compared: the same number with another body reads as that push (nothing is
+    applied twice; a sender that reuses an applied number breaks the protocol). Bounded: at
+    most ``senders`` sender incarnations (the oldest go) and ``_RUNS`` runs each (the lowest
+    go); a key that went so reads as never applied, as every key past the horizon once did.
 
     >>> book, d = AppliedBook(horizon=2), bytes(16)
-    >>> for v in (1, 2, 3):
-    ...     _ = book.add(v, [PushKey("r1", 7, v, d)])
+    >>> for v, seq in ((1, 1), (2, 2), (3, 4), (4, 5), (5, 6)):   # number 3 was never applied
+    ...     _ = book.add(v, [PushKey("r1", 7, seq, d)])
     >>> book.lookup(PushKey("r1", 7, 1, d)), book.forgotten(PushKey("r1", 7, 1, d)), book.dropped_upto
-    (None, True, 1)
-    >>> book.forgotten(PushKey("r1", 7, 4, d)), book.forgotten(PushKey("r1", 8, 1, d))  # newer; another incarnation
-    (False, False)
+    (None, True, 3)
+    >>> [book.forgotten(PushKey("r1", 7, s, d)) for s in (3, 5, 7)], book.forgotten(PushKey("r1", 8, 1, d))
+    ([False, False, False], False)
     """
 
     def __init__(self, horizon: int = 1024, senders: int = 1 << 16) -> None:
         self.horizon = horizon
         self._versions: OrderedDict[int, tuple[PushKey, ...]] = OrderedDict()
         self._where: dict[tuple[str, int, int], tuple[bytes, int]] = {}
-        # (member, incarnation) -> the highest push number of it dropped from the horizon; the
-        # oldest senders go past ``senders`` of them (bounded memory; their keys then read as
-        # never applied, as every key past the horizon did before).
-        self._dropped: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # (member, incarnation) -> the sorted, disjoint runs [first, last] of its push numbers
+        # dropped from the horizon (each applied); the least recently dropped-to sender goes
+        # past ``senders`` of them.
+        self._dropped: OrderedDict[tuple[str, int], list[list[int]]] = OrderedDict()
         self._senders = senders
         self.dropped_upto = 0  # the newest version whose record was dropped
 
@@ -160,11 +164,21 @@ class AppliedBook:
             where = (k.member, k.incarnation, k.seq)
             if self._where.get(where, (b"", None))[1] == version:
                 del self._where[where]
-            self._note_dropped(k.member, k.incarnation, k.seq, version)
+            self._note_dropped(k.member, k.incarnation, k.seq, k.seq, version)
 
-    def _note_dropped(self, member: str, incarnation: int, seq: int, version: int) -> None:
+    def _note_dropped(self, member: str, incarnation: int, first: int, last: int, version: int) -> None:
         sender = (member, incarnation)
-        self._dropped[sender] = max(self._dropped.pop(sender, 0), seq)
+        runs = self._dropped.pop(sender, [])
+        i = bisect.bisect_left(runs, [first])
+        if i and runs[i - 1][1] + 1 >= first:  # joins the run before it
+            i -= 1
+            runs[i][1] = max(runs[i][1], last)
+        else:
+            runs.insert(i, [first, last])
+        while i + 1 < len(runs) and runs[i][1] + 1 >= runs[i + 1][0]:  # and the runs after it
+            runs[i][1] = max(runs[i][1], runs.pop(i + 1)[1])
+        del runs[:-_RUNS]
+        self._dropped[sender] = runs
         while len(self._dropped) > self._senders:
             self._dropped.popitem(last=False)
         self.dropped_upto = max(self.dropped_upto, version)
@@ -186,7 +200,9 @@ class AppliedBook:
         ``dropped_upto`` (its body can no longer be compared)."""
         if (key.member, key.incarnation, key.seq) in self._where:
             return False
-        return key.seq <= self._dropped.get((key.member, key.incarnation), 0)
+        runs = self._dropped.get((key.member, key.incarnation), ())
+        i = bisect.bisect_right(runs, [key.seq, math.inf]) - 1
+        return i >= 0 and runs[i][0] <= key.seq <= runs[i][1]
 
     def dump(self, last: int) -> bytes:
         """The newest ``last`` versions' records as bytes (what a checkpoint keeps: a retry that
@@ -199,25 +215,48 @@ class AppliedBook:
         return bytes(out)
 
     def dump_dropped(self, last: int) -> bytes:
-        """The dropped-push marks, counting the records ``dump(last)`` leaves out as dropped:
-        ``dropped_upto`` then one key per sender (member, incarnation, highest number dropped;
-        no digest)."""
+        """The dropped runs, counting the records ``dump(last)`` leaves out as dropped:
+        ``dropped_upto``, then per sender its member id, incarnation and runs."""
         copy = AppliedBook(self.horizon, self._senders)
-        copy._dropped, copy.dropped_upto = OrderedDict(self._dropped), self.dropped_upto
+        copy._dropped = OrderedDict((k, [list(r) for r in v]) for k, v in self._dropped.items())
+        copy.dropped_upto = self.dropped_upto
         for v, keys in list(self._versions.items())[:-last] if last else self._versions.items():
             for k in keys:
-                copy._note_dropped(k.member, k.incarnation, k.seq, v)
-        return _UPTO.pack(copy.dropped_upto) + encode_keys(
-            PushKey(m, inc, seq, b"") for (m, inc), seq in copy._dropped.items())
+                copy._note_dropped(k.member, k.incarnation, k.seq, k.seq, v)
+        out = bytearray(_UPTO.pack(copy.dropped_upto))
+        for (member, inc), runs in copy._dropped.items():
+            m = member.encode()
+            out += _SENDER.pack(len(m), inc, len(runs)) + m
+            for first, last_ in runs:
+                out += _RUN.pack(first, last_)
+        return bytes(out)
 
     def load(self, data: bytes, dropped: bytes = b"") -> None:
-        """What ``dump`` (and ``dump_dropped``) wrote; an older checkpoint has no marks."""
+        """What ``dump`` (and ``dump_dropped``) wrote; an older checkpoint has no runs."""
         if dropped:
-            if len(dropped) < _UPTO.size:
-                raise BadInput(f"applied-push marks cut short: {len(dropped)} bytes")
-            (upto,) = _UPTO.unpack_from(dropped)
-            for k in decode_keys(dropped[_UPTO.size:]):
-                self._note_dropped(k.member, k.incarnation, k.seq, upto)
+            view = memoryview(dropped)
+            if len(view) < _UPTO.size:
+                raise BadInput(f"applied-push runs cut short: {len(view)} bytes")
+            (upto,) = _UPTO.unpack_from(view)
+            pos = _UPTO.size
+            while pos < len(view):
+                if pos + _SENDER.size > len(view):
+                    raise BadInput(f"applied-push runs cut short at byte {pos}")
+                n, inc, count = _SENDER.unpack_from(view, pos)
+                pos += _SENDER.size
+                if count > _RUNS or pos + n + count * _RUN.size > len(view):
+                    raise BadInput(f"applied-push runs cut short (or {count} runs) at byte {pos}")
+                try:
+                    member = bytes(view[pos:pos + n]).decode()
+                except UnicodeDecodeError:
+                    raise BadInput(f"applied-push runs hold a member id that is not UTF-8 at byte {pos}") from None
+                pos += n
+                for _ in range(count):
+                    first, last = _RUN.unpack_from(view, pos)
+                    pos += _RUN.size
+                    if not first <= last:
+                        raise BadInput(f"applied-push run [{first}, {last}] of {short(member)} is not a run")
+                    self._note_dropped(member, inc, first, last, upto)
         pos, view = 0, memoryview(data)
         while pos < len(view):
             if pos + _VERSION.size > len(view):
@@ -240,6 +279,9 @@ class AppliedBook:
 _KEY = struct.Struct("<HQQB")  # member length, incarnation, seq, digest length
 _VERSION = struct.Struct("<QI")  # version, length of its encoded keys
 _UPTO = struct.Struct("<Q")  # the newest version dropped
+_SENDER = struct.Struct("<HQI")  # member length, incarnation, runs
+_RUN = struct.Struct("<QQ")  # first, last push number of a run
+_RUNS = 64  # runs kept per sender
 
 
 class Unanswered:

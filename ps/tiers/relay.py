@@ -40,6 +40,7 @@ from ps.core.consistency import Aggregate, Gradient, dense
 from ps.core.encoder import Encoder
 from ps.core.errors import (
     BadInput,
+    Conflict,
     Exhausted,
     HpsError,
     NotMember,
@@ -443,6 +444,14 @@ class Relay(ParentLink, Tier):
             wait_s = self._resolve_wait_s(self.config.round_timeout_s)
             try:
                 await self._resolve_here(js, keys, wait_s)
+            except Conflict as exc:
+                # One of its pushes was applied with another body: its sender asked elsewhere,
+                # was told "not applied" and reused the number. So this forward, applied whole
+                # or not at all, was not; refusing every round here for it wedged this relay.
+                for s in self.unanswered.settled(job, keys, applied=False):
+                    log.warning("%s: round %d of %s, given up on with its outcome unknown, was not "
+                                "applied (%s)", self.role, s, job, exc)
+                continue
             except (NotReady, TimedOut, Exhausted, NotMember) as exc:  # not the children's doing
                 raise Unavailable(f"cannot tell yet what became of round {seq} of job {job} that this "
                                   f"{self.role} forwarded ({exc}); push again shortly") from None

@@ -141,15 +141,45 @@ def test_a_push_past_the_horizon_is_forgotten_never_taken_for_not_applied():
     assert not book.forgotten(old) and book.dropped_upto == 0
 
 
-def test_the_dropped_marks_are_bounded_by_sender_count():
+def test_the_dropped_runs_are_bounded_by_sender_count():
     book = AppliedBook(horizon=1, senders=2)
     for v, member in enumerate(("a", "b", "c"), start=1):
         book.add(v, [PushKey(member, 1, 1, A)])
     book.add(4, [PushKey("d", 1, 1, A)])
-    # a's mark went first (the oldest sender): its key reads as never applied, as before marks
+    # a's run went first (the oldest sender): its key reads as never applied, as before runs
     assert [book.forgotten(PushKey(m, 1, 1, A)) for m in "abc"] == [False, True, True]
-    with pytest.raises(BadInput, match="cut short"):
-        AppliedBook().load(b"", b"\x01")
+
+
+def test_a_number_never_applied_below_dropped_ones_is_not_forgotten():
+    """A review found the first form (the highest number dropped) answering "applied" for a
+    number never applied below one that was: an acknowledgement of a lost gradient."""
+    book = AppliedBook(horizon=1)
+    order = [5, 1, 2, 4, 7, 8, 6]  # async: out of order; 3 never applied
+    for v, seq in enumerate(order, start=1):
+        book.add(v, [PushKey("w", 1, seq, A)])
+    assert book._dropped[("w", 1)] == [[1, 2], [4, 5], [7, 8]]  # 6 is still held (version 7)
+    assert [book.forgotten(PushKey("w", 1, s, A)) for s in range(1, 10)] == [
+        True, True, False, True, True, False, True, True, False]
+    again = AppliedBook(horizon=1)
+    again.load(book.dump(1), book.dump_dropped(1))
+    assert again._dropped[("w", 1)] == [[1, 2], [4, 5], [7, 8]] and again.lookup(PushKey("w", 1, 6, A)) == 7
+    again.add(9, [PushKey("x", 1, 1, A)])  # 6 drops out too: the runs join
+    assert again._dropped[("w", 1)] == [[1, 2], [4, 8]]
+    assert not again.forgotten(PushKey("w", 1, 3, A)) and again.dropped_upto == 7
+    assert again.add(10, [PushKey("w", 1, 3, A)]) == 0  # applied late, for the first time: no double
+
+
+def test_dropped_runs_that_are_damaged_are_bad_input():
+    book = AppliedBook(horizon=1)
+    for v in (1, 2, 3):
+        book.add(v, [PushKey("w", 1, v, A)])
+    data = book.dump_dropped(0)
+    for cut in (1, len(data) - 1):
+        with pytest.raises(BadInput, match="cut short"):
+            AppliedBook().load(b"", data[:cut])
+    backwards = data[:-16] + (9).to_bytes(8, "little") + (2).to_bytes(8, "little")
+    with pytest.raises(BadInput, match="not a run"):
+        AppliedBook().load(b"", backwards)
 
 
 def test_push_keys_round_trip_and_damage_is_bad_input():

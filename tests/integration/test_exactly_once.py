@@ -280,12 +280,14 @@ def test_a_push_applied_before_the_records_the_root_keeps_is_never_answered_not_
     for c in (a, b):
         c.register()
         c.pull()
-    frames = _frames(a, 1, np.ones(10, np.float32), epoch=a.view.epoch)
+    # a's pushes 1 and 3 are applied (versions 1 and 2); its number 2 never is (async: out of order)
+    frames = {seq: _frames(a, seq, np.ones(10, np.float32), epoch=a.view.epoch) for seq in (1, 3)}
     with grpc.insecure_channel(tree.addr("root")) as ch:
-        assert stubs(ch)["Push"](iter(frames), timeout=10).applied_version == 1
-    key, later = (PushKey("a", a.incarnation, s, push_digest(frames)) for s in (1, 2))
+        assert [stubs(ch)["Push"](iter(frames[seq]), timeout=10).applied_version for seq in (1, 3)] == [1, 2]
+    key, hole, third, later = (PushKey("a", a.incarnation, s, push_digest(frames[1 if s != 3 else 3]))
+                               for s in (1, 2, 3, 4))
     assert _ask_root(tree.addr("root"), key) == ("applied", 1)
-    for s in range(70):
+    for s in range(69):
         v, _ = b.push(np.full(10, 0.01, np.float32), clock=s)
         b.pull(min_version=v)
     assert v == 71
@@ -293,8 +295,12 @@ def test_a_push_applied_before_the_records_the_root_keeps_is_never_answered_not_
     tree.stop("root")  # its last checkpoint (version 71) keeps the records of versions 8..71
     tree.add("root", "global", checkpoint_dir=ckpt, checkpoint_every=10)
     assert tree.view("root", "j")[1] == 71
-    # Restored: version 1's record is gone (on 1aa3b69 this answered "not_applied", 0).
+    # Restored: versions 1 and 2's records are gone (on 1aa3b69 this answered "not_applied", 0).
     assert _ask_root(tree.addr("root"), key) == ("applied", 7)   # at or before version 7
+    assert _ask_root(tree.addr("root"), third) == ("applied", 7)
+    # Never applied: still "not applied", below a number that was (a review found a first form
+    # of this fix, which kept the highest number dropped, answering "applied" for it)
+    assert _ask_root(tree.addr("root"), hole) == ("not_applied", 0)
     assert _ask_root(tree.addr("root"), later) == ("not_applied", 0)
     # The same past the live horizon (a long outage): a's record drops out of the book.
     tree.lt.call(lambda: setattr(tree.tier("root").jobs["j"].applied, "horizon", 4))
@@ -305,7 +311,27 @@ def test_a_push_applied_before_the_records_the_root_keeps_is_never_answered_not_
         v, _ = c.push(np.full(10, 0.01, np.float32), clock=s)
         c.pull(min_version=v)
     assert _ask_root(tree.addr("root"), key) == ("applied", v - 4)
+    assert _ask_root(tree.addr("root"), hole) == ("not_applied", 0)
     assert _ask_root(tree.addr("root"), later) == ("not_applied", 0)
     assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
     for x in (a, b, c):
         x.close()
+
+
+def test_a_given_up_forward_whose_push_was_applied_with_another_body_does_not_wedge_its_relay(tree):
+    """A zone gave up on a forward holding w's push 1; w asked elsewhere, was told "not
+    applied", and its push 1 went up again with another body, applied. When the zone asked the
+    root about its forward, the root answered Conflict (that number was applied with another
+    body), which the zone passed to every round it forwarded after: wedged (found by a review).
+    The forward, applied whole or not at all, was not applied: the zone settles it so."""
+    addr, a, b = _setup(tree, through_zone=True)
+    for c in (a, b):
+        c.pull()
+    bsp_rounds([a, b], 1, lambda i, s: np.full(10, 1.0, np.float32))  # a's push 1: applied as version 1
+    zone = tree.tier("z")
+    other = PushKey("a", a.incarnation, 1, b"x" * 16)  # its number, another body
+    tree.lt.call(lambda: zone.unanswered.gave_up("j", 99, (other, PushKey("b", b.incarnation, 7, b"y" * 16))))
+    bsp_rounds([a, b], 1, lambda i, s: np.full(10, 1.0, np.float32))  # the zone's next round goes up
+    assert tree.view("root", "j")[1] == 2
+    assert tree.lt.call(lambda: zone.unanswered.pending("j")) == []
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
