@@ -322,7 +322,11 @@ class Relay(ParentLink, Tier):
             elif (verbatim := _verbatim(enc, agg.grad, absent, js.layout)) is not None:
                 chunks = verbatim
             else:
-                if not keys:  # an outer sync: its residual is put back if it is not applied
+                if not keys or js.config.mode != "async":
+                    # One forward at a time (bsp, ssp, an outer sync): its encode is recorded,
+                    # so a refusal puts the residual back as it was before it, keeping what
+                    # earlier applied rounds still owe (a reset dropped that too). Async
+                    # windows overlap: a refusal there drops the residual (``_refuse``).
                     enc.begin()
                 chunks = enc.split(js.layout, dense(agg.grad), agg.round, only, copy=False)
             return encode_push(meta, chunks), payload_bytes(chunks)
@@ -466,11 +470,12 @@ class Relay(ParentLink, Tier):
         enc = js.encoder
         if enc is None or enc.lossless or js.config.name in self.own_unsure:
             pass  # (an outer sync given up on unanswered: ``OuterRelay._settle_sync`` decides)
-        elif enc.recording:  # an outer sync not applied: its steps go with the next one, whole
+        elif enc.recording:  # not applied: its children (or the region's steps) send it again, whole
             enc.roll_back()
         else:
-            # The refused aggregate's unsent part is in the residual, and its children will
-            # send the same gradients again: drop it rather than count it twice.
+            # An async window: the refused aggregate's unsent part is in the residual, with
+            # those of windows encoded since, and its children will send the same gradients
+            # again: drop it rather than count it twice.
             enc.reset()
         super()._refuse(js, agg, fut, exc)
 

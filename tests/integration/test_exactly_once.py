@@ -11,7 +11,7 @@ import pytest
 
 from ps.core.codecs import get_codec
 from ps.core.config import JobConfig, OptimizerConfig, ServerConfig
-from ps.core.errors import TimedOut
+from ps.core.errors import BadInput, TimedOut
 from ps.core.tensors import split
 from ps.core.types import PushKey, PushMeta
 from ps.core.view import KeySpec, Layout
@@ -335,3 +335,47 @@ def test_a_given_up_forward_whose_push_was_applied_with_another_body_does_not_we
     assert tree.view("root", "j")[1] == 2
     assert tree.lt.call(lambda: zone.unanswered.pending("j")) == []
     assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
+
+
+def test_a_round_refused_above_leaves_a_lossy_relays_residual_as_it_was(tree):
+    """A zone re-encodes its round's sum with int8 under error feedback: what one forward does
+    not carry is owed by the next. A round the root refuses is pushed again whole by the
+    workers, so its encode must leave no trace; the zone reset its whole residual instead,
+    dropping what earlier applied rounds still owed (found by a review)."""
+    tree.add("root", "global")
+    tree.add("z", "zone", parent="root")
+    a, b = (ParameterClient(tree.addr("z"), "j", m) for m in ("a", "b"))
+    a.create_job(JobConfig(name="j", push_codec="int8", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(10, np.float32))
+    for c in (a, b):
+        c.register()
+        c.pull()
+    grad = np.linspace(-1.0, 0.7, 10, dtype=np.float32)  # int8 rounds all but its extremes
+    bsp_rounds([a, b], 1, lambda i, s: grad * (i + 1))
+    zone, top = tree.tier("z"), tree.tier("root")
+
+    def residual() -> np.ndarray:
+        state = tree.lt.call(lambda: zone.jobs["j"].encoder.state_dict())
+        return state.get("w@0", np.zeros(10, np.float32)).copy()
+
+    before = residual()
+    assert np.abs(before).max() > 0, before
+    apply = top._apply_durably
+    refused = []
+
+    async def refuse_once(js, agg, rec, keys, step, fut):
+        if not refused:
+            refused.append(rec.version)  # as a step that made the parameters non-finite is refused
+            top._refuse(js, agg, fut, BadInput("refused by the test: nothing was applied"))
+            return
+        await apply(js, agg, rec, keys, step, fut)
+
+    top._apply_durably = refuse_once
+    try:
+        with pytest.raises(AssertionError, match="refused by the test"):  # each worker's push: BadInput
+            bsp_rounds([a, b], 1, lambda i, s: grad * (i + 1))
+        assert refused and np.array_equal(residual(), before), (residual(), before)
+    finally:
+        top._apply_durably = apply
+        for c in (a, b):
+            c.close()
