@@ -253,8 +253,11 @@ class OuterRelay(Relay):
     async def _leave_after(self, job: str, st: OuterState, sync: asyncio.Task) -> None:
         """Merge the last sync, then leave the root's rounds. Leased data trained here that
         still needs other fragments' syncs (``PendingProgress``) gets them first: at most F more
-        (a failed one is tried again within that bound), so the root counts it as trained."""
-        for _ in range(st.plan.fragments + 1):
+        (a failed one is tried again within that bound), so the root counts it as trained.
+        The last of those is merged, never followed by another send: a sync still in flight as
+        the region leaves the root's rounds is retried there, registers the region again, and
+        the root's rounds then wait for a region with no workers."""
+        for i in range(st.plan.fragments + 1):
             await asyncio.wait([sync])
             ijs = self.inner.jobs.get(job) if self.inner is not None else None
             if ijs is None or st.inflight is not sync:
@@ -265,8 +268,9 @@ class OuterRelay(Relay):
                 self._merge(ijs, st)
                 # Steps trained since (a child came back, and left again before this landed) or
                 # a failed sync's go up too, as leased data still short of a fragment's sync does.
-                if not st.detached or not (st.progress or ijs.stats.inner_steps_since_sync > 0):
-                    break
+                if (i == st.plan.fragments or not st.detached
+                        or not (st.progress or ijs.stats.inner_steps_since_sync > 0)):
+                    break  # (what is left is counted lost if a child comes back: ``_rejoin``)
                 self._send(ijs, st)
                 if st.inflight is None:
                     break

@@ -646,6 +646,30 @@ def test_a_region_left_twice_while_its_sync_was_in_flight_sends_what_it_trained_
         run.us.close()
 
 
+def test_a_region_that_keeps_leaving_leaves_the_roots_rounds_with_no_sync_in_flight(tree):
+    """eu's workers come and go while its syncs wait at the root for us: it merges each
+    landing sync and sends what was trained meanwhile, at most F + 1 times. The last of those
+    sends used to be left in flight as eu left the root's rounds: the root dropped eu, the sync
+    was retried and registered eu again, and the root's rounds then waited for a region with
+    no workers, so us stopped for good (found by a review). The last one is merged, not sent."""
+    run = _LeftMidPeriod(tree, "flap")
+    try:
+        for n in (3, 4):  # a worker trains a step and leaves; then us syncs, landing eu's sync
+            model = _model()
+            with run.eu_worker(model) as opt:
+                run.steps(opt, model, 1)
+            t, done = run.us_in_background(n)
+            t.join(30)
+            assert done, "us waited for eu"
+        t, done = run.us_in_background(8)  # two more syncs of us's, alone
+        t.join(30)
+        assert done, "us waited for a region with no workers"
+        wait_for(lambda: tree.lt.call(lambda: "flap" not in run.eu.attached), "eu leaving the root's rounds")
+        assert tree.lt.call(lambda: run.outer.inflight) is None
+    finally:
+        run.us.close()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_regions_train_on_while_the_root_is_down_with_sync_wait(tree, tmp_path, overlap):
     """With ``sync_wait_s`` a region does not stop at a sync the root cannot answer: it trains
