@@ -167,8 +167,10 @@ class OuterPlan:
         """Inner steps a region's old lineage held at ``old_version`` that are in no outer
         version, when the outer view is now at ``outer_version``: those since its last sync,
         unless its pending sync (all ``period`` steps done) made it into a later outer version.
-        (With asynchronous outer steps the outer version also moves with the other regions'
-        syncs, so a pending sync that did not make it may be counted as made: a lower bound.)"""
+        It assumes each sync landed when due (inner versions ``stride`` apart): after a failed
+        or postponed sync, with dynamic steps or overlap, the rebases fall elsewhere and this
+        is a lower bound, as with asynchronous outer steps (the outer version also moves with
+        the other regions' syncs, so a pending sync that did not make it may count as made)."""
         synced_to, steps = divmod(old_version, self.stride)
         if steps == self.period and outer_version > synced_to:
             return 0
