@@ -382,6 +382,9 @@ class ParameterClient:
                 continue
             if r.unknown_jobs or r.server_epoch != self.server_epoch:
                 log.warning("%s: tier forgot us (restarted or dropped us); registering again", self.worker_id)
+                # Known before the registration is: a push retried meanwhile asks the root first
+                # (``_deliver``) instead of racing the registration into a fresh book.
+                self.server_epoch = r.server_epoch or self.server_epoch
                 try:
                     self.register()
                 except HpsError as exc:

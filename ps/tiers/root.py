@@ -582,6 +582,32 @@ class Root(Durable, Pairing, Tier):
                                         loss=hit[0], loss_before=hit[1]))
         return True
 
+    def _applied_already(self, js: RootJob, book, meta: PushMeta, digest: bytes,
+                         keys: tuple[PushKey, ...]) -> Ack | None:
+        """A push whose worker pushes this root applied already -- a retry whose sender or relay
+        forgot it (a restart, a move, a forward given up on that a later path settled) -- is
+        answered from the record, never placed again (invariant 4), whatever the tiers below
+        remembered. One that sums applied pushes with others cannot be placed whole: Conflict;
+        one of them applied with another body: Conflict (``AppliedBook.lookup``)."""
+        if not keys:
+            return None
+        book_ = js.applied
+        found = {book_.dropped_upto if book_.forgotten(k) else book_.lookup(k) for k in keys}
+        if found == {None}:
+            return None
+        if None in found or len(found) > 1:
+            raise Conflict(f"push {meta.seq} of {meta.sender!r} sums worker pushes of which some were applied "
+                           f"already (versions {sorted(v for v in found if v is not None)}) and some not: it "
+                           "cannot be placed whole")
+        version = found.pop()
+        ack = Ack(version, js.view.epoch, duplicate=True)
+        book.accept(meta.seq, digest)
+        book.settle(meta.seq, ack)
+        js.stats.duplicates += 1
+        log.warning("job %s: push %d of %r carries worker pushes applied already as version %d: answered "
+                    "from the record, not applied again", js.config.name, meta.seq, meta.sender, version)
+        return ack
+
     # -- resolve ---------------------------------------------------------------------------
     async def _resolve_here(self, js: RootJob, keys: tuple[PushKey, ...], wait_s: float
                             ) -> tuple[str, int, int]:

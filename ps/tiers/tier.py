@@ -177,6 +177,9 @@ class Tier(Membership):
             await self._wait_sources_elsewhere(js, meta)
         keys = meta.sources or ((PushKey(meta.sender, meta.incarnation, meta.seq, digest),)
                                 if meta.contributors else ())
+        known = self._applied_already(js, book, meta, digest, keys)
+        if known is not None:
+            return known
         if kind == "retry" and keys and self._unsure_of(js, keys):
             # It was in a forward this tier gave up on with its outcome unknown: the parent
             # may have applied it since. The root decides before it is placed again.
@@ -300,6 +303,12 @@ class Tier(Membership):
     def _unsure_of(self, js: JobState, keys: tuple[PushKey, ...]) -> bool:
         """Whether a forward of these pushes was given up on with its outcome unknown (a relay)."""
         return False
+
+    def _applied_already(self, js: JobState, book, meta: PushMeta, digest: bytes,
+                         keys: tuple[PushKey, ...]) -> Ack | None:
+        """The push's ack if the record of applied pushes (the root's) says it was applied
+        already; None to place it. Relays keep no such record."""
+        return None
 
     async def _resolved(self, js: JobState, book, meta: PushMeta, digest: bytes,
                         keys: tuple[PushKey, ...]) -> Ack | None:

@@ -379,3 +379,36 @@ def test_a_round_refused_above_leaves_a_lossy_relays_residual_as_it_was(tree):
         top._apply_durably = apply
         for c in (a, b):
             c.close()
+
+
+def test_a_push_the_root_applied_already_is_answered_from_its_record_whatever_the_relay_forgot(tree):
+    """Defence in depth for invariant 4: a zone that restarted remembers nothing of a push it
+    forwarded, and a sender that does not ask the root first (an older client, a script using
+    the raw protocol) sends it again. In async nothing below the root stops it; the root's
+    record of applied pushes now does: the very push is answered with the version that applied
+    it, and a push reusing its number with another body is refused."""
+    tree.add("root", "global")
+    tree.add("z", "zone", parent="root")
+    a = ParameterClient(tree.addr("z"), "j", "a")
+    a.create_job(JobConfig(name="j", mode="async", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(10, np.float32))
+    a.register()
+    a.pull()
+    first = _frames(a, 1, np.ones(10, np.float32), epoch=a.view.epoch)
+    with grpc.insecure_channel(tree.addr("z")) as ch:
+        assert stubs(ch)["Push"](iter(first), timeout=10).applied_version == 1
+    port = tree.servers["z"][1]
+    a.close()
+    tree.stop("z")
+    tree.add("z", "zone", parent="root", listen=f"127.0.0.1:{port}")  # remembers nothing
+    with grpc.insecure_channel(tree.addr("z")) as ch:
+        rpc = stubs(ch)
+        rpc["Register"](pb.RegisterRequest(job="j", member="a", role=pb.ROLE_WORKER, last_seq=0,
+                                           incarnation=a.incarnation), timeout=10)
+        ack = rpc["Push"](iter(first), timeout=10)  # the very push again, as new at the zone
+        assert ack.applied_version == 1 and ack.duplicate, ack
+        with pytest.raises(grpc.RpcError) as err:  # its number with another body
+            rpc["Push"](iter(_frames(a, 1, np.full(10, 2.0, np.float32), epoch=a.view.epoch)), timeout=10)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS, err.value
+    assert tree.view("root", "j")[1] == 1
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
