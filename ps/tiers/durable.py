@@ -82,7 +82,7 @@ class Durable:
         """A checkpoint's arrays (copies) and meta, of the job as it is now."""
         arrays = {"params": js.params.copy(), "view": js.view.values.copy(),
                   "applied": np.frombuffer(js.applied.dump(_CKPT_APPLIED_VERSIONS), np.uint8),
-                  "applied_dropped": np.frombuffer(js.applied.dump_dropped(_CKPT_APPLIED_VERSIONS), np.uint8)}
+                  "applied_runs": np.frombuffer(js.applied.dump_dropped(_CKPT_APPLIED_VERSIONS), np.uint8)}
         for k, v in js.optimizer.state_dict().items():
             if isinstance(v, np.ndarray):
                 arrays[f"opt.{k}"] = v
@@ -158,7 +158,7 @@ class Durable:
         js.view.clock_min = js.reported_floor = meta.get("clock_min", 0)
         if "applied" in arrays:
             js.applied.load(arrays["applied"].tobytes(),
-                            arrays["applied_dropped"].tobytes() if "applied_dropped" in arrays else b"")
+                            arrays["applied_runs"].tobytes() if "applied_runs" in arrays else b"")
         roster_path = d / "roster.json"
         roster = json.loads(roster_path.read_text()) if roster_path.exists() else {}
         js.ranks.load(roster.get("ranks", []))

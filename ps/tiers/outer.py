@@ -268,9 +268,15 @@ class OuterRelay(Relay):
                 self._merge(ijs, st)
                 # Steps trained since (a child came back, and left again before this landed) or
                 # a failed sync's go up too, as leased data still short of a fragment's sync does.
+                if i == st.plan.fragments and st.detached and ijs.stats.inner_steps_since_sync > 0:
+                    lost, ijs.stats.inner_steps_since_sync = ijs.stats.inner_steps_since_sync, 0
+                    ijs.stats.inner_steps_lost += lost
+                    log.warning("%s: job %s: %d inner step(s) trained before every member left are in no "
+                                "sync after %d tries; leaving the root's rounds without them", self.role, job,
+                                lost, st.plan.fragments + 1, extra=event("outer.steps_lost", job=job, steps=lost))
                 if (i == st.plan.fragments or not st.detached
                         or not (st.progress or ijs.stats.inner_steps_since_sync > 0)):
-                    break  # (what is left is counted lost if a child comes back: ``_rejoin``)
+                    break
                 self._send(ijs, st)
                 if st.inflight is None:
                     break

@@ -472,11 +472,12 @@ class Relay(ParentLink, Tier):
             pass  # (an outer sync given up on unanswered: ``OuterRelay._settle_sync`` decides)
         elif enc.recording:  # not applied: its children (or the region's steps) send it again, whole
             enc.roll_back()
-        else:
+        elif js.config.mode == "async":
             # An async window: the refused aggregate's unsent part is in the residual, with
             # those of windows encoded since, and its children will send the same gradients
             # again: drop it rather than count it twice.
             enc.reset()
+        # (else refused before its encode: nothing of it is in the residual)
         super()._refuse(js, agg, fut, exc)
 
     async def _resolve_here(self, js: RelayJob, keys: tuple[PushKey, ...], wait_s: float, moved: bool = False

@@ -666,6 +666,8 @@ def test_a_region_that_keeps_leaving_leaves_the_roots_rounds_with_no_sync_in_fli
         assert done, "us waited for a region with no workers"
         wait_for(lambda: tree.lt.call(lambda: "flap" not in run.eu.attached), "eu leaving the root's rounds")
         assert tree.lt.call(lambda: run.outer.inflight) is None
+        stats = run.eu_stats()  # the step trained last is in no sync: counted lost, not dropped silently
+        assert stats.inner_steps_since_sync == 0 and stats.inner_steps_lost == 1, stats
     finally:
         run.us.close()
 
