@@ -86,6 +86,25 @@ def test_a_restarted_worker_is_not_answered_with_its_old_incarnations_acks(tree)
         c.close()
 
 
+def _restarted_before_answering(tree, relay: str, role: str, parent: str, w: ParameterClient) -> dict:
+    """``w`` pushes; ``relay`` forwards it and the root applies it as version 1, but the relay
+    dies before it answers, and a new incarnation starts on its port. What w's push returned."""
+    forward = tree.tier(relay)._forward_one
+
+    async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never goes down
+        import asyncio
+        await forward(js, agg, keys, floor, asyncio.get_running_loop().create_future(), seq)
+        await asyncio.sleep(3600)
+    tree.tier(relay)._forward_one = forward_then_die
+    t, out = _in_thread(w.push, np.ones(LAYOUT.numel, np.float32))
+    _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply version 1")
+    port = tree.servers[relay][1]
+    tree.stop(relay)
+    tree.add(relay, role, parent=parent, listen=f"127.0.0.1:{port}")  # a new incarnation
+    t.join(60)
+    return out
+
+
 @pytest.mark.parametrize("mode", ["bsp", "ssp", "async"])
 def test_a_retry_after_a_relay_restart_is_resolved_as_applied_not_stale(tree, mode):
     """The zone forwarded round 0 and the root applied it, but the zone died before it told its
@@ -96,25 +115,11 @@ def test_a_retry_after_a_relay_restart_is_resolved_as_applied_not_stale(tree, mo
     tree.add("root", "global")
     zone = tree.add("z", "zone", parent="root")
     (w,) = _clients([zone], ["w0"], mode=mode)
-    z = tree.tier("z")
-    forward = z._forward_one
-
-    async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never reaches the worker
-        import asyncio
-        await forward(js, agg, keys, floor, asyncio.get_running_loop().create_future(), seq)
-        await asyncio.sleep(3600)
-    z._forward_one = forward_then_die
-    t, out = _in_thread(w.push, np.ones(LAYOUT.numel, np.float32))
-    _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply version 1")
-    port = tree.servers["z"][1]
-    tree.stop("z")
-    tree.add("z", "zone", parent="root", listen=f"127.0.0.1:{port}")  # a new incarnation
-    t.join(60)
+    out = _restarted_before_answering(tree, "z", "zone", "root", w)
     assert out.get("result", (None,))[0] == 1, out  # acknowledged as applied in version 1, once
     assert w.lost_steps == 0
-    root = tree.tier("root")
     assert tree.view("root", "j")[1] == 1
-    assert tree.lt.call(lambda: root.jobs["j"].stats.double_applied) == 0
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
     w.pull(min_version=1)
     v, _ = w.push(np.ones(LAYOUT.numel, np.float32), clock=1)  # and training goes on
     assert v == 2
@@ -130,20 +135,7 @@ def test_a_forward_retried_after_its_parent_restarted_is_resolved_not_applied_ag
     tree.add("r", "regional", parent="root")
     zone = tree.add("z", "zone", parent="r")
     (w,) = _clients([zone], ["w0"], mode=mode)
-    r = tree.tier("r")
-    forward = r._forward_one
-
-    async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never reaches the zone
-        import asyncio
-        await forward(js, agg, keys, floor, asyncio.get_running_loop().create_future(), seq)
-        await asyncio.sleep(3600)
-    r._forward_one = forward_then_die
-    t, out = _in_thread(w.push, np.ones(LAYOUT.numel, np.float32))
-    _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply version 1")
-    port = tree.servers["r"][1]
-    tree.stop("r")
-    tree.add("r", "regional", parent="root", listen=f"127.0.0.1:{port}")  # a new incarnation
-    t.join(60)
+    out = _restarted_before_answering(tree, "r", "regional", "root", w)
     assert out.get("result", (None,))[0] == 1, out  # acknowledged as applied in version 1, once
     assert tree.view("root", "j")[1] == 1
     assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
