@@ -195,6 +195,12 @@ class AppliedBook:
                            "another body")
         return hit[1]
 
+    def applied_at(self, key: PushKey) -> int | None:
+        """The version that applied ``key`` (``lookup``), or for one forgotten the newest version
+        dropped (it was applied at or before it); None if it was never applied."""
+        version = self.lookup(key)
+        return self.dropped_upto if version is None and self.forgotten(key) else version
+
     def forgotten(self, key: PushKey) -> bool:
         """Whether ``key``, not held, is one the book dropped: applied at or before
         ``dropped_upto`` (its body can no longer be compared)."""

@@ -591,8 +591,7 @@ class Root(Durable, Pairing, Tier):
         one of them applied with another body: Conflict (``AppliedBook.lookup``)."""
         if not keys:
             return None
-        book_ = js.applied
-        found = {book_.dropped_upto if book_.forgotten(k) else book_.lookup(k) for k in keys}
+        found = {js.applied.applied_at(k) for k in keys}
         if found == {None}:
             return None
         if None in found or len(found) > 1:
@@ -611,28 +610,20 @@ class Root(Durable, Pairing, Tier):
     # -- resolve ---------------------------------------------------------------------------
     async def _resolve_here(self, js: RootJob, keys: tuple[PushKey, ...], wait_s: float
                             ) -> tuple[str, int, int]:
-        found = {js.applied.lookup(k) for k in keys}
+        found = {js.applied.applied_at(k) for k in keys}
         if found == {None}:
-            old = sum(js.applied.forgotten(k) for k in keys)
-            if not old:
-                return NOT_APPLIED, 0, 0
-            if old == len(keys):  # applied before the horizon: never "not applied", or sent twice
-                upto = js.applied.dropped_upto
-                log.warning("job %s: asked about %d push(es) (%s's number %d ...) applied before the "
-                            "versions whose records the root keeps: answered as applied at or before "
-                            "version %d", js.config.name, len(keys), keys[0].member, keys[0].seq, upto,
-                            extra=event("push.forgotten", job=js.config.name, member=keys[0].member,
-                                        version=upto))
-                return APPLIED, upto, js.view.epoch
-            log.warning("job %s: of the %d pushes asked about together, %d were applied before the "
-                        "versions the root keeps and the others never: not knowable", js.config.name,
-                        len(keys), old)
-            return UNKNOWN, 0, 0
+            return NOT_APPLIED, 0, 0
         if None in found or len(found) > 1:
-            log.warning("job %s: a push's worker gradients were applied in different versions %s",
-                        js.config.name, sorted(v for v in found if v is not None))
+            log.warning("job %s: a push's worker gradients were applied in different versions %s (or some "
+                        "never)", js.config.name, sorted(v for v in found if v is not None))
             return UNKNOWN, 0, 0
-        return APPLIED, found.pop(), js.view.epoch
+        version = found.pop()
+        if js.applied.lookup(keys[0]) is None:  # applied before the horizon: never "not applied"
+            log.warning("job %s: asked about %d push(es) (%s's number %d ...) applied before the versions "
+                        "whose records the root keeps: answered as applied at or before version %d",
+                        js.config.name, len(keys), keys[0].member, keys[0].seq, version,
+                        extra=event("push.forgotten", job=js.config.name, member=keys[0].member, version=version))
+        return APPLIED, version, js.view.epoch
 
     # -- ranks and leased data shards -------------------------------------------------------------
     async def _rank_here(self, js: RootJob, member: str, incarnation: int, requested: int | None,

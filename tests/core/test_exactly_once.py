@@ -135,6 +135,8 @@ def test_a_push_past_the_horizon_is_forgotten_never_taken_for_not_applied():
     for v in range(2, 10):
         book.add(v, [PushKey("us", 5, v, B)])
     assert book.lookup(old) is None and book.forgotten(old) and book.dropped_upto == 5
+    assert book.applied_at(old) == 5 and book.applied_at(PushKey("us", 5, 9, B)) == 9  # at or before; exact
+    assert book.applied_at(PushKey("eu", 3, 2, A)) is None
     assert not book.forgotten(PushKey("eu", 3, 2, A))          # eu's next number was never applied
     assert book.add(10, [old]) == 1                            # applied again: counted as double
     book.clear()
