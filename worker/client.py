@@ -629,27 +629,28 @@ class ParameterClient:
         sent_via: list[int] = []  # the tier (switch count) of the last unanswered send
         # Whether a send may have been placed (its answer was lost), and the incarnation of the
         # tier it went to (``server_epoch``, from the registration).
-        unknown, sent_to = [False], [self.server_epoch]
+        unknown, sent_to = False, self.server_epoch
 
         def attempt() -> Any:
+            nonlocal unknown, sent_to
             moved = bool(sent_via) and sent_via[-1] != self._rpc.switches
             # A tier that restarted since (registered again, by this call's retry or by the
             # heartbeat) remembers nothing of it and would place it as new: in ssp and async
             # nothing else stopped that, and it was applied twice.
-            restarted = unknown[0] and sent_to[0] != self.server_epoch
+            restarted = unknown and sent_to != self.server_epoch
             if (moved or restarted) and contributors:
                 # Sent through a tier this client has left, or one that forgot it: the root
                 # decides before it goes again.
                 resolved = self._resolve_push(seq, digest(), moved=moved)
                 if resolved is not None:
                     return resolved
-                unknown[0] = False
+                unknown = False
             sent_via.append(self._rpc.switches)
-            sent_to[0] = self.server_epoch
+            sent_to = self.server_epoch
             try:
                 return self._call("Push", frames(), timeout=self.round_timeout_s)
             except Unavailable:
-                unknown[0] = True
+                unknown = True
                 raise
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
         try:
