@@ -26,15 +26,22 @@ LAYOUT = Layout([KeySpec("w", (10,))])
 LR = 0.5
 
 
+def _clients(addresses: list[str], names: str, client_kw: dict | None = None, **job) -> list[ParameterClient]:
+    """One client per address and name of job "j" (SGD at LR, ``job``'s other settings),
+    created by the first, each registered and holding version 0."""
+    cs = [ParameterClient(addr, "j", name, **(client_kw or {})) for addr, name in zip(addresses, names)]
+    cs[0].create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR), **job), LAYOUT,
+                     np.zeros(10, np.float32))
+    for c in cs:
+        c.register()
+        c.pull()
+    return cs
+
+
 def _setup(tree, through_zone: bool):
     root = tree.add("root", "global")
     addr = tree.add("z", "zone", parent="root") if through_zone else root
-    a, b = ParameterClient(addr, "j", "a"), ParameterClient(addr, "j", "b")
-    a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
-                 np.zeros(10, np.float32))
-    for c in (a, b):
-        c.register()
-        c.pull()
+    a, b = _clients([addr, addr], "ab")
     return addr, a, b
 
 
@@ -166,12 +173,7 @@ def test_a_retry_of_a_push_whose_forward_was_settled_applied_is_answered_not_pla
     version that applied it, not be placed in a new window and applied a second time."""
     tree.add("root", "global")
     zone = tree.add("z", "zone", parent="root", round_timeout_s=2.0)
-    a, c = ParameterClient(zone, "j", "a"), ParameterClient(zone, "j", "c")
-    a.create_job(JobConfig(name="j", mode="ssp", staleness=4, optimizer=OptimizerConfig(kind="sgd", lr=LR)),
-                 LAYOUT, np.zeros(10, np.float32))
-    for x in (a, c):
-        x.register()
-        x.pull()
+    a, c = _clients([zone, zone], "ac", mode="ssp", staleness=4)
     root = tree.tier("root")
 
     async def hold(lock: asyncio.Lock) -> None:
@@ -202,14 +204,8 @@ def _cut_link_mid_round(tree, link: LinkProxy, addresses: tuple[str, str, str], 
     forward (waiting for b's side), ``link`` -- on a's path -- is cut and the one that moves
     (``moved``: its member id and the tier it moves to) joins there; then b pushes. Every
     gradient must be applied once, in version 1."""
-    a, b, c = (ParameterClient(addr, "j", name, round_timeout_s=30)  # bounded: a hang fails the test
-               for addr, name in zip(addresses, "abc"))
+    a, b, c = _clients(list(addresses), "abc", {"round_timeout_s": 30})  # bounded: a hang fails the test
     try:
-        a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
-                     np.zeros(10, np.float32))
-        for x in (a, b, c):
-            x.register()
-            x.pull()
         ga, gb, gc = (np.full(10, g, np.float32) for g in (1.0, 3.0, 4.0))
         rt = tree.tier("root")
         with ThreadPoolExecutor(2) as ex:
@@ -274,12 +270,7 @@ def test_a_push_applied_before_the_records_the_root_keeps_is_never_answered_not_
     a later number of the same sender is still "not applied"."""
     ckpt = str(tmp_path / "ckpt")
     tree.add("root", "global", checkpoint_dir=ckpt, checkpoint_every=10)
-    a, b = (ParameterClient(tree.addr("root"), "j", m) for m in ("a", "b"))
-    a.create_job(JobConfig(name="j", mode="async", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
-                 np.zeros(10, np.float32))
-    for c in (a, b):
-        c.register()
-        c.pull()
+    a, b = _clients([tree.addr("root")] * 2, "ab", mode="async")
     # a's pushes 1 and 3 are applied (versions 1 and 2); its number 2 never is (async: out of order)
     frames = {seq: _frames(a, seq, np.ones(10, np.float32), epoch=a.view.epoch) for seq in (1, 3)}
     with grpc.insecure_channel(tree.addr("root")) as ch:
@@ -344,12 +335,7 @@ def test_a_round_refused_above_leaves_a_lossy_relays_residual_as_it_was(tree):
     dropping what earlier applied rounds still owed (found by a review)."""
     tree.add("root", "global")
     tree.add("z", "zone", parent="root")
-    a, b = (ParameterClient(tree.addr("z"), "j", m) for m in ("a", "b"))
-    a.create_job(JobConfig(name="j", push_codec="int8", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
-                 np.zeros(10, np.float32))
-    for c in (a, b):
-        c.register()
-        c.pull()
+    a, b = _clients([tree.addr("z")] * 2, "ab", push_codec="int8")
     grad = np.linspace(-1.0, 0.7, 10, dtype=np.float32)  # int8 rounds all but its extremes
     bsp_rounds([a, b], 1, lambda i, s: grad * (i + 1))
     zone, top = tree.tier("z"), tree.tier("root")
@@ -389,11 +375,7 @@ def test_a_push_the_root_applied_already_is_answered_from_its_record_whatever_th
     it, and a push reusing its number with another body is refused."""
     tree.add("root", "global")
     tree.add("z", "zone", parent="root")
-    a = ParameterClient(tree.addr("z"), "j", "a")
-    a.create_job(JobConfig(name="j", mode="async", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
-                 np.zeros(10, np.float32))
-    a.register()
-    a.pull()
+    (a,) = _clients([tree.addr("z")], "a", mode="async")
     first = _frames(a, 1, np.ones(10, np.float32), epoch=a.view.epoch)
     with grpc.insecure_channel(tree.addr("z")) as ch:
         assert stubs(ch)["Push"](iter(first), timeout=10).applied_version == 1
