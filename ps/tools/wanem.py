@@ -179,9 +179,13 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d: _
     last = 0.0
     try:
         while True:
-            await room.wait()
+            # Checked before waiting too: a reader that filled the buffer after delivery failed
+            # (and set ``room`` for the last time) cleared it again and waited forever.
             if sender.done():
                 break  # delivery failed; ``await sender`` below raises its error
+            await room.wait()
+            if sender.done():
+                break
             data = await reader.read(_CHUNK)
             if not data:
                 break
