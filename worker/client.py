@@ -77,7 +77,7 @@ from ps.net.messages import (
 )
 from ps.net.rpc import Caller, cannot_connect
 from ps.net.tls import TlsFiles
-from ps.net.wire import decode_pull_reply, encode_create_job, encode_push, keys_to_pb, pb, push_digest
+from ps.net.wire import as_resend, decode_pull_reply, encode_create_job, encode_push, keys_to_pb, pb, push_digest
 
 __all__ = ["ParameterClient", "StepResult", "RETRY_FLOOR_S"]
 
@@ -647,8 +647,12 @@ class ParameterClient:
                 unknown = False
             sent_via.append(self._rpc.switches)
             sent_to = self.server_epoch
+            # Still unknown: the tier may be a new incarnation that this client has not noticed
+            # yet (the heartbeat registered there while this was on its way). The push says it
+            # is a resend, and a tier that does not hold it asks the root before placing it.
+            body = as_resend(frames()) if unknown and contributors else frames()
             try:
-                return self._call("Push", frames(), timeout=self.round_timeout_s)
+                return self._call("Push", body, timeout=self.round_timeout_s)
             except Unavailable:
                 unknown = True
                 raise

@@ -40,9 +40,14 @@ as they arrive, so a receiver can act on the header first and never takes a cut 
 whole one: gRPC ends a server's request iterator normally when the client is cancelled, times
 out or disconnects mid-stream. Server-streamed replies (Pull) need no marker: the client sees
 the call's status, and every version's checksum is verified before it is applied.
+
+A push sent again after its answer was lost says so in its end marker (``as_resend``), outside
+the digest: the same push, which a tier that does not hold it must not take for a new one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import xxhash
 from google.protobuf.message import DecodeError
@@ -50,7 +55,7 @@ from google.protobuf.message import DecodeError
 from ps.core.errors import BadInput
 from ps.net.proto import hps_pb2 as pb
 
-__all__ = ["ALIGN", "MAX_FRAME_PAYLOAD", "encode_frame", "decode_frame", "with_end", "BodyReader"]
+__all__ = ["ALIGN", "MAX_FRAME_PAYLOAD", "encode_frame", "decode_frame", "with_end", "as_resend", "BodyReader"]
 
 
 def _varint(n: int) -> bytes:
@@ -149,6 +154,24 @@ def with_end(frames: list[bytes]) -> list[bytes]:
     return [*frames, encode_frame(pb.FrameHeader(end=end))]
 
 
+def as_resend(frames: Iterable[bytes]) -> Iterator[bytes]:
+    """``frames`` (a whole body, its StreamEnd last) with the end marker saying the body was
+    sent before and its answer never came. The digest is unchanged: it covers the frames
+    before the end marker only."""
+    last = None
+    for f in frames:
+        if last is not None:
+            yield last
+        last = f
+    if last is None:
+        return
+    h, _ = decode_frame(last)
+    if h.WhichOneof("kind") != "end":
+        raise BadInput("a body marked as a resend must end with its end marker")
+    h.end.resend = True
+    yield encode_frame(h)
+
+
 class BodyReader:
     """Checks a client-streamed body frame by frame: ``first`` kind, then chunk frames, then
     (optionally, at most once) a ``tail`` frame, then the StreamEnd, whose counts and digest
@@ -166,6 +189,7 @@ class BodyReader:
         self.frames = 0
         self.payload_bytes = 0
         self.digest: bytes | None = None
+        self.resend = False  # the end marker says the body was sent before, unanswered (``as_resend``)
         self._hash = xxhash.xxh3_128()
 
     def feed(self, data: bytes) -> tuple[str, pb.FrameHeader, memoryview]:
@@ -192,7 +216,7 @@ class BodyReader:
                 raise BadInput(f"malformed {self.what}: the end marker counts {e.frames} frames and "
                                f"{e.payload_bytes} payload bytes, {self.frames} and {self.payload_bytes} "
                                "arrived (or their digest differs); nothing was applied")
-            self.digest = digest
+            self.digest, self.resend = digest, e.resend
         else:
             self._hash.update(data)
             self.frames += 1

@@ -34,14 +34,14 @@ from ps.core.config import JobConfig
 from ps.core.errors import BadInput, short
 from ps.core.types import LOG_KINDS, Chunk, LogMessage, PullMeta, PushKey, PushMeta, StepInfo, VersionMeta
 from ps.core.view import Layout
-from ps.net.frames import MAX_FRAME_PAYLOAD, BodyReader, decode_frame, encode_frame, with_end
+from ps.net.frames import MAX_FRAME_PAYLOAD, BodyReader, as_resend, decode_frame, encode_frame, with_end
 from ps.net.messages import CODEC, DTYPE, job_from_pb, job_to_pb, layout_from_pb, layout_to_pb, name_of
 from ps.net.proto import hps_pb2 as pb
 
 __all__ = [
-    "pb", "encode_push", "encode_push_head", "encode_push_tail", "with_tail", "chunk_frames", "framed", "decode_push",
-    "push_meta_of", "chunks_of", "keys_to_pb", "keys_from_pb", "step_to_pb", "step_from_pb", "push_digest",
-    "encode_pull_reply", "decode_pull_reply", "encode_create_job", "decode_create_job", "create_job_of",
+    "pb", "encode_push", "as_resend", "encode_push_head", "encode_push_tail", "with_tail", "chunk_frames", "framed",
+    "decode_push", "push_meta_of", "chunks_of", "keys_to_pb", "keys_from_pb", "step_to_pb", "step_from_pb",
+    "push_digest", "encode_pull_reply", "decode_pull_reply", "encode_create_job", "decode_create_job", "create_job_of",
     "adopted_token", "METHODS", "SERVICE", "RELAY_READY", "stubs", "encode_log", "LogReader",
 ]
 

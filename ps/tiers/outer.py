@@ -604,10 +604,10 @@ class OuterRelay(Relay):
             return self.inner.open_push(meta)
         return super().open_push(meta)
 
-    async def commit_push(self, intake: PushIntake, digest: bytes) -> Ack:
+    async def commit_push(self, intake: PushIntake, digest: bytes, resend: bool = False) -> Ack:
         if self.inner is not None and self._inner(intake.meta.job):
-            return await self.inner.commit_push(intake, digest)
-        return await super().commit_push(intake, digest)
+            return await self.inner.commit_push(intake, digest, resend)
+        return await super().commit_push(intake, digest, resend)
 
     async def pull(self, job: str, member: str, view_epoch: int, since: int, min_version: int,
                    wait_s: float, min_clock: int = 0) -> PullReply:

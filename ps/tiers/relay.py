@@ -61,7 +61,7 @@ from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration
 from ps.core.view import Layout
 from ps.net.tls import TlsFiles
 from ps.net.upstream import Upstream
-from ps.net.wire import encode_push, push_digest
+from ps.net.wire import as_resend, encode_push, push_digest
 from ps.tiers.jobstate import RelayJob
 from ps.tiers.parents import ParentLink
 from ps.tiers.tier import APPLIED, UNKNOWN, Tier
@@ -356,8 +356,11 @@ class Relay(ParentLink, Tier):
                         break
                     unknown = False
                 sent_via, sent_to = self.up.switches, self.up.server_epoch
+                # Still unknown: the parent may be a new incarnation this relay has not noticed
+                # yet; the push says it is a resend (the parent asks the root before placing it).
+                body = list(as_resend(frames)) if unknown and (keys or own) else frames
                 try:
-                    ack = await self.up.push(frames, timeout=max(1.0, deadline - self.clock()), job=job)
+                    ack = await self.up.push(body, timeout=max(1.0, deadline - self.clock()), job=job)
                 except (Unavailable, TimedOut):
                     unknown = True
                     raise

@@ -151,9 +151,10 @@ class Tier(Membership):
         member.in_flight += 1
         return intake
 
-    async def commit_push(self, intake: PushIntake, digest: bytes) -> Ack:
+    async def commit_push(self, intake: PushIntake, digest: bytes, resend: bool = False) -> Ack:
         """The whole push has arrived (``digest`` of its frames): answer it, or add it to the open
-        batch and wait for the batch's outcome."""
+        batch and wait for the batch's outcome. ``resend``: its sender sent it before and never
+        heard back (``as_resend``), perhaps to a tier that placed it and forgot."""
         meta = intake.meta
         js = self.job(meta.job)  # ended while the body arrived: UnknownJob
         member = js.members.get(meta.sender)
@@ -180,13 +181,16 @@ class Tier(Membership):
         known = self._applied_already(js, book, meta, digest, keys)
         if known is not None:
             return known
-        if kind == "retry" and keys and self._unsure_of(js, keys):
-            # It was in a forward this tier gave up on with its outcome unknown: the parent
-            # may have applied it since. The root decides before it is placed again.
+        if keys and (resend or (kind == "retry" and self._unsure_of(js, keys))):
+            # It was in a forward this tier gave up on with its outcome unknown, or its sender
+            # sent it before and never heard back -- perhaps to this tier's previous incarnation
+            # (a sender cannot always know that one is gone: the heartbeat may have registered
+            # it here while the resend was on its way). The parent may have applied it: the
+            # root decides before it is placed again, here, among other senders' pushes.
             resolved = await self._resolved(js, book, meta, digest, keys)
             if resolved is not None:
                 return resolved
-            if book.classify(meta.seq) != "retry":  # another retry of it was placed meanwhile
+            if book.classify(meta.seq) != kind:  # another copy of it was placed meanwhile
                 raise Unavailable(f"push {meta.seq} from {meta.sender!r} is being placed by another retry; "
                                   "retry shortly")
         grad = intake.gradient()

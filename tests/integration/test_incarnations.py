@@ -15,11 +15,13 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.view import KeySpec, Layout
+from ps.net.wire import pb, stubs
 from ps.tools.launch import Cluster
 from ps.tools.status import fetch_status
 from worker import ParameterClient
@@ -143,6 +145,116 @@ def test_a_forward_retried_after_its_parent_restarted_is_resolved_not_applied_ag
     v, _ = w.push(np.ones(LAYOUT.numel, np.float32), clock=1)  # and training goes on
     assert v == 2
     w.close()
+
+
+def test_a_resend_that_reaches_a_restarted_zone_before_its_sender_noticed_is_resolved_first(tree):
+    """The race a sender cannot close alone. a's push was forwarded and applied as version 1,
+    but the zone died before it answered. a's heartbeat registers it at the zone's new
+    incarnation while a's resend is on its way, so a still believes it talks to the zone it
+    sent to and does not ask the root first. The new zone, remembering nothing, placed the push
+    as new in one window with b's: the root refuses such a window whole (it sums an applied
+    push with new ones), so b's innocent push failed too (Conflict). The resend now says it is
+    one (its end marker, outside the digest); the zone asks the root before placing it."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    a, b = _clients([zone, zone], ["a", "b"], mode="async")
+    a._hb_stop.set()  # the registration the race needs is the test's own (below)
+    forward = tree.tier("z")._forward_one
+
+    async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never goes down
+        import asyncio
+        await forward(js, agg, keys, floor, asyncio.get_running_loop().create_future(), seq)
+        await asyncio.sleep(3600)
+    tree.tier("z")._forward_one = forward_then_die
+    ta, ra = _in_thread(a.push, np.ones(LAYOUT.numel, np.float32))
+    _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply a's push as version 1")
+    port = tree.servers["z"][1]
+    tree.stop("z")
+    old_epoch = a.server_epoch
+    raced: dict = {}
+    call = a._call
+
+    def racing_call(name, request, timeout=None):
+        if name == "Push" and not raced:
+            # The heartbeat's registration at the new zone lands while the resend is on its
+            # way; b's push opens a window there (held 3 s) that the resend joins.
+            with grpc.insecure_channel(zone) as ch:
+                raced["epoch"] = stubs(ch)["Register"](pb.RegisterRequest(
+                    job="j", member="a", role=pb.ROLE_WORKER, last_seq=0, incarnation=a.incarnation),
+                    timeout=10).server_epoch
+            raced["b"] = _in_thread(b.push, np.full(LAYOUT.numel, 2.0, np.float32))
+            _until(lambda: tree.lt.call(lambda: bool(tree.tier("z").jobs["j"].window.pushed)),
+                   "b's push in the new zone's window")
+            raced["a_epoch"] = a.server_epoch
+        return call(name, request, timeout)
+    a._call = racing_call
+    # It remembers nothing; it keeps a (whose heartbeat is stopped) through the 3 s window.
+    tree.add("z", "zone", parent="root", listen=f"127.0.0.1:{port}", flush_ms=3000, member_timeout_s=30.0)
+    ta.join(60)
+    assert raced and raced["a_epoch"] == old_epoch != raced["epoch"], raced  # a had not noticed
+    tb, rb = raced["b"]
+    tb.join(60)
+    assert ra.get("result", (None,))[0] == 1, ra  # acknowledged as applied in version 1, once
+    assert rb.get("result", (None,))[0] == 2, rb  # b's push is not refused with it
+    assert tree.view("root", "j")[1] == 2
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
+    for c in (a, b):
+        c.close()
+
+
+def test_a_forward_resent_to_a_restarted_parent_before_the_relay_noticed_is_resolved_first(tree):
+    """The same race one hop up: zone z1's forward was applied as version 1, but the regional
+    master died before it answered. z1 is registered at the new regional master (as its
+    heartbeat would) while its resend is on its way, and z2's forward opens a window there:
+    the resend says it is one, so the regional master asks the root before placing it, and
+    z2's push is not refused with it."""
+    import asyncio
+    tree.add("root", "global")
+    tree.add("r", "regional", parent="root")
+    z1, z2 = tree.add("z1", "zone", parent="r"), tree.add("z2", "zone", parent="r")
+    a, b = _clients([z1, z2], ["a", "b"], mode="async")
+    relay = tree.tier("z1")
+    tree.lt.call(lambda: [t.cancel() for t in relay._tasks if t.get_name() == "heartbeat"])  # registered below
+    forward = tree.tier("r")._forward_one
+
+    async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never goes down
+        await forward(js, agg, keys, floor, asyncio.get_running_loop().create_future(), seq)
+        await asyncio.sleep(3600)
+    tree.tier("r")._forward_one = forward_then_die
+    ta, ra = _in_thread(a.push, np.ones(LAYOUT.numel, np.float32))
+    _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply a's push as version 1")
+    port = tree.servers["r"][1]
+    tree.stop("r")
+    old_epoch = relay.up.server_epoch
+    raced: dict = {}
+    push = relay.up.push
+
+    def race() -> None:
+        with grpc.insecure_channel(tree.addr("r")) as ch:
+            raced["epoch"] = stubs(ch)["Register"](pb.RegisterRequest(
+                job="j", member=relay.member_id, role=pb.ROLE_ZONE, address=relay.up.own_address,
+                last_seq=0, incarnation=relay.epoch), timeout=10).server_epoch
+        raced["b"] = _in_thread(b.push, np.full(LAYOUT.numel, 2.0, np.float32))
+        _until(lambda: tree.lt.call(lambda: bool(tree.tier("r").jobs["j"].window.pushed)),
+               "z2's forward in the new regional master's window")
+
+    async def racing_push(frames, timeout, job=None):
+        if not raced:
+            await asyncio.to_thread(race)
+            raced["relay_epoch"] = relay.up.server_epoch
+        return await push(frames, timeout, job)
+    relay.up.push = racing_push
+    tree.add("r", "regional", parent="root", listen=f"127.0.0.1:{port}", flush_ms=3000, member_timeout_s=30.0)
+    ta.join(60)
+    assert raced and raced["relay_epoch"] == old_epoch != raced["epoch"], raced  # z1 had not noticed
+    tb, rb = raced["b"]
+    tb.join(60)
+    assert ra.get("result", (None,))[0] == 1, ra  # acknowledged as applied in version 1, once
+    assert rb.get("result", (None,))[0] == 2, rb  # b's push is not refused with it
+    assert tree.view("root", "j")[1] == 2
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
+    for c in (a, b):
+        c.close()
 
 
 def _topology() -> dict:

@@ -21,6 +21,7 @@ from ps.core.view import KeySpec, Layout
 from ps.net.frames import BodyReader, decode_frame, encode_frame
 from ps.net.messages import job_from_pb, job_to_pb, layout_from_pb, layout_to_pb
 from ps.net.wire import (
+    as_resend,
     decode_create_job,
     decode_pull_reply,
     decode_push,
@@ -261,6 +262,26 @@ def test_the_digest_identifies_the_body():
     for f in encode_push(META, _chunks(seed=1)):
         reader.feed(f)
     assert reader.finish() == a
+
+
+def test_a_resend_is_the_same_push_and_says_so_in_its_end_marker(small_frames):
+    """A push sent again after its answer was lost carries the flag outside the digest: the
+    receiving tier still knows it as the same push, and learns that it may have been placed
+    before (it then asks the root first). Only a whole body can be marked."""
+    frames = encode_push(META, _chunks(chunk_elems=8))
+    marked = list(as_resend(frames))
+    assert marked[:-1] == frames[:-1] and marked[-1] != frames[-1]
+
+    def read(body: list[bytes]) -> BodyReader:
+        reader = BodyReader("push", "push")
+        for f in body:
+            reader.feed(f)
+        return reader
+    plain, again = read(frames), read(marked)
+    assert again.finish() == plain.finish() == decode_push(marked)[2]
+    assert again.resend and not plain.resend
+    with pytest.raises(BadInput, match="must end with its end marker"):
+        list(as_resend(frames[:-1]))
 
 
 def test_decode_push_rejects_a_second_header_and_bad_frames():
