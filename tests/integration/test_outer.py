@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import ps.tiers.outer
+import ps.tiers.outersync
 from ps.core.config import JobConfig, OptimizerConfig, OuterConfig, ServerConfig
 from ps.core.errors import BadInput, HpsError
 from ps.core.outer import OuterPlan, StepRate
@@ -956,7 +956,7 @@ def test_a_sync_applied_whose_outer_version_is_slow_to_arrive_is_not_counted_fai
     (1 s here) and then counted the sync failed: its steps went again with the next sync,
     applied twice (found by a review). Now it waits for it, however long; exact arithmetic
     (``_Ones``): every inner step once in the outer values."""
-    monkeypatch.setattr(ps.tiers.outer, "_OUTER_WAIT_S", 1.0)
+    monkeypatch.setattr(ps.tiers.outersync, "_OUTER_WAIT_S", 1.0)
     tree.add("root", "global")
     tree.add("eu", "regional", parent="root")
     ones = _Ones([tree.add("eu-a", "zone", parent="eu")], "slowv")
