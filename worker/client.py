@@ -649,8 +649,10 @@ class ParameterClient:
             sent_to = self.server_epoch
             # Still unknown: the tier may be a new incarnation that this client has not noticed
             # yet (the heartbeat registered there while this was on its way). The push says it
-            # is a resend, and a tier that does not hold it asks the root before placing it.
-            body = as_resend(frames()) if unknown and contributors else frames()
+            # is a resend of one sent to incarnation ``sent_to`` (unchanged since the earlier
+            # sends: a change asks the root above), and a tier of another incarnation that does
+            # not hold it asks the root before placing it.
+            body = as_resend(frames(), sent_to) if unknown and contributors and sent_to else frames()
             try:
                 return self._call("Push", body, timeout=self.round_timeout_s)
             except Unavailable:

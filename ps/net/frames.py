@@ -42,7 +42,8 @@ out or disconnects mid-stream. Server-streamed replies (Pull) need no marker: th
 the call's status, and every version's checksum is verified before it is applied.
 
 A push sent again after its answer was lost says so in its end marker (``as_resend``), outside
-the digest: the same push, which a tier that does not hold it must not take for a new one.
+the digest, with the tier incarnation it went to: the same push, which a tier of another
+incarnation that does not hold it must not take for a new one.
 """
 
 from __future__ import annotations
@@ -154,10 +155,13 @@ def with_end(frames: list[bytes]) -> list[bytes]:
     return [*frames, encode_frame(pb.FrameHeader(end=end))]
 
 
-def as_resend(frames: Iterable[bytes]) -> Iterator[bytes]:
-    """``frames`` (a whole body, its StreamEnd last) with the end marker saying the body was
-    sent before and its answer never came. The digest is unchanged: it covers the frames
-    before the end marker only."""
+def as_resend(frames: Iterable[bytes], sent_to: int) -> Iterator[bytes]:
+    """``frames`` (a body, its StreamEnd last) with the end marker saying the body was sent
+    before, to the tier incarnation ``sent_to`` (a server epoch, not 0), and its answer never
+    came. The digest is unchanged: it covers the frames before the end marker only. A body
+    that ends without its marker (a streamed push cut short) passes as it is: cut."""
+    if not sent_to:
+        raise ValueError("a resend names the incarnation the earlier copy went to (a server epoch, not 0)")
     last = None
     for f in frames:
         if last is not None:
@@ -166,10 +170,10 @@ def as_resend(frames: Iterable[bytes]) -> Iterator[bytes]:
     if last is None:
         return
     h, _ = decode_frame(last)
-    if h.WhichOneof("kind") != "end":
-        raise BadInput("a body marked as a resend must end with its end marker")
-    h.end.resend = True
-    yield encode_frame(h)
+    if h.WhichOneof("kind") == "end":
+        h.end.resend_to = sent_to
+        last = encode_frame(h)
+    yield last
 
 
 class BodyReader:
@@ -189,7 +193,7 @@ class BodyReader:
         self.frames = 0
         self.payload_bytes = 0
         self.digest: bytes | None = None
-        self.resend = False  # the end marker says the body was sent before, unanswered (``as_resend``)
+        self.resend_to = 0  # the end marker says the body was sent before, to this incarnation (``as_resend``)
         self._hash = xxhash.xxh3_128()
 
     def feed(self, data: bytes) -> tuple[str, pb.FrameHeader, memoryview]:
@@ -216,7 +220,7 @@ class BodyReader:
                 raise BadInput(f"malformed {self.what}: the end marker counts {e.frames} frames and "
                                f"{e.payload_bytes} payload bytes, {self.frames} and {self.payload_bytes} "
                                "arrived (or their digest differs); nothing was applied")
-            self.digest, self.resend = digest, e.resend
+            self.digest, self.resend_to = digest, e.resend_to
         else:
             self._hash.update(data)
             self.frames += 1

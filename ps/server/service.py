@@ -305,7 +305,7 @@ class _Servicer:
                     elif kind == "tail":  # a streamed push's late fields
                         intake.late(with_tail(intake.meta, h))
                 digest = reader.finish()
-                ack = await self.tier.commit_push(intake, digest, resend=reader.resend)
+                ack = await self.tier.commit_push(intake, digest, resend_to=reader.resend_to)
             return pb.PushAck(applied_version=ack.applied_version, duplicate=ack.duplicate,
                               view_epoch=ack.view_epoch, skipped=ack.skipped, pace=ack.pace)
         finally:

@@ -315,10 +315,10 @@ class OuterRelay(OuterSync, Relay):
             return self.inner.open_push(meta)
         return super().open_push(meta)
 
-    async def commit_push(self, intake: PushIntake, digest: bytes, resend: bool = False) -> Ack:
+    async def commit_push(self, intake: PushIntake, digest: bytes, resend_to: int = 0) -> Ack:
         if self.inner is not None and self._inner(intake.meta.job):
-            return await self.inner.commit_push(intake, digest, resend)
-        return await super().commit_push(intake, digest, resend)
+            return await self.inner.commit_push(intake, digest, resend_to)
+        return await super().commit_push(intake, digest, resend_to)
 
     async def pull(self, job: str, member: str, view_epoch: int, since: int, min_version: int,
                    wait_s: float, min_clock: int = 0) -> PullReply:

@@ -357,8 +357,9 @@ class Relay(ParentLink, Tier):
                     unknown = False
                 sent_via, sent_to = self.up.switches, self.up.server_epoch
                 # Still unknown: the parent may be a new incarnation this relay has not noticed
-                # yet; the push says it is a resend (the parent asks the root before placing it).
-                body = list(as_resend(frames)) if unknown and (keys or own) else frames
+                # yet; the push says it is a resend of one sent to incarnation ``sent_to`` (one
+                # of another that does not hold it asks the root before placing it).
+                body = list(as_resend(frames, sent_to)) if unknown and (keys or own) and sent_to else frames
                 try:
                     ack = await self.up.push(body, timeout=max(1.0, deadline - self.clock()), job=job)
                 except (Unavailable, TimedOut):

@@ -56,6 +56,7 @@ from ps.core.errors import (
     Exhausted,
     HpsError,
     NotMember,
+    NotPrimary,
     NotReady,
     Stale,
     TimedOut,
@@ -151,10 +152,10 @@ class Tier(Membership):
         member.in_flight += 1
         return intake
 
-    async def commit_push(self, intake: PushIntake, digest: bytes, resend: bool = False) -> Ack:
+    async def commit_push(self, intake: PushIntake, digest: bytes, resend_to: int = 0) -> Ack:
         """The whole push has arrived (``digest`` of its frames): answer it, or add it to the open
-        batch and wait for the batch's outcome. ``resend``: its sender sent it before and never
-        heard back (``as_resend``), perhaps to a tier that placed it and forgot."""
+        batch and wait for the batch's outcome. ``resend_to``: its sender sent it before, to the
+        tier incarnation it names, and never heard back (``as_resend``); 0 on a first send."""
         meta = intake.meta
         js = self.job(meta.job)  # ended while the body arrived: UnknownJob
         member = js.members.get(meta.sender)
@@ -181,18 +182,22 @@ class Tier(Membership):
         known = self._applied_already(js, book, meta, digest, keys)
         if known is not None:
             return known
-        if keys and (resend or (kind == "retry" and self._unsure_of(js, keys))):
+        forgotten = bool(resend_to) and resend_to != self.epoch
+        if keys and (forgotten or (kind == "retry" and self._unsure_of(js, keys))):
             # It was in a forward this tier gave up on with its outcome unknown, or its sender
-            # sent it before and never heard back -- perhaps to this tier's previous incarnation
-            # (a sender cannot always know that one is gone: the heartbeat may have registered
-            # it here while the resend was on its way). The parent may have applied it: the
-            # root decides before it is placed again, here, among other senders' pushes.
+            # sent it before to another incarnation of this tier and never heard back (it cannot
+            # always know that one is gone: its heartbeat may have registered it here while the
+            # resend was on its way). That one may have passed it on: the root decides before it
+            # is placed here as new, among other senders' pushes.
             resolved = await self._resolved(js, book, meta, digest, keys)
             if resolved is not None:
                 return resolved
-            if book.classify(meta.seq) != kind:  # another copy of it was placed meanwhile
+            if book.classify(meta.seq) in ("pending", "duplicate"):  # another copy of it was placed meanwhile
                 raise Unavailable(f"push {meta.seq} from {meta.sender!r} is being placed by another retry; "
                                   "retry shortly")
+            if js.members.get(meta.sender).incarnation != meta.incarnation:  # replaced while it was asked about
+                raise NotMember(f"{meta.sender!r} was replaced by a new incarnation while this push was "
+                                "resolved; register again")
         grad = intake.gradient()
         try:
             self._check_placement(js, meta)
@@ -321,7 +326,8 @@ class Tier(Membership):
         js.stats.resolved += 1
         try:
             outcome, version, epoch = await self.resolve(js.config.name, keys, _RESOLVE_WAIT_S)
-        except NotReady as exc:  # the parent restarted and knows nothing yet: not the pusher's doing
+        except (NotReady, NotPrimary) as exc:  # the parent restarted and knows nothing yet, or a standby
+            # root answered (this tier's parent link fails over; the child's must not): not the pusher's doing
             raise Unavailable(f"cannot tell yet whether push {meta.seq} from {meta.sender!r} was applied "
                               f"({exc}); retry shortly") from None
         if outcome == APPLIED:

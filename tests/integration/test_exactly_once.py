@@ -16,7 +16,7 @@ from ps.core.tensors import split
 from ps.core.types import PushKey, PushMeta
 from ps.core.view import KeySpec, Layout
 from ps.net.messages import OUTCOME_NAME
-from ps.net.wire import encode_push, keys_to_pb, pb, push_digest, stubs
+from ps.net.wire import as_resend, encode_push, keys_to_pb, pb, push_digest, stubs
 from ps.server import create_server
 from ps.tools.wanem import Link, LinkProxy
 from tests.helpers import FAST, bsp_rounds, wait_for
@@ -393,4 +393,42 @@ def test_a_push_the_root_applied_already_is_answered_from_its_record_whatever_th
             rpc["Push"](iter(_frames(a, 1, np.full(10, 2.0, np.float32), epoch=a.view.epoch)), timeout=10)
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS, err.value
     assert tree.view("root", "j")[1] == 1
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
+
+
+def test_a_resend_asks_the_root_first_only_at_another_incarnation_than_its_earlier_copies(tree):
+    """A resend names the tier incarnation its earlier copies went to. The same incarnation's
+    own book is authoritative (a push it does not hold was never placed here): placed at once,
+    no question to the root -- a round restarted under N workers is not N questions. Another
+    incarnation may have passed an earlier copy on: the root is asked, and a push it applied
+    is answered from its record, never placed again."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    (a,) = _clients([zone], "a", mode="async")
+    z = tree.tier("z")
+
+    def resolved() -> int:
+        return tree.lt.call(lambda: z.jobs["j"].stats.resolved)
+    with grpc.insecure_channel(zone) as ch:
+        rpc = stubs(ch)
+        first = _frames(a, 1, np.ones(10, np.float32), epoch=a.view.epoch)
+        ack = rpc["Push"](as_resend(first, z.epoch), timeout=10)  # this incarnation's: its book knows
+        assert (ack.applied_version, ack.duplicate, resolved()) == (1, False, 0)
+        second = _frames(a, 2, np.full(10, 2.0, np.float32), base=1, epoch=a.view.epoch)
+        ack = rpc["Push"](as_resend(second, z.epoch ^ 1), timeout=10)  # another's: the root decides
+        assert (ack.applied_version, ack.duplicate, resolved()) == (2, False, 1)
+    # The root applied 1 and 2; a zone that restarted remembers neither: a resend of 2 from a
+    # sender that never noticed is answered with version 2, and nothing is applied again.
+    port = tree.servers["z"][1]
+    a.close()
+    tree.stop("z")
+    tree.add("z", "zone", parent="root", listen=f"127.0.0.1:{port}")
+    with grpc.insecure_channel(zone) as ch:
+        rpc = stubs(ch)
+        rpc["Register"](pb.RegisterRequest(job="j", member="a", role=pb.ROLE_WORKER, last_seq=0,
+                                           incarnation=a.incarnation), timeout=10)
+        ack = rpc["Push"](as_resend(second, z.epoch), timeout=10)
+        assert (ack.applied_version, ack.duplicate) == (2, True), ack
+    assert tree.view("root", "j")[1] == 2
+    assert tree.lt.call(lambda: tree.tier("z").jobs["j"].stats.resolved) == 1
     assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0

@@ -265,11 +265,12 @@ def test_the_digest_identifies_the_body():
 
 
 def test_a_resend_is_the_same_push_and_says_so_in_its_end_marker(small_frames):
-    """A push sent again after its answer was lost carries the flag outside the digest: the
-    receiving tier still knows it as the same push, and learns that it may have been placed
-    before (it then asks the root first). Only a whole body can be marked."""
+    """A push sent again after its answer was lost carries, outside the digest, the tier
+    incarnation its earlier copies went to: the receiving tier still knows it as the same push,
+    and learns whether another incarnation may have placed it (it then asks the root first).
+    A body cut before its end marker passes as it is: cut."""
     frames = encode_push(META, _chunks(chunk_elems=8))
-    marked = list(as_resend(frames))
+    marked = list(as_resend(frames, 0xE90C))
     assert marked[:-1] == frames[:-1] and marked[-1] != frames[-1]
 
     def read(body: list[bytes]) -> BodyReader:
@@ -279,9 +280,12 @@ def test_a_resend_is_the_same_push_and_says_so_in_its_end_marker(small_frames):
         return reader
     plain, again = read(frames), read(marked)
     assert again.finish() == plain.finish() == decode_push(marked)[2]
-    assert again.resend and not plain.resend
-    with pytest.raises(BadInput, match="must end with its end marker"):
-        list(as_resend(frames[:-1]))
+    assert (again.resend_to, plain.resend_to) == (0xE90C, 0)
+    assert list(as_resend(frames[:-1], 0xE90C)) == frames[:-1]
+    with pytest.raises(BadInput, match="without its end marker"):
+        read(list(as_resend(frames[:-1], 0xE90C))).finish()
+    with pytest.raises(ValueError, match="names the incarnation"):
+        list(as_resend(frames, 0))
 
 
 def test_decode_push_rejects_a_second_header_and_bad_frames():
