@@ -33,6 +33,11 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(Path(directory).glob("ckpt-*.npz"))
 
 
+def version_of(path: Path) -> int:
+    """The version a checkpoint file holds, from its name (``ckpt-000000000030.npz``: 30)."""
+    return int(path.stem.split("-", 1)[1])
+
+
 def to_bytes(arrays: dict[str, np.ndarray], meta: dict) -> bytes:
     """A checkpoint file's bytes (what a primary sends its standby to start from)."""
     buf = io.BytesIO()

@@ -93,9 +93,11 @@ class Durable:
                     keys=[[s.key, list(s.shape), s.dtype, s.kind] for s in js.layout])
         return arrays, meta
 
-    def _checkpoint(self, js: RootJob) -> None:
+    def _checkpoint(self, js: RootJob) -> asyncio.Task | None:
+        """Write a checkpoint of ``js`` as it is now, in the background (the task; None without
+        a checkpoint directory)."""
         if not self.config.checkpoint_dir:
-            return
+            return None
         arrays, meta = self._ckpt_state(js)
         version, wal, name = js.view.version, js.wal, js.config.name
         # Records after this checkpoint go to a new segment; the old ones are deleted once
@@ -112,6 +114,26 @@ class Durable:
         task.job = name
         self._ckpt_tasks.add(task)
         task.add_done_callback(lambda t: self._ckpt_done(js, t))
+        return task
+
+    async def _created_durably(self, js: RootJob) -> None:
+        """Wait until the job's first checkpoint is on disk, writing it again if that failed. A
+        job is restored from its newest checkpoint plus the log after it: without one, a crash
+        forgot the job and every version acknowledged since (the log alone cannot restore it).
+        So neither its creator nor any round hears of it before; Unavailable while it fails."""
+        if js.created_durably or not self.config.checkpoint_dir:
+            return
+        task = js.first_checkpoint
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            # Nothing of the job was acknowledged yet, so its state is still the creation's.
+            task = js.first_checkpoint = self._checkpoint(js)
+        assert task is not None
+        try:
+            await asyncio.shield(task)
+        except Exception as exc:
+            raise Unavailable(f"the first checkpoint of job {js.config.name} could not be written ({exc}); "
+                              "nothing of the job is acknowledged until it is: retry") from None
+        js.created_durably = True
 
     def _ckpt_done(self, js: RootJob, task: asyncio.Task) -> None:
         self._ckpt_tasks.discard(task)
@@ -145,9 +167,19 @@ class Durable:
                 self.declared_at[cfg.name] = self.clock()
 
     def _load(self, d: Path, register: bool = True) -> RootJob | None:
-        """A job from its newest checkpoint plus every logged version after it."""
+        """A job from its newest checkpoint plus every logged version after it. WalCorrupt
+        when what is on disk held versions this cannot restore (they may have been
+        acknowledged): never a silent loss."""
         loaded = checkpoint.load_latest(d)
+        files = checkpoint.list_checkpoints(d)
         if loaded is None:
+            if files:
+                raise WalCorrupt(f"none of its {len(files)} checkpoint(s) in {d} could be read: its versions "
+                                 "cannot be restored (deploy/OPERATING.md)")
+            if any(p.stat().st_size for p in d.glob("wal-*.log")):
+                raise WalCorrupt(f"{d} holds a write-ahead log but no checkpoint to replay it on (a job's "
+                                 "first one is written before anything of it is acknowledged; an older "
+                                 "build did not wait for it): its versions cannot be restored")
             return None
         arrays, meta = loaded
         cfg = config_from_json(meta["config"])
@@ -169,6 +201,13 @@ class Durable:
         for rec in js.wal.records(after=js.view.version):
             self._apply(js, rec)
             replayed += 1
+        newest = checkpoint.version_of(files[-1])
+        if js.view.version < newest:  # the newer ones were unreadable, and the log does not reach them
+            js.wal.close()
+            raise WalCorrupt(f"its newest checkpoint (version {newest}) could not be read, and the one before "
+                             f"(version {meta['version']}) with the write-ahead log reaches version "
+                             f"{js.view.version} only: versions up to {newest} cannot be restored "
+                             "(deploy/OPERATING.md)")
         js.reset_round(js.view.version, "restored")
         js.wal.rotate(js.view.version + 1)
         if register:

@@ -243,6 +243,11 @@ class RootJob(JobState):
     pace: Pace = field(default_factory=Pace)  # outer jobs with dynamic steps: the regions' step rates
     ending: str = ""                     # being ended (why): no version is applied any more
     ending_task: asyncio.Task | None = None  # the end under way (Root.end_job), shared by its callers
+    # A job is restored from its newest checkpoint and the log after it: until its first
+    # checkpoint is on disk a crash forgets the job, so nothing of it is acknowledged before
+    # (``Durable._created_durably``). Restored and replicated jobs have one.
+    created_durably: bool = True
+    first_checkpoint: asyncio.Task | None = None  # the creation's checkpoint write
 
 
 @dataclass

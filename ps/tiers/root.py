@@ -186,6 +186,7 @@ class Root(Durable, Pairing, Tier):
             name = cfg if isinstance(cfg, str) else cfg.name
             await self.replication.held(name)  # the first creator's try may not have been acknowledged
             js = self.job(name)
+            await self._created_durably(js)  # ... nor its first checkpoint written
             return False, js.view.version, js.view.epoch
         cfg, created = head
         if layout is None:
@@ -199,11 +200,12 @@ class Root(Durable, Pairing, Tier):
         if values is None or values.shape != (layout.numel,):
             raise BadInput(f"job {cfg.name!r} needs initial values for its {layout.numel} parameters")
         js = self._install(cfg, layout, values, version=0)
+        js.created_durably = False
         self.declared.pop(cfg.name, None)
         self.declared_at.pop(cfg.name, None)
         log.info("created job %s: %d keys, %d parameters, mode %s", cfg.name, len(layout.specs),
                  layout.numel, cfg.mode, extra=event("job.created", job=cfg.name, version=0))
-        self._checkpoint(js)
+        js.first_checkpoint = self._checkpoint(js)
         if self.replication.follower is not None or self.replication.required:
             arrays, meta = self._ckpt_state(js)
             # Waited for where a standby is required: a takeover must not forget a job its first
@@ -212,6 +214,9 @@ class Root(Durable, Pairing, Tier):
             # that reconnects gets it in its bootstrap), so no caller learns of it before.
             await self.replication.confirm(LogMessage("state", job=cfg.name, version=0,
                                                       data=checkpoint.to_bytes(arrays, meta)))
+        # Not rolled back if it fails either: a retry of the creation (or the first round)
+        # writes it again, and nothing of the job is acknowledged before it is on disk.
+        await self._created_durably(js)
         return True, 0, self.epoch
 
     async def keep_token(self, job: str, h: bytes) -> None:
@@ -412,6 +417,7 @@ class Root(Durable, Pairing, Tier):
         try:
             self.writable()
             await self.replication.ready(js.config.name)  # a standby that holds the job, if required
+            await self._created_durably(js)  # its first checkpoint on disk, or a crash forgets the job
         except HpsError as exc:
             self._refuse(js, agg, fut, exc)
             return

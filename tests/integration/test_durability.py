@@ -311,3 +311,74 @@ def _outcome(fn):
         return fn()
     except HpsError as exc:
         return exc
+
+
+def test_nothing_of_a_job_is_acknowledged_before_its_first_checkpoint_is_on_disk(tree, tmp_path, monkeypatch):
+    """A job is restored from its newest checkpoint plus the log after it. Its first one used
+    to be written in the background after its creator was answered: a crash before it was on
+    disk (a write that failed, or a large model's slow one) forgot the job and every version
+    acknowledged since (found by a review). Now its creator, and every round, wait for it:
+    while it cannot be written they hear Unavailable and nothing is applied; once it can, the
+    job trains, and a root started from the same directory restores it."""
+    import ps.tiers.checkpoint
+    from ps.core.config import ServerConfig
+    from ps.core.errors import Unavailable
+    from ps.tiers.root import Root
+
+    ckpt = tmp_path / "ckpt"
+    tree.add("root", "global", checkpoint_dir=str(ckpt), checkpoint_every=1000)
+    broken = threading.Event()
+    broken.set()
+    save = ps.tiers.checkpoint.save
+
+    def failing_save(*args, **kw):
+        if broken.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save(*args, **kw)
+    monkeypatch.setattr(ps.tiers.checkpoint, "save", failing_save)
+    w = ParameterClient(tree.addr("root"), "j", "w0", timeout_s=10, retry_s=1.0)
+    cfg = JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR))
+    with pytest.raises(Unavailable, match="first checkpoint of job j could not be written"):
+        w.create_job(cfg, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    w.pull()
+    with pytest.raises(Unavailable, match="first checkpoint of job j"):  # the round is refused, not applied
+        w.push(_grad(0, 0), clock=0)
+    assert tree.view("root", "j")[1] == 0 and not list((ckpt / "j").glob("ckpt-*.npz"))
+    broken.clear()
+    assert w.create_job(cfg, LAYOUT, np.zeros(LAYOUT.numel, np.float32)) is False  # written now
+    assert w.push(_grad(0, 0), clock=0)[0] == 1  # the same push, on the same number: applied once
+    again = Root(ServerConfig(role="global", checkpoint_dir=str(ckpt)))
+    assert again.jobs["j"].view.version == 1 and "j" not in again.damaged
+    np.testing.assert_array_equal(again.jobs["j"].params, _expected(1, 1))
+    w.close()
+
+
+def test_a_restart_that_cannot_reach_an_acknowledged_version_refuses_the_job_loudly(tree, tmp_path):
+    """Restoring is never a silent step back. A newest checkpoint that cannot be read used to
+    make the root serve the one before, and after a clean stop (whose checkpoint lets the log's
+    older segments go) nothing said that versions were missing; a directory holding a log but
+    no checkpoint served no job at all, without a word. Both are refused now, naming why."""
+    from ps.core.config import ServerConfig
+    from ps.tiers.root import Root
+
+    ckpt = tmp_path / "ckpt"
+    tree.add("root", "global", checkpoint_dir=str(ckpt), checkpoint_every=2)
+    (w,) = _clients(tree.addr("root"), 1)
+    for s in range(3):
+        assert w.push(_grad(s, 0), clock=s)[0] == s + 1
+        w.pull(min_version=s + 1)
+    _wait_for(lambda: len(list((ckpt / "j").glob("ckpt-*.npz"))) >= 2, "the checkpoint of version 2")
+    logged = tmp_path / "logged"
+    shutil.copytree(ckpt, logged)  # versions 0..3: a checkpoint at 2, version 3 in the log
+    w.close()
+    tree.stop("root")  # a clean stop: a checkpoint of version 3, the log's segments go
+    newest = sorted((ckpt / "j").glob("ckpt-*.npz"))[-1]
+    assert newest.name == "ckpt-000000000003.npz" and not any(p.stat().st_size for p in (ckpt / "j").glob("wal-*"))
+    newest.write_bytes(newest.read_bytes()[:100])  # damaged
+    root = Root(ServerConfig(role="global", checkpoint_dir=str(ckpt)))
+    assert "j" not in root.jobs and "versions up to 3 cannot be restored" in root.damaged["j"], root.damaged
+    for p in (logged / "j").glob("ckpt-*.npz"):
+        p.unlink()
+    root = Root(ServerConfig(role="global", checkpoint_dir=str(logged)))
+    assert "j" not in root.jobs and "no checkpoint to replay it on" in root.damaged["j"], root.damaged
