@@ -57,7 +57,18 @@ import torch
 from ps.core.codecs import get_codec
 from ps.core.config import JobConfig
 from ps.core.encoder import Encoder
-from ps.core.errors import BadInput, Exhausted, HpsError, Internal, NotMember, NotReady, Stale, TimedOut, Unavailable
+from ps.core.errors import (
+    BadInput,
+    Conflict,
+    Exhausted,
+    HpsError,
+    Internal,
+    NotMember,
+    NotReady,
+    Stale,
+    TimedOut,
+    Unavailable,
+)
 from ps.core.leases import Dataset, Grant
 from ps.core.logs import event
 from ps.core.ranks import RankInfo
@@ -583,6 +594,9 @@ class ParameterClient:
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
         if self._go_home.is_set() and not pipelined:
             self._move_home()
+        # A skipped step (step.skip: AMP found an overflow here) carries no gradient: encoding
+        # zeros would send what the residual owes earlier steps in a round that is skipped.
+        record = bool(contributors) and not pipelined and not step.skip and not self.encoder.lossless
         with self._push_lock:
             # Numbers advance only on acknowledgement: a retry (lost ack) or a refused push
             # reuses the number, and the tier answers an applied one with its recorded ack.
@@ -592,6 +606,12 @@ class ParameterClient:
             else:
                 seq = self.acked_seq + 1
             self.seq = seq
+            record = record and not self.encoder.recording  # (a streamed push records its own)
+            if record:
+                # Taken back whole if the push is not applied (refused, or its round skipped):
+                # what it carried of the residual -- owed to earlier, acknowledged steps -- stays
+                # owed. Costs a copy of each residual it touches (benchmarks/encode_recording.py).
+                self.encoder.begin()
             # Encoded once: a retry resends these very bytes, so the residual is updated once.
             # An empty contribution (a worker with no data left this round) carries no body.
             # copy=False: fp32 chunks are views of grad, framed right here (one copy, not two).
@@ -599,7 +619,7 @@ class ParameterClient:
             # all, and their residuals wait for a step that has one: a tier takes a key no
             # chunk covers as zeros, and the optimizer leaves an absent key alone.
             chunks = self.encoder.split(self.layout, grad, step=clock_max, copy=False,
-                                        only=self._carried(step.absent)) if contributors else []
+                                        only=self._carried(step.absent)) if contributors and not step.skip else []
             meta = PushMeta(
                 self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
                 self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
@@ -607,19 +627,40 @@ class ParameterClient:
             frames = encode_push(meta, chunks)
         nbytes = payload_bytes(chunks)
         digest = push_digest(frames)
-        if not pipelined and self._unsure is not None and self._unsure[0] == seq:
-            # The number of a push whose answer never came: the root says what became of it
-            # (at any tier: a resend through another would be placed there as new). Applied,
-            # a resend gets that version, and another body takes the next number.
-            resend = self._unsure[1] == digest
-            applied = self._settle_unsure()
-            if applied is not None and resend:
-                return applied.applied_version, nbytes
-            if applied is not None:
-                seq = self.seq = seq + 1
-                frames = encode_push(replace(meta, seq=seq), chunks)
-                digest = push_digest(frames)
-        return self._deliver(seq, lambda: iter(frames), lambda: digest, contributors, lambda: nbytes)
+        sending = False
+        try:
+            if not pipelined and self._unsure is not None and self._unsure[0] == seq:
+                # The number of a push whose answer never came: the root says what became of it
+                # (at any tier: a resend through another would be placed there as new). Applied,
+                # a resend gets that version, and another body takes the next number.
+                resend = self._unsure[1] == digest
+                applied = self._settle_unsure()
+                if applied is not None and resend:
+                    self._recorded(record, keep=True)
+                    return applied.applied_version, nbytes
+                if applied is not None:
+                    seq = self.seq = seq + 1
+                    frames = encode_push(replace(meta, seq=seq), chunks)
+                    digest = push_digest(frames)
+            sending = True
+            result = self._deliver(seq, lambda: iter(frames), lambda: digest, contributors, lambda: nbytes)
+        except (Stale, BadInput, Conflict):  # not applied, and it will not be
+            self._recorded(record, keep=False)
+            raise
+        except BaseException:  # sent and unanswered, it may still be applied; never sent, it will not be
+            self._recorded(record, keep=sending)
+            raise
+        self._recorded(record, keep=not self.last_skipped)
+        return result
+
+    def _recorded(self, record: bool, keep: bool) -> None:
+        """End the encoder's recording of a push (if ``record``): keep what its encode did to the
+        residuals, or take it back (the push was not applied)."""
+        if record:
+            if keep:
+                self.encoder.commit()
+            else:
+                self.encoder.roll_back()
 
     def _deliver(self, seq: int, frames: Callable[[], Iterator[bytes]], digest: Callable[[], bytes],
                  contributors: int, nbytes: Callable[[], int]) -> tuple[int, int]:
@@ -658,13 +699,23 @@ class ParameterClient:
             except Unavailable:
                 unknown = True
                 raise
+            except HpsError:  # the tier's answer
+                raise
+            except BaseException:  # interrupted on its way (Ctrl-C while the round waits): it may be placed
+                unknown = True
+                raise
         # A retry after a lost acknowledgement reuses the sequence number: applied once.
         try:
             reply = self._retrying("push", attempt)
-        except (TimedOut, Unavailable, Exhausted, NotReady):
-            # Given up on unanswered: the tiers may still apply it. The next push under its
-            # number asks the root first (``_settle_unsure``), a resend of it too.
-            if contributors:
+        except BaseException as exc:
+            # Given up on unanswered, or interrupted after a send went unanswered (a refused
+            # credential on the retry, Ctrl-C): the tiers may still apply it. The next push under
+            # its number asks the root first (``_settle_unsure``), a resend of it too; else a
+            # new gradient under the number was refused as another body (Conflict) for good.
+            # A tier's own answer (Stale, BadInput, Conflict) says it was not applied.
+            answered = isinstance(exc, (Stale, BadInput, Conflict))
+            if contributors and not answered and (unknown or isinstance(
+                    exc, (TimedOut, Unavailable, Exhausted, NotReady))):
                 try:
                     self._unsure = (seq, digest(), sent_via[-1] if sent_via else self._rpc.switches)
                 except BadInput:  # never completed, so never applied

@@ -46,7 +46,7 @@ class Sender:
     ``record`` keeps ``applied``: (lowest clock, highest clock, version) per push, for tests.
     ``bytes_up``, ``pushes`` and ``peak_in_flight`` count what it sent. A push refused as
     Stale is logged and counted in ``client.lost_steps``; any other hps error is raised by
-    the next ``submit``. Raises ValueError when ``in_flight`` < 1.
+    the next ``submit`` or ``drain``. Raises ValueError when ``in_flight`` < 1.
     """
 
     def __init__(self, client: ParameterClient | ShardedClient, record: bool = False, in_flight: int = 1) -> None:
@@ -157,13 +157,23 @@ class Sender:
                 self._cv.notify_all()
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until everything submitted is acknowledged (or failed); False on timeout."""
+        """Wait until everything submitted is acknowledged (or failed); False on timeout. Raises
+        the error a push ended with that no ``submit`` raised since: the last pushes of a run
+        failing must not read as applied (``HpsOptimizer.sync`` returned as if they were)."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._sum is None and self._busy == 0, timeout_s)
+            done = self._cv.wait_for(lambda: self._sum is None and self._busy == 0, timeout_s)
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            return done
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Drain for up to ``timeout_s`` seconds, then stop the sending threads."""
-        self.drain(timeout_s)
+        """Drain for up to ``timeout_s`` seconds, then stop the sending threads (a push that
+        failed meanwhile is logged: closing goes on)."""
+        try:
+            self.drain(timeout_s)
+        except HpsError as exc:
+            log.warning("%s: a push failed before the sender closed: %s", self.client.worker_id, exc)
         with self._cv:
             self._stop = True
             self._cv.notify_all()

@@ -1,0 +1,121 @@
+"""A worker's push through faults, as its script sees them (found by a read-only review of the
+worker side): what a push that is not applied does to the error-feedback residual, a push
+interrupted after it was sent, and the last pushes of an ssp/async run failing."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ps.core.config import JobConfig, OptimizerConfig
+from ps.core.errors import UnknownJob
+from ps.core.types import StepInfo
+from ps.core.view import KeySpec, Layout
+from tests.helpers import wait_for
+from worker import ParameterClient
+from worker.sender import Sender
+
+LAYOUT = Layout([KeySpec("w", (64,))])
+
+
+def _clients(address: str, names: str, **job) -> list[ParameterClient]:
+    cs = [ParameterClient(address, "j", n, timeout_s=10, retry_s=2.0) for n in names]
+    cs[0].create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.1), **job), LAYOUT,
+                     np.zeros(LAYOUT.numel, np.float32))
+    for c in cs:
+        c.register()
+        c.pull()
+    return cs
+
+
+def _grad(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(LAYOUT.numel).astype(np.float32)
+
+
+def _residual(c: ParameterClient) -> np.ndarray:
+    return np.concatenate([np.asarray(v, np.float32).ravel() for k, v in sorted(c.encoder.state_dict().items())])
+
+
+def _round(pushes) -> dict:
+    """Run ``pushes`` (callables) at once, as one bsp round's workers; what each returned or raised."""
+    out: dict = {}
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except Exception as exc:  # asserted on by the caller
+            out[i] = exc
+    ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(pushes)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    return out
+
+
+def test_a_round_skipped_for_an_overflow_takes_nothing_from_any_workers_residual(tree):
+    """bsp, top-k with error feedback. a's step overflowed (AMP): its push used to encode zeros,
+    which sent what its residual owed earlier, acknowledged steps in a round that is skipped,
+    so that mass was lost. b's push in the same round lost the same way. Now the skipped push
+    carries no gradient, and b's encode is taken back once the round says it was skipped."""
+    a, b = _clients(tree.add("root", "global"), "ab", push_codec="topk", topk=0.25)
+    done = _round([lambda: a.push(_grad(1), clock=0), lambda: b.push(_grad(2), clock=0)])
+    assert done == {0: (1, done[0][1]), 1: (1, done[1][1])}, done
+    for c in (a, b):
+        c.pull(min_version=1)
+    before_a, before_b = _residual(a), _residual(b)
+    assert np.abs(before_a).max() > 0 and np.abs(before_b).max() > 0
+    done = _round([lambda: a.push(np.zeros(LAYOUT.numel, np.float32), clock=1, step=StepInfo(skip=True)),
+                   lambda: b.push(_grad(3), clock=1)])
+    assert done[0][0] == done[1][0] == 2 and a.last_skipped and b.last_skipped, done
+    assert np.array_equal(_residual(a), before_a) and np.array_equal(_residual(b), before_b)
+    for c in (a, b):  # and the next round encodes as if the skipped one had never been
+        c.close()
+
+
+def test_a_push_interrupted_after_it_was_sent_is_settled_before_its_number_goes_to_another(tree):
+    """Ctrl-C while the round waits (a notebook's interrupt): the push was placed, but the
+    worker recorded nothing, so its next gradient went under the same number and was refused as
+    another body (Conflict) for good once the first was applied. Now an interrupted send is
+    unsure: the next push asks the root, which applied it, and takes the next number."""
+    a, b = _clients(tree.add("root", "global"), "ab")
+    call, sent = a._call, threading.Event()
+
+    def interrupted(name, request, timeout=None):
+        if name != "Push" or sent.is_set():
+            return call(name, request, timeout)
+        sent.set()
+        threading.Thread(target=call, args=(name, request, timeout), daemon=True).start()
+        wait_for(lambda: tree.lt.call(lambda: "a" in tree.tier("root").jobs["j"].round.pushed), "a's push placed")
+        raise KeyboardInterrupt
+    a._call = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        a.push(_grad(1), clock=0)
+    assert a._unsure is not None and a._unsure[0] == 1
+    assert b.push(_grad(2), clock=0)[0] == 1  # the round, with a's interrupted push, is applied
+    for c in (a, b):
+        c.pull(min_version=1)
+    version, _ = _round([lambda: a.push(_grad(3), clock=1), lambda: b.push(_grad(4), clock=1)])[0]
+    assert version == 2 and a.acked_seq == 2
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
+    for c in (a, b):
+        c.close()
+
+
+def test_the_last_pushes_of_an_async_run_failing_is_said_by_drain_not_swallowed(tree):
+    """The background sender kept a push's error for the next ``submit``; at the end of a run
+    there is none, and ``drain`` (``HpsOptimizer.sync``) returned as if every push had been
+    applied. It raises that error now."""
+    (a,) = _clients(tree.add("root", "global"), "a", mode="async")
+    sender = Sender(a)
+    try:
+        sender.submit(_grad(1), 0, a.view.version, a.view.epoch)
+        assert sender.drain(30)
+        tree.lt.run(tree.tier("root").end_job("j"))
+        sender.submit(_grad(2), 1, a.view.version, a.view.epoch)
+        with pytest.raises(UnknownJob):
+            sender.drain(30)
+        assert sender.drain(30)  # said once
+    finally:
+        sender.close(5)
+        a.close()
