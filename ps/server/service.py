@@ -496,7 +496,7 @@ class _Servicer:
         self.guard.check_admin(_tokens(context), "promote a standby root")
         if self.relay:
             raise BadInput("only a standby root can be promoted")
-        term = await self.tier.promote("asked to (hps promote)")  # type: ignore[attr-defined]
+        term = await self.tier.promote("asked to (hps promote)", force=req.force)  # type: ignore[attr-defined]
         return pb.PromoteReply(term=term)
 
     @_unary("Status")

@@ -21,7 +21,7 @@ import dataclasses
 import json
 import logging
 
-from ps.core.errors import Conflict, HpsError, NotPrimary, Unavailable
+from ps.core.errors import Conflict, HpsError, NotPrimary, NotReady, Unavailable
 from ps.core.logs import event
 from ps.core.types import LogMessage, TierStatus
 from ps.net.follow import LogLink
@@ -110,10 +110,17 @@ class Pairing:
                              "gone); send this to the primary")
         raise NotPrimary(f"this root is not the primary (it is {self.state}); send this to the primary")
 
-    async def promote(self, why: str) -> int:
-        """Take over: a new term, durable before any push is accepted."""
+    async def promote(self, why: str, force: bool = False) -> int:
+        """Take over: a new term, durable before any push is accepted. A standby not in sync
+        (taking its primary's state, or never given it) only with ``force``: it may hold less
+        than its primary acknowledged, and that primary, back, follows it and drops the rest."""
         if self.state == "primary":
             return self.term
+        if self.state == "standby" and not self.role_state["synced"] and not force:
+            raise NotReady("this standby does not hold its primary's whole state (it is still taking it, or never "
+                           "had it): promoted, it would serve less than the primary acknowledged, and the old "
+                           "primary would drop the rest when it comes back as its standby. Wait until it is in "
+                           "sync (hps_root_standby_in_sync), or give --force if the primary's volume is lost")
         if self._standby_task is not None and self._standby_task is not asyncio.current_task():
             self._standby_task.cancel()
             await asyncio.gather(self._standby_task, return_exceptions=True)

@@ -391,7 +391,7 @@ def _promote(args) -> int:
                       "promoting it deposes that one (its pushes in flight are refused and retried). "
                       "Give --force to do it", file=sys.stderr)
                 return 2
-            term = rpc.call("Promote", pb.PromoteRequest(), 30.0).term
+            term = rpc.call("Promote", pb.PromoteRequest(force=args.force), 30.0).term
     except (HpsError, ValueError, OSError) as exc:
         print(f"hps promote: {exc}", file=sys.stderr)
         return 2
@@ -635,7 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("address", help="the standby root's HOST:PORT")
     s.add_argument("--force", action="store_true",
                    help="promote even though the standby still reaches its primary (a planned switch-over: the "
-                   "old primary refuses pushes from then on and rejoins as the new one's standby)")
+                   "old primary refuses pushes from then on and rejoins as the new one's standby), or is not in "
+                   "sync with it (only when the primary's volume is lost: it may hold less than was acknowledged)")
     _tls_flags(s, "the caller")
     s.set_defaults(fn=_promote)
 

@@ -318,3 +318,23 @@ def test_hps_promote_needs_the_admin_token_and_force_while_the_primary_answers(r
     _wait_for(lambda: "rejoins as a standby" in a.log.read_text(), "the old primary to step down")
     r = promote(b.address, HPS_ADMIN_TOKEN="s3cret-admin-token")
     assert r.returncode == 0 and "primary already" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_standby_not_in_sync_is_promoted_only_with_force(roots):
+    """A standby still taking its primary's state (or never given it) holds less than the
+    primary acknowledged. Promoted, it served only that, and the old primary, back, followed it
+    and dropped the rest: both machines lost the jobs (found by a review). ``hps promote``
+    without ``--force`` is refused now, saying why; with it, the operator takes that on."""
+    with socket.socket() as s:  # a primary that is not there: the standby never syncs
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    b = roots("b", "--standby-of", gone)
+    hps = [sys.executable, "-m", "ps.tools.cli", "promote", b.address]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPS_ADMIN_TOKEN")}
+    r = subprocess.run(hps, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "does not hold its primary's whole state" in r.stderr, r.stdout + r.stderr
+    assert "--force" in r.stderr and "promoted to primary" not in b.log.read_text()
+    r = subprocess.run(hps + ["--force"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and "term 1" in r.stdout, r.stdout + r.stderr
+    with Caller(b.address) as rpc:
+        assert status_from_pb(rpc.call("Status", pb.StatusRequest(), 5)).root_state == "primary"
