@@ -380,17 +380,20 @@ class WriteAheadLog:
 
     def drop_upto(self, version: int) -> None:
         """Delete segments holding only versions <= ``version`` (a durable checkpoint covers
-        them), never the one being written."""
+        them), never the one being written. Oldest first, and none after one that could not be
+        deleted: what stays is contiguous (recovery refuses a log with a gap, and one kept
+        behind a deleted one was one)."""
         with self._lock:
-            keep = []
+            keep, failed = [], False
             for seg in self._segs:
-                if seg is not self._cur and seg.top() <= version:
+                if not failed and seg is not self._cur and seg.top() <= version:
                     try:
                         seg.path.unlink(missing_ok=True)
                         continue
                     except OSError as exc:  # harmless: replay skips what a checkpoint covers
-                        log.warning("write-ahead log %s: could not delete %s: %s", self.dir,
-                                    seg.path.name, exc)
+                        failed = True
+                        log.warning("write-ahead log %s: could not delete %s: %s (the segments after it "
+                                    "stay too)", self.dir, seg.path.name, exc)
                 keep.append(seg)
             self._segs = keep
 

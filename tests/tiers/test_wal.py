@@ -487,6 +487,36 @@ def test_segments_covered_by_a_checkpoint_are_dropped(tmp_path):
     assert _versions(tmp_path, after=3) == [4]
 
 
+def test_a_segment_that_cannot_be_deleted_keeps_every_segment_after_it(tmp_path, monkeypatch):
+    """Dropping what a checkpoint covers stops at the first segment it cannot delete: it kept
+    that one and deleted a later one, and the next restart found a gap in the log and refused
+    the job, although the checkpoint covered it (found by a review)."""
+    wal = WriteAheadLog(tmp_path)
+    for v in (1, 2, 3):
+        wal.rotate(v)
+        wal.append(_rec(v))
+    wal.rotate(4)
+    wal.append(_rec(4))
+    stuck = tmp_path / "wal-000000000001.log"
+    unlink = type(stuck).unlink
+
+    def failing_unlink(self, missing_ok=False):
+        if self == stuck:
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+        return unlink(self, missing_ok=missing_ok)
+    monkeypatch.setattr(type(stuck), "unlink", failing_unlink)
+    wal.drop_upto(3)  # a checkpoint of version 3 is durable
+    monkeypatch.undo()
+    assert [p.name for p in sorted(tmp_path.glob("wal-*.log"))] == [
+        "wal-000000000001.log", "wal-000000000002.log", "wal-000000000003.log", "wal-000000000004.log"]
+    wal.close()
+    assert _versions(tmp_path, after=3) == [4]  # recovery finds no gap
+    wal = WriteAheadLog(tmp_path)
+    wal.drop_upto(3)  # the next checkpoint's drop takes them all
+    assert [p.name for p in sorted(tmp_path.glob("wal-*.log"))] == ["wal-000000000004.log"]
+    wal.close()
+
+
 def test_appends_in_a_thread_while_the_loop_rotates_and_drops(tmp_path):
     wal = WriteAheadLog(tmp_path)
     n, errors = 120, []
