@@ -165,7 +165,9 @@ class HpsOptimizer(torch.optim.Optimizer):
         self.last_result: StepResult | None = None
         self._iteration_start = time.perf_counter()  # step time = from one step() to the next
         self._sampler: LeasedSampler | None = None  # its progress rides with each push
-        self._carried: tuple[tuple[int, int, int], ...] = ()  # ssp/async: progress of unpushed steps
+        # Leased-data progress of steps not applied (a skipped ssp/async step, a bsp step refused
+        # as Stale): it goes with the next push (``_progress``).
+        self._carried: tuple[tuple[int, int, int], ...] = ()
         # Join a running job without sending the initial values: across a WAN every joining
         # worker would otherwise ship the whole model to the root only to have it ignored.
         # Otherwise a JobConfig creates the job, and a name adopts one declared with `hps job
@@ -422,7 +424,7 @@ class HpsOptimizer(torch.optim.Optimizer):
                 log.warning("%s: step %d has a non-finite gradient; %s", self.client.worker_id, self.clock,
                             "the round is skipped by every worker" if self.mode == "bsp" else "not pushed")
         has_buffers = sync_buffers and any(kind == "buffer" for _, _, kind in self._keys)
-        progress = self._sampler.step_progress() if self._sampler is not None else ()
+        progress = self._progress()
         info = StepInfo(self._hparams(), absent, overflow and self.mode == "bsp", int(has_buffers), progress)
         if self._record:
             self.trace.append((self.clock, self.client.view.version))
@@ -430,7 +432,7 @@ class HpsOptimizer(torch.optim.Optimizer):
             result = self._step_nonblocking(grad, t0, report, info, skip=overflow, sync_buffers=sync_buffers)
         else:
             result = self._step_bsp(lambda: self.client.push(grad, clock=self.clock, report=report, step=info),
-                                    t0, sync_buffers)
+                                    t0, sync_buffers, progress)
             if self.client.last_skipped and not overflow and found_inf is not None:
                 self._scaler_backs_off()
         self.last_result = result
@@ -445,17 +447,30 @@ class HpsOptimizer(torch.optim.Optimizer):
                 log.warning("%s: step %d has a non-finite gradient; the round is skipped by every worker",
                             self.client.worker_id, self.clock)
             has_buffers = sync_buffers and any(kind == "buffer" for _, _, kind in self._keys)
-            progress = self._sampler.step_progress() if self._sampler is not None else ()
+            progress = self._progress()
             info = StepInfo(self._hparams(), sent.absent, sent.overflow, int(has_buffers), progress)
         except BaseException:
             sent.stream.abort()  # not left open at the zone until its round timeout
             raise
         if self._record:
             self.trace.append((self.clock, self.client.view.version))
-        return self._step_bsp(lambda: sent.stream.finish(info, report), t0, sync_buffers)
+        return self._step_bsp(lambda: sent.stream.finish(info, report), t0, sync_buffers, progress)
 
-    def _step_bsp(self, send: Callable[[], tuple[int, int]], t0: float, sync_buffers: bool) -> StepResult:
-        """Push (``send()``: the applied version and payload bytes), wait for the round, load it."""
+    def _progress(self) -> tuple[tuple[int, int, int], ...]:
+        """The leased-data progress this step's push carries: its batch's, after what steps not
+        applied left (``_carried``). Without it a lost step's progress was never reported: at a
+        shard's last batch the shard stayed leased to this worker, which the root then told its
+        epoch was done while every other worker waited for that shard. A lost step's samples
+        count as trained with the next step, as a lost step's before a shard's end always did
+        (the next batch's end offset covers them)."""
+        mine = self._sampler.step_progress() if self._sampler is not None else ()
+        carried, self._carried = self._carried, ()
+        return StepInfo(progress=carried).merge(StepInfo(progress=mine)).progress if carried else mine
+
+    def _step_bsp(self, send: Callable[[], tuple[int, int]], t0: float, sync_buffers: bool,
+                  progress: tuple[tuple[int, int, int], ...] = ()) -> StepResult:
+        """Push (``send()``: the applied version and payload bytes), wait for the round, load it.
+        ``progress``: the push's leased-data progress, carried to the next push if it is lost."""
         down0 = self.client.bytes_down
         applied, up = True, 0
         try:
@@ -467,6 +482,7 @@ class HpsOptimizer(torch.optim.Optimizer):
             # computing again on the view held would only be refused again.
             log.warning("%s: step %d not applied: %s", self.client.worker_id, self.clock, exc)
             self.client.lost_steps += 1
+            self._carried = StepInfo(progress=progress).merge(StepInfo(progress=self._carried)).progress
             applied, version = False, exc.wait_version or 0
         self.client.pull(min_version=version)
         self._load_view(buffers=sync_buffers)
@@ -510,11 +526,9 @@ class HpsOptimizer(torch.optim.Optimizer):
         down0, up0 = self.client.bytes_down, sender.bytes_up
         view = self.client.view
         if skip:  # not pushed; the batch still counts as consumed (as a skipped step on one device)
-            self._carried = self._carried + info.progress
+            self._carried = info.progress  # (it holds what was carried before: ``_progress``)
         else:
-            sender.submit(grad, self.clock, view.version, view.epoch, report,
-                          replace(info, progress=self._carried + info.progress))
-            self._carried = ()
+            sender.submit(grad, self.clock, view.version, view.epoch, report, info)
         self.clock += 1
         if self.mode == "ssp":
             self.client.pull(min_clock=max(0, self.clock - self.staleness))

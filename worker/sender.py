@@ -69,6 +69,9 @@ class Sender:
         self._pipelined = in_flight > 1
         self._moving = False  # moving back to the first tier: no push starts until it is done
         self._error: HpsError | None = None
+        # Leased-data progress of pushes not applied (refused, failed, or void after a root
+        # restart): it goes with the next one, or the shard it ends stays leased for good.
+        self._orphaned: tuple[tuple[int, int, int], ...] = ()
         self._stop = False
         self._threads = [threading.Thread(target=self._run, daemon=True, name=f"hps-sender-{client.worker_id}-{i}")
                          for i in range(in_flight)]
@@ -79,12 +82,16 @@ class Sender:
                report: tuple[float, int, float] = (0.0, 0, 0.0), step: StepInfo = NO_STEP) -> None:
         """Queue a gradient; raises the error a previous push ended with (e.g. the job ended)."""
         with self._cv:
+            if self._orphaned:
+                step, self._orphaned = StepInfo(progress=self._orphaned).merge(step), ()
             if self._error is not None:
                 err, self._error = self._error, None
+                self._orphaned = step.progress  # this step is not pushed either
                 raise err
             if self._sum is None or view_epoch != self._base[0]:
                 if self._sum is not None:  # the root restarted: gradients on the old lineage are void
                     self.client.lost_steps += self._n
+                    step = StepInfo(progress=self._step.progress).merge(step)
                 self._sum, self._n = grad.clone() if isinstance(grad, torch.Tensor) else grad.copy(), 1
                 self._clocks, self._base = (clock, clock), (view_epoch, base_version)
                 self._report, self._step = report, step
@@ -134,9 +141,11 @@ class Sender:
                 log.warning("%s: %d gradient(s) not applied: %s", self.client.worker_id, n, exc)
                 with self._cv:
                     self.client.lost_steps += n
+                    self._orphaned += step.progress
             except HpsError as exc:
                 with self._cv:
                     self._error = exc
+                    self._orphaned += step.progress
             finally:
                 with self._cv:
                     self._busy -= 1

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ps.core.config import JobConfig, OptimizerConfig
-from ps.core.errors import UnknownJob
+from ps.core.errors import Stale, UnknownJob
 from ps.core.types import StepInfo
 from ps.core.view import KeySpec, Layout
 from tests.helpers import wait_for
@@ -119,3 +119,56 @@ def test_the_last_pushes_of_an_async_run_failing_is_said_by_drain_not_swallowed(
     finally:
         sender.close(5)
         a.close()
+
+
+class _Batches:
+    """A leased sampler's progress, one batch per step (what ``LeasedSampler.step_progress``
+    hands the optimizer): the last batch of shard 3 of epoch 0, then batches of shard 4."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step_progress(self):
+        self.steps += 1
+        return ((0, 3, 100),) if self.steps == 1 else ((0, 4, 10 * (self.steps - 1)),)
+
+
+def _refusing_once(client, sent: list):
+    """``client.push``, which records each push's step information and refuses the first as
+    Stale (its round closed while a tier restarted: not applied)."""
+    push = client.push
+
+    def once(*args, **kw):
+        sent.append(kw.get("step"))
+        if len(sent) == 1:
+            raise Stale("refused by the test: not applied", wait_version=0)
+        return push(*args, **kw)
+    client.push = once
+
+
+@pytest.mark.parametrize("mode", ["bsp", "async"])
+def test_a_lost_steps_data_progress_goes_with_the_next_push(tree, mode):
+    """A step refused as Stale took its batch's progress with it: at a shard's last batch the
+    shard stayed leased to this worker for good, and the other workers waited for it forever.
+    The next push carries it now (bsp through the optimizer, ssp/async through its sender)."""
+    import torch
+
+    from worker import HpsOptimizer
+    root = tree.add("root", "global")
+    model = torch.nn.Linear(4, 1)
+    opt = HpsOptimizer(model, root, JobConfig(name="j", mode=mode, optimizer=OptimizerConfig(kind="sgd", lr=0.1)),
+                       worker_id="w0")
+    try:
+        opt._sampler = _Batches()
+        sent: list = []
+        _refusing_once(opt.client, sent)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if opt.sender is not None:
+            assert opt.sender.drain(30)
+        assert opt.client.lost_steps == 1
+        assert [s.progress for s in sent] == [((0, 3, 100),), ((0, 3, 100), (0, 4, 10))]
+    finally:
+        opt.close()
