@@ -33,7 +33,7 @@ __all__ = ["EVENTS", "JsonFormatter", "event", "process_fields", "use_json"]
 # The events the tiers, the launcher and the worker log, so a pipeline can alert on them.
 EVENTS = frozenset({
     "tier.started", "tier.stopping", "tier.stopped", "tier.insecure", "tier.stalled",
-    "job.created", "job.declared", "job.ended", "job.restored",
+    "job.created", "job.declared", "job.ended", "job.restored", "job.damaged",
     "member.joined", "member.left", "member.expired", "member.replaced",
     "round.restarted", "round.refused", "push.forgotten",
     "checkpoint.written", "checkpoint.failed", "wal.write_failed",

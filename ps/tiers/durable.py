@@ -95,8 +95,9 @@ class Durable:
 
     def _checkpoint(self, js: RootJob) -> asyncio.Task | None:
         """Write a checkpoint of ``js`` as it is now, in the background (the task; None without
-        a checkpoint directory)."""
-        if not self.config.checkpoint_dir:
+        a checkpoint directory, or for a job not served: its state in memory is suspect, and a
+        checkpoint of it would be restored as the truth)."""
+        if not self.config.checkpoint_dir or js.config.name in self.damaged:
             return None
         arrays, meta = self._ckpt_state(js)
         version, wal, name = js.view.version, js.wal, js.config.name
@@ -127,7 +128,8 @@ class Durable:
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             # Nothing of the job was acknowledged yet, so its state is still the creation's.
             task = js.first_checkpoint = self._checkpoint(js)
-        assert task is not None
+            if task is None:
+                raise Unavailable(f"job {js.config.name} is not served: {self.damaged.get(js.config.name)}")
         try:
             await asyncio.shield(task)
         except Exception as exc:
@@ -159,7 +161,7 @@ class Durable:
                 js = self._load(d)
             except (WalCorrupt, HpsError, OSError, ValueError, KeyError) as exc:
                 self.damaged[d.name] = f"its checkpoint and write-ahead log could not be restored: {exc}"
-                log.critical("job %s is not served: %s", d.name, exc)
+                log.critical("job %s is not served: %s", d.name, exc, extra=event("job.damaged", job=d.name))
                 continue
             if js is None and (d / "declared.json").exists():
                 cfg = config_from_json(json.loads((d / "declared.json").read_text()))

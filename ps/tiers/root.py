@@ -416,6 +416,7 @@ class Root(Durable, Pairing, Tier):
                              keys: tuple[PushKey, ...], step: StepInfo, fut: asyncio.Future) -> None:
         try:
             self.writable()
+            self.job(js.config.name)  # not served any more (damaged, ended): refused, not applied
             await self.replication.ready(js.config.name)  # a standby that holds the job, if required
             await self._created_durably(js)  # its first checkpoint on disk, or a crash forgets the job
         except HpsError as exc:
@@ -507,12 +508,19 @@ class Root(Durable, Pairing, Tier):
         await self._quiesce(js, apply=False)
         fresh = self._load(Path(self._job_dir(js.config.name)), register=False)
         if fresh is None or (fresh.view.version, fresh.view.checksum) != (js.view.version, js.view.checksum):
-            # Cannot happen while every published version is in the checkpoint or the log.
-            log.critical("job %s: rolling back to version %d from disk gave %s; the job's state is "
-                         "suspect", js.config.name, js.view.version,
-                         None if fresh is None else (fresh.view.version, hex(fresh.view.checksum)))
-            if fresh is None:
-                return
+            # The disk does not hold the published version: the log holds one this process never
+            # published (an append whose failure could not be undone, a publication that failed
+            # after it), or lacks one. Taking its parameters under the published view left the
+            # job refusing every round (the next version's number was taken) with a state that
+            # matched neither; a retry of the refused push could then apply its gradient twice.
+            # Not served until a restart, which restores the job from what the disk holds.
+            got = None if fresh is None else (fresh.view.version, hex(fresh.view.checksum))
+            self.damaged[js.config.name] = (f"rolling back to its published version {js.view.version} from "
+                                            f"disk gave {got}; restart the root: it restores the job from its "
+                                            "checkpoint and log")
+            log.critical("job %s is not served: %s", js.config.name, self.damaged[js.config.name],
+                         extra=event("job.damaged", job=js.config.name, version=js.view.version))
+            return
         js.params, js.optimizer, js.scratch = fresh.params, fresh.optimizer, None
         log.warning("job %s: rolled back to version %d from its checkpoint and log", js.config.name,
                     js.view.version)

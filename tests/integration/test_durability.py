@@ -382,3 +382,39 @@ def test_a_restart_that_cannot_reach_an_acknowledged_version_refuses_the_job_lou
         p.unlink()
     root = Root(ServerConfig(role="global", checkpoint_dir=str(logged)))
     assert "j" not in root.jobs and "no checkpoint to replay it on" in root.damaged["j"], root.damaged
+
+
+def test_a_version_logged_but_never_published_takes_the_job_out_of_service_until_a_restart(tree, tmp_path):
+    """An append whose failure could not be undone (fsync failed, and so did cutting the record
+    back out) leaves in the log a version this process never published. Rolling back from disk
+    then took that version's parameters under the older published view: every later round was
+    refused (its number was taken) with a state matching neither, and a retry could apply the
+    gradient again (found by a review). Now the job is not served, saying why, until a restart
+    restores it from the disk: there, that version once."""
+    from ps.core.config import ServerConfig
+    from ps.core.errors import Unavailable
+    from ps.tiers.root import Root
+    from ps.tiers.wal import WalWriteError
+
+    ckpt = tmp_path / "ckpt"
+    tree.add("root", "global", checkpoint_dir=str(ckpt), checkpoint_every=1000)
+    (w,) = _clients(tree.addr("root"), 1, retry_s=2.0)
+    js = tree.tier("root").jobs["j"]
+    append, failed = js.wal.append, []
+
+    def append_then_fail(rec):
+        append(rec)
+        if not failed:
+            failed.append(rec.version)
+            raise WalWriteError("injected: the fsync failed, and cutting the record back out failed too", errno.EIO)
+        return None
+    js.wal.append = append_then_fail
+    with pytest.raises(Unavailable, match="is not served: rolling back to its published version 0 from disk"):
+        w.push(_grad(0, 0), clock=0)
+    assert failed == [1] and tree.view("root", "j")[1] == 0
+    assert "restart the root" in tree.tier("root").damaged["j"]
+    w.close()
+    tree.stop("root")
+    again = Root(ServerConfig(role="global", checkpoint_dir=str(ckpt)))
+    assert again.jobs["j"].view.version == 1 and "j" not in again.damaged
+    np.testing.assert_array_equal(again.jobs["j"].params, _expected(1, 1))  # applied once
