@@ -618,17 +618,21 @@ class ParameterClient:
             # Keys the step has no gradient for (step.absent: frozen, unused) are not sent at
             # all, and their residuals wait for a step that has one: a tier takes a key no
             # chunk covers as zeros, and the optimizer leaves an absent key alone.
-            chunks = self.encoder.split(self.layout, grad, step=clock_max, copy=False,
-                                        only=self._carried(step.absent)) if contributors and not step.skip else []
-            meta = PushMeta(
-                self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
-                self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
-                clock_max + 1, *report, incarnation=self.incarnation, step=step)
-            frames = encode_push(meta, chunks)
-        nbytes = payload_bytes(chunks)
-        digest = push_digest(frames)
+            try:
+                chunks = self.encoder.split(self.layout, grad, step=clock_max, copy=False,
+                                            only=self._carried(step.absent)) if contributors and not step.skip else []
+                meta = PushMeta(
+                    self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
+                    self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
+                    clock_max + 1, *report, incarnation=self.incarnation, step=step)
+                frames = encode_push(meta, chunks)
+            except BaseException:  # (out of memory, Ctrl-C): nothing was sent; the encode is taken back
+                self._recorded(record, keep=False)
+                raise
         sending = False
         try:
+            nbytes = payload_bytes(chunks)
+            digest = push_digest(frames)
             if not pipelined and self._unsure is not None and self._unsure[0] == seq:
                 # The number of a push whose answer never came: the root says what became of it
                 # (at any tier: a resend through another would be placed there as new). Applied,

@@ -484,6 +484,9 @@ class HpsOptimizer(torch.optim.Optimizer):
             self.client.lost_steps += 1
             self._carried = StepInfo(progress=progress).merge(StepInfo(progress=self._carried)).progress
             applied, version = False, exc.wait_version or 0
+        except BaseException:  # raised to the script: its progress goes with the next push (twice is harmless)
+            self._carried = StepInfo(progress=progress).merge(StepInfo(progress=self._carried)).progress
+            raise
         self.client.pull(min_version=version)
         self._load_view(buffers=sync_buffers)
         self.clock += 1
@@ -608,7 +611,7 @@ class HpsOptimizer(torch.optim.Optimizer):
     def _quiesce(self, timeout_s: float = 60.0) -> None:
         """ssp/async: let the background sender push what it holds, so the residuals are not
         being changed by its encode while they are read or replaced."""
-        if self.sender is not None and not self.sender.drain(timeout_s):
+        if self.sender is not None and not self.sender.drain(timeout_s, raise_kept=False):
             raise TimedOut(f"pushes still unacknowledged after {timeout_s:.0f}s")
 
     def close(self) -> None:

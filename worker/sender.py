@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -82,8 +83,9 @@ class Sender:
                report: tuple[float, int, float] = (0.0, 0, 0.0), step: StepInfo = NO_STEP) -> None:
         """Queue a gradient; raises the error a previous push ended with (e.g. the job ended)."""
         with self._cv:
-            if self._orphaned:
-                step, self._orphaned = StepInfo(progress=self._orphaned).merge(step), ()
+            if self._orphaned:  # (only the progress: the step's absent keys stay its own)
+                step = replace(step, progress=StepInfo(progress=self._orphaned).merge(step).progress)
+                self._orphaned = ()
             if self._error is not None:
                 err, self._error = self._error, None
                 self._orphaned = step.progress  # this step is not pushed either
@@ -91,7 +93,7 @@ class Sender:
             if self._sum is None or view_epoch != self._base[0]:
                 if self._sum is not None:  # the root restarted: gradients on the old lineage are void
                     self.client.lost_steps += self._n
-                    step = StepInfo(progress=self._step.progress).merge(step)
+                    step = replace(step, progress=StepInfo(progress=self._step.progress).merge(step).progress)
                 self._sum, self._n = grad.clone() if isinstance(grad, torch.Tensor) else grad.copy(), 1
                 self._clocks, self._base = (clock, clock), (view_epoch, base_version)
                 self._report, self._step = report, step
@@ -165,13 +167,14 @@ class Sender:
                 self._moving = False
                 self._cv.notify_all()
 
-    def drain(self, timeout_s: float) -> bool:
+    def drain(self, timeout_s: float, raise_kept: bool = True) -> bool:
         """Wait until everything submitted is acknowledged (or failed); False on timeout. Raises
         the error a push ended with that no ``submit`` raised since: the last pushes of a run
-        failing must not read as applied (``HpsOptimizer.sync`` returned as if they were)."""
+        failing must not read as applied (``HpsOptimizer.sync`` returned as if they were).
+        ``raise_kept=False``: keep it for the next ``submit`` (a checkpoint's quiescing)."""
         with self._cv:
             done = self._cv.wait_for(lambda: self._sum is None and self._busy == 0, timeout_s)
-            if self._error is not None:
+            if raise_kept and self._error is not None:
                 err, self._error = self._error, None
                 raise err
             return done

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+from pathlib import Path
 
 from ps.core.errors import Conflict, HpsError, NotPrimary, NotReady, Unavailable
 from ps.core.logs import event
@@ -196,7 +197,19 @@ class Pairing:
                 async with js.apply_lock:  # no version in the middle: records after it follow it
                     if self.jobs.get(name) is not js or not f.alive:
                         continue
-                    arrays, meta = self._ckpt_state(js)
+                    source = js
+                    if name in self.damaged:
+                        # Not served: its state in memory is suspect (a version logged, never
+                        # published). The standby gets what the disk holds: what a restart serves.
+                        try:
+                            source = self._load(Path(self._job_dir(name)), register=False)
+                        except Exception as exc:
+                            source = None
+                            log.error("job %s (not served) is not sent to the standby: its disk cannot be "
+                                      "read (%s)", name, exc)
+                        if source is None:
+                            continue
+                    arrays, meta = self._ckpt_state(source)
                     data = await asyncio.to_thread(checkpoint.to_bytes, arrays, meta)
                     f.jobs[name] = f.send(LogMessage("state", job=name, version=js.view.version, data=data))
                     if js.roster_saved:

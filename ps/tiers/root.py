@@ -446,9 +446,13 @@ class Root(Durable, Pairing, Tier):
                     self.replication.detach(self.replication.follower, f"version {rec.version} was rolled back")
                 try:
                     await self._roll_back(js)
-                except Exception:
-                    log.critical("job %s: rolling back version %d failed", js.config.name, rec.version,
-                                 exc_info=True)
+                except Exception as failed:
+                    # Its parameters hold the refused step under the published view: not served
+                    # until a restart restores it from the disk (as a mismatch, ``_roll_back``).
+                    self.damaged[js.config.name] = (f"rolling back version {rec.version} failed ({failed}); restart "
+                                                    "the root: it restores the job from its checkpoint and log")
+                    log.critical("job %s is not served: %s", js.config.name, self.damaged[js.config.name],
+                                 exc_info=True, extra=event("job.damaged", job=js.config.name, version=rec.version))
                 if isinstance(exc, WalWriteError):
                     js.stats.durable_failures += 1
                     log.error("job %s: %s; refusing the round until a write succeeds", js.config.name, exc,

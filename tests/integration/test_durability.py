@@ -418,3 +418,29 @@ def test_a_version_logged_but_never_published_takes_the_job_out_of_service_until
     again = Root(ServerConfig(role="global", checkpoint_dir=str(ckpt)))
     assert again.jobs["j"].view.version == 1 and "j" not in again.damaged
     np.testing.assert_array_equal(again.jobs["j"].params, _expected(1, 1))  # applied once
+
+
+def test_a_roll_back_that_fails_takes_the_job_out_of_service(tree, tmp_path):
+    """A refused round's roll-back from disk raising (the disk that failed the append fails the
+    read too) was logged and the job kept serving parameters that held the refused step under
+    the older published view. Now it is not served until a restart restores it from disk."""
+    from ps.core.errors import Unavailable
+    from ps.tiers.wal import WalWriteError
+
+    ckpt = tmp_path / "ckpt"
+    tree.add("root", "global", checkpoint_dir=str(ckpt), checkpoint_every=1000)
+    (w,) = _clients(tree.addr("root"), 1, retry_s=2.0)
+    root = tree.tier("root")
+    js = root.jobs["j"]
+
+    def failing_append(rec):
+        raise WalWriteError("injected: EIO on the log's disk", errno.EIO)
+
+    async def failing_roll_back(js):
+        raise OSError(errno.EIO, "injected: the checkpoint cannot be read either")
+    js.wal.append = failing_append
+    root._roll_back = failing_roll_back
+    with pytest.raises(Unavailable, match="is not served: rolling back version 1 failed"):
+        w.push(_grad(0, 0), clock=0)
+    assert "restart the root" in root.damaged["j"] and tree.view("root", "j")[1] == 0
+    w.close()

@@ -155,7 +155,8 @@ def test_a_lost_steps_data_progress_goes_with_the_next_push(tree, mode):
 
     from worker import HpsOptimizer
     root = tree.add("root", "global")
-    model = torch.nn.Linear(4, 1)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 1), "frozen": torch.nn.Linear(4, 1)})
+    model["frozen"].requires_grad_(False)
     opt = HpsOptimizer(model, root, JobConfig(name="j", mode=mode, optimizer=OptimizerConfig(kind="sgd", lr=0.1)),
                        worker_id="w0")
     try:
@@ -163,12 +164,36 @@ def test_a_lost_steps_data_progress_goes_with_the_next_push(tree, mode):
         sent: list = []
         _refusing_once(opt.client, sent)
         for _ in range(2):
-            model(torch.ones(2, 4)).sum().backward()
+            model["used"](torch.ones(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
         if opt.sender is not None:
             assert opt.sender.drain(30)
         assert opt.client.lost_steps == 1
         assert [s.progress for s in sent] == [((0, 3, 100),), ((0, 3, 100), (0, 4, 10))]
+        # only the progress is carried: the frozen keys stay absent (not pushed as zeros)
+        assert sent[0].absent and sent[1].absent == sent[0].absent, [s.absent for s in sent]
     finally:
         opt.close()
+
+
+def test_an_encode_that_fails_leaves_no_recording_open_and_takes_nothing(tree):
+    """The encode itself raising (out of memory on the device, Ctrl-C) left the encoder's
+    recording open: every later push found one in flight and recorded nothing, so roll-backs
+    were off for the rest of the process. Now it is taken back: residual as before, none open."""
+    a, b = _clients(tree.add("root", "global"), "ab", push_codec="topk", topk=0.25)
+    done = _round([lambda: a.push(_grad(1), clock=0), lambda: b.push(_grad(2), clock=0)])
+    assert done[0][0] == done[1][0] == 1, done
+    before = _residual(a)
+    split = a.encoder.split
+
+    def failing_split(*args, **kw):
+        split(*args, **kw)  # the residuals change ...
+        raise KeyboardInterrupt  # ... and the push never goes
+    a.encoder.split = failing_split
+    with pytest.raises(KeyboardInterrupt):
+        a.push(_grad(3), clock=1)
+    del a.encoder.split
+    assert not a.encoder.recording and np.array_equal(_residual(a), before)
+    for c in (a, b):
+        c.close()
