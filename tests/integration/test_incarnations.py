@@ -88,9 +88,9 @@ def test_a_restarted_worker_is_not_answered_with_its_old_incarnations_acks(tree)
         c.close()
 
 
-def _restarted_before_answering(tree, relay: str, role: str, parent: str, w: ParameterClient) -> dict:
-    """``w`` pushes; ``relay`` forwards it and the root applies it as version 1, but the relay
-    dies before it answers, and a new incarnation starts on its port. What w's push returned."""
+def _applied_then_dead(tree, relay: str, w: ParameterClient) -> tuple[threading.Thread, dict, int]:
+    """``w`` pushes (in a thread); ``relay`` forwards it and the root applies it as version 1,
+    but the relay dies before it answers. (The thread, what its push returns, the relay's port.)"""
     forward = tree.tier(relay)._forward_one
 
     async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never goes down
@@ -102,6 +102,12 @@ def _restarted_before_answering(tree, relay: str, role: str, parent: str, w: Par
     _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply version 1")
     port = tree.servers[relay][1]
     tree.stop(relay)
+    return t, out, port
+
+
+def _restarted_before_answering(tree, relay: str, role: str, parent: str, w: ParameterClient) -> dict:
+    """``_applied_then_dead``, and a new incarnation starts on its port. What w's push returned."""
+    t, out, port = _applied_then_dead(tree, relay, w)
     tree.add(relay, role, parent=parent, listen=f"127.0.0.1:{port}")  # a new incarnation
     t.join(60)
     return out
@@ -147,6 +153,20 @@ def test_a_forward_retried_after_its_parent_restarted_is_resolved_not_applied_ag
     w.close()
 
 
+def _both_answered(tree, applied, innocent, clients) -> None:
+    """The raced push is answered as applied in version 1 (once), and the innocent push that
+    shared the new tier's window with it is applied as version 2, not refused with it."""
+    (ta, ra), (tb, rb) = applied, innocent
+    ta.join(60)
+    tb.join(60)
+    assert ra.get("result", (None,))[0] == 1, ra
+    assert rb.get("result", (None,))[0] == 2, rb
+    assert tree.view("root", "j")[1] == 2
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
+    for c in clients:
+        c.close()
+
+
 def test_a_resend_that_reaches_a_restarted_zone_before_its_sender_noticed_is_resolved_first(tree):
     """The race a sender cannot close alone. a's push was forwarded and applied as version 1,
     but the zone died before it answered. a's heartbeat registers it at the zone's new
@@ -159,17 +179,7 @@ def test_a_resend_that_reaches_a_restarted_zone_before_its_sender_noticed_is_res
     zone = tree.add("z", "zone", parent="root")
     a, b = _clients([zone, zone], ["a", "b"], mode="async")
     a._hb_stop.set()  # the registration the race needs is the test's own (below)
-    forward = tree.tier("z")._forward_one
-
-    async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never goes down
-        import asyncio
-        await forward(js, agg, keys, floor, asyncio.get_running_loop().create_future(), seq)
-        await asyncio.sleep(3600)
-    tree.tier("z")._forward_one = forward_then_die
-    ta, ra = _in_thread(a.push, np.ones(LAYOUT.numel, np.float32))
-    _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply a's push as version 1")
-    port = tree.servers["z"][1]
-    tree.stop("z")
+    ta, ra, port = _applied_then_dead(tree, "z", a)
     old_epoch = a.server_epoch
     raced: dict = {}
     call = a._call
@@ -192,14 +202,7 @@ def test_a_resend_that_reaches_a_restarted_zone_before_its_sender_noticed_is_res
     tree.add("z", "zone", parent="root", listen=f"127.0.0.1:{port}", flush_ms=3000, member_timeout_s=30.0)
     ta.join(60)
     assert raced and raced["a_epoch"] == old_epoch != raced["epoch"], raced  # a had not noticed
-    tb, rb = raced["b"]
-    tb.join(60)
-    assert ra.get("result", (None,))[0] == 1, ra  # acknowledged as applied in version 1, once
-    assert rb.get("result", (None,))[0] == 2, rb  # b's push is not refused with it
-    assert tree.view("root", "j")[1] == 2
-    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
-    for c in (a, b):
-        c.close()
+    _both_answered(tree, (ta, ra), raced["b"], (a, b))
 
 
 def test_a_forward_resent_to_a_restarted_parent_before_the_relay_noticed_is_resolved_first(tree):
@@ -215,16 +218,7 @@ def test_a_forward_resent_to_a_restarted_parent_before_the_relay_noticed_is_reso
     a, b = _clients([z1, z2], ["a", "b"], mode="async")
     relay = tree.tier("z1")
     tree.lt.call(lambda: [t.cancel() for t in relay._tasks if t.get_name() == "heartbeat"])  # registered below
-    forward = tree.tier("r")._forward_one
-
-    async def forward_then_die(js, agg, keys, floor, fut, seq):  # the ack never goes down
-        await forward(js, agg, keys, floor, asyncio.get_running_loop().create_future(), seq)
-        await asyncio.sleep(3600)
-    tree.tier("r")._forward_one = forward_then_die
-    ta, ra = _in_thread(a.push, np.ones(LAYOUT.numel, np.float32))
-    _until(lambda: tree.view("root", "j")[1] == 1, "the root to apply a's push as version 1")
-    port = tree.servers["r"][1]
-    tree.stop("r")
+    ta, ra, port = _applied_then_dead(tree, "r", a)
     old_epoch = relay.up.server_epoch
     raced: dict = {}
     push = relay.up.push
@@ -247,14 +241,7 @@ def test_a_forward_resent_to_a_restarted_parent_before_the_relay_noticed_is_reso
     tree.add("r", "regional", parent="root", listen=f"127.0.0.1:{port}", flush_ms=3000, member_timeout_s=30.0)
     ta.join(60)
     assert raced and raced["relay_epoch"] == old_epoch != raced["epoch"], raced  # z1 had not noticed
-    tb, rb = raced["b"]
-    tb.join(60)
-    assert ra.get("result", (None,))[0] == 1, ra  # acknowledged as applied in version 1, once
-    assert rb.get("result", (None,))[0] == 2, rb  # b's push is not refused with it
-    assert tree.view("root", "j")[1] == 2
-    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
-    for c in (a, b):
-        c.close()
+    _both_answered(tree, (ta, ra), raced["b"], (a, b))
 
 
 def _topology() -> dict:
