@@ -154,7 +154,10 @@ class Root(Durable, Pairing, Tier):
 
     async def _job_for_register(self, job: str) -> RootJob:
         self.writable()
-        return self.job(job)
+        js = self.job(job)
+        # Nobody joins a job a crash could still forget (its first checkpoint not on disk yet).
+        await self._created_durably(js)
+        return js
 
     def _may_read(self, js, member: str) -> bool:
         return self.state != "primary" or super()._may_read(js, member)  # a standby serves reads

@@ -317,9 +317,9 @@ def test_nothing_of_a_job_is_acknowledged_before_its_first_checkpoint_is_on_disk
     """A job is restored from its newest checkpoint plus the log after it. Its first one used
     to be written in the background after its creator was answered: a crash before it was on
     disk (a write that failed, or a large model's slow one) forgot the job and every version
-    acknowledged since (found by a review). Now its creator, and every round, wait for it:
-    while it cannot be written they hear Unavailable and nothing is applied; once it can, the
-    job trains, and a root started from the same directory restores it."""
+    acknowledged since (found by a review). Now its creator, a worker joining it, and every
+    round wait for it: while it cannot be written they hear Unavailable and nothing is applied;
+    once it can, the job trains, and a root started from the same directory restores it."""
     import ps.tiers.checkpoint
     from ps.core.config import ServerConfig
     from ps.core.errors import Unavailable
@@ -340,14 +340,14 @@ def test_nothing_of_a_job_is_acknowledged_before_its_first_checkpoint_is_on_disk
     cfg = JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR))
     with pytest.raises(Unavailable, match="first checkpoint of job j could not be written"):
         w.create_job(cfg, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
-    w.register()
-    w.pull()
-    with pytest.raises(Unavailable, match="first checkpoint of job j"):  # the round is refused, not applied
-        w.push(_grad(0, 0), clock=0)
+    with pytest.raises(Unavailable, match="first checkpoint of job j"):  # nobody joins it (nor pushes) yet
+        w.register()
     assert tree.view("root", "j")[1] == 0 and not list((ckpt / "j").glob("ckpt-*.npz"))
     broken.clear()
     assert w.create_job(cfg, LAYOUT, np.zeros(LAYOUT.numel, np.float32)) is False  # written now
-    assert w.push(_grad(0, 0), clock=0)[0] == 1  # the same push, on the same number: applied once
+    w.register()
+    w.pull()
+    assert w.push(_grad(0, 0), clock=0)[0] == 1
     again = Root(ServerConfig(role="global", checkpoint_dir=str(ckpt)))
     assert again.jobs["j"].view.version == 1 and "j" not in again.damaged
     np.testing.assert_array_equal(again.jobs["j"].params, _expected(1, 1))
