@@ -47,7 +47,7 @@ from ps.core.config import JobConfig
 from ps.core.errors import Conflict, Stale, TimedOut, UnknownJob
 from ps.core.exactly_once import MAX_IN_FLIGHT
 from ps.core.optim import flat_hparams, group_defaults, group_index
-from ps.core.types import StepInfo
+from ps.core.types import StepInfo, furthest
 from ps.core.view import KeySpec, Layout
 from ps.net.tls import TlsFiles
 from worker.client import ParameterClient, StepResult, env_int
@@ -465,7 +465,7 @@ class HpsOptimizer(torch.optim.Optimizer):
         (the next batch's end offset covers them)."""
         mine = self._sampler.step_progress() if self._sampler is not None else ()
         carried, self._carried = self._carried, ()
-        return StepInfo(progress=carried).merge(StepInfo(progress=mine)).progress if carried else mine
+        return furthest(carried, mine) if carried else mine
 
     def _step_bsp(self, send: Callable[[], tuple[int, int]], t0: float, sync_buffers: bool,
                   progress: tuple[tuple[int, int, int], ...] = ()) -> StepResult:
@@ -476,17 +476,18 @@ class HpsOptimizer(torch.optim.Optimizer):
         try:
             version, up = send()
             applied = not self.client.last_skipped
-        except Stale as exc:
+        except BaseException as exc:
+            # Not applied (Stale), or raised to the script (its outcome unknown): its progress
+            # goes with the next push (reported twice is harmless: the root keeps the furthest).
+            self._carried = furthest(progress, self._carried)
+            if not isinstance(exc, Stale):
+                raise
             # Not applied, and it will not be (its round closed while a tier restarted, or the
             # root restarted): counted in lost_steps. Wait for the version the tier names --
             # computing again on the view held would only be refused again.
             log.warning("%s: step %d not applied: %s", self.client.worker_id, self.clock, exc)
             self.client.lost_steps += 1
-            self._carried = StepInfo(progress=progress).merge(StepInfo(progress=self._carried)).progress
             applied, version = False, exc.wait_version or 0
-        except BaseException:  # raised to the script: its progress goes with the next push (twice is harmless)
-            self._carried = StepInfo(progress=progress).merge(StepInfo(progress=self._carried)).progress
-            raise
         self.client.pull(min_version=version)
         self._load_view(buffers=sync_buffers)
         self.clock += 1

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ps.core.errors import HpsError, Stale
-from ps.core.types import NO_STEP, StepInfo
+from ps.core.types import NO_STEP, StepInfo, furthest
 from worker.client import ParameterClient
 from worker.sharded import ShardedClient
 
@@ -84,7 +84,7 @@ class Sender:
         """Queue a gradient; raises the error a previous push ended with (e.g. the job ended)."""
         with self._cv:
             if self._orphaned:  # (only the progress: the step's absent keys stay its own)
-                step = replace(step, progress=StepInfo(progress=self._orphaned).merge(step).progress)
+                step = replace(step, progress=furthest(self._orphaned, step.progress))
                 self._orphaned = ()
             if self._error is not None:
                 err, self._error = self._error, None
@@ -93,7 +93,7 @@ class Sender:
             if self._sum is None or view_epoch != self._base[0]:
                 if self._sum is not None:  # the root restarted: gradients on the old lineage are void
                     self.client.lost_steps += self._n
-                    step = replace(step, progress=StepInfo(progress=self._step.progress).merge(step).progress)
+                    step = replace(step, progress=furthest(self._step.progress, step.progress))
                 self._sum, self._n = grad.clone() if isinstance(grad, torch.Tensor) else grad.copy(), 1
                 self._clocks, self._base = (clock, clock), (view_epoch, base_version)
                 self._report, self._step = report, step

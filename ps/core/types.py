@@ -18,8 +18,8 @@ if TYPE_CHECKING:  # annotations only
     from ps.core.config import JobConfig
     from ps.core.view import Layout
 
-__all__ = ["Chunk", "PushKey", "StepInfo", "NO_STEP", "PushMeta", "PullMeta", "VersionMeta", "Ack", "Registration",
-           "JobStats", "MemberInfo", "JobStatus", "TierStatus", "LogMessage", "LOG_KINDS"]
+__all__ = ["Chunk", "PushKey", "StepInfo", "furthest", "NO_STEP", "PushMeta", "PullMeta", "VersionMeta", "Ack",
+           "Registration", "JobStats", "MemberInfo", "JobStatus", "TierStatus", "LogMessage", "LOG_KINDS"]
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,24 @@ class StepInfo:
         a window summing thousands of pushes still carries one entry per shard), and the
         hyperparameters are the newer contribution's (bsp checks that they agree first)."""
         absent = tuple(sorted(set(self.absent) & set(other.absent)))
-        furthest: dict[tuple[int, int], int] = {}
-        for e, s, end in self.progress + other.progress:
-            furthest[(e, s)] = max(end, furthest.get((e, s), end))
         return StepInfo(other.hparams if (other_newer and other.hparams) or not self.hparams else self.hparams,
                         absent, self.skip or other.skip, self.buffers + other.buffers,
-                        tuple((e, s, end) for (e, s), end in sorted(furthest.items())),
-                        max(self.inner_rate, other.inner_rate))
+                        furthest(self.progress, other.progress), max(self.inner_rate, other.inner_rate))
+
+
+
+def furthest(*progress: tuple[tuple[int, int, int], ...]) -> tuple[tuple[int, int, int], ...]:
+    """Leased-data progress entries (epoch, shard, end offset) taken together: the furthest end
+    per (epoch, shard), what the root records of them.
+
+    >>> furthest(((0, 3, 100),), ((0, 4, 10), (0, 3, 40)))
+    ((0, 3, 100), (0, 4, 10))
+    """
+    ends: dict[tuple[int, int], int] = {}
+    for part in progress:
+        for e, s, end in part:
+            ends[(e, s)] = max(end, ends.get((e, s), end))
+    return tuple((e, s, end) for (e, s), end in sorted(ends.items()))
 
 
 NO_STEP = StepInfo()
