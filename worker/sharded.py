@@ -47,6 +47,7 @@ import torch
 
 from ps.core.config import JobConfig, ShardingConfig
 from ps.core.errors import BadInput, Conflict, NotReady, Stale
+from ps.core.exactly_once import MAX_IN_FLIGHT
 from ps.core.leases import Dataset
 from ps.core.ranks import RankInfo
 from ps.core.sharding import ShardPlan, keys_of, layout_of
@@ -133,7 +134,12 @@ class ShardedClient:
         self.timeout_s, self.round_timeout_s = timeout_s, round_timeout_s
         self.clients = [ParameterClient(a, job, self.worker_id, timeout_s, round_timeout_s, retry_s, tls, token)
                         for a in addresses]
+        # Pushes have threads of their own: a pull waiting for a clock floor (ssp) needs this
+        # worker's own push, which queued behind it in one pool of N threads stalled until the
+        # round timeout; and an async sender's pushes in flight would each wait for the others.
         self._pool = ThreadPoolExecutor(len(addresses), thread_name_prefix=f"hps-shards-{self.worker_id}")
+        self._push_pool = ThreadPoolExecutor(len(addresses) * MAX_IN_FLIGHT,
+                                             thread_name_prefix=f"hps-shard-push-{self.worker_id}")
         self.plan: ShardPlan | None = None
         self._view: View | None = None
         self._bases: OrderedDict[tuple[int, int], tuple[tuple[int, int], ...]] = OrderedDict()
@@ -143,9 +149,9 @@ class ShardedClient:
         self.member_timeout_s = 0.0
 
     # -- what every shard does ------------------------------------------------------------
-    def _each(self, fn: Callable[[int, ParameterClient], T]) -> list[T]:
+    def _each(self, fn: Callable[[int, ParameterClient], T], pool: ThreadPoolExecutor | None = None) -> list[T]:
         """``fn`` on every shard at once; the first failure is raised once all have finished."""
-        futures = [self._pool.submit(fn, i, c) for i, c in enumerate(self.clients)]
+        futures = [(pool or self._pool).submit(fn, i, c) for i, c in enumerate(self.clients)]
         out, error = [], None
         for f in futures:
             try:
@@ -284,7 +290,8 @@ class ShardedClient:
         finite = torch.isfinite(grad).all() if isinstance(grad, torch.Tensor) else np.isfinite(grad).all()
         if contributors and not finite:  # checked once here: no shard may take it while another refuses
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
-        parts = plan.split(grad)
+        # A round with nothing of this worker's (``idle``: contributors 0) carries no elements.
+        parts = plan.split(grad) if contributors else [grad[:0]] * len(self.clients)
         absent = plan.absent(step.absent)
         with self._lock:
             base = None
@@ -313,7 +320,7 @@ class ShardedClient:
                 return c.push(parts[i], clock, clock_max=clock_max, base_version=held[1],
                               view_epoch=c.view.epoch, contributors=contributors, report=report,
                               pipelined=pipelined, step=sub)
-        results = self._each(one)
+        results = self._each(one, self._push_pool)
         versions = [v for v, _ in results]
         if self.config.mode == "bsp" and len(set(versions)) > 1:
             log.error("%s: the shards applied one push at versions %s (a round aborted at some shards "
@@ -338,3 +345,4 @@ class ShardedClient:
             self._each(lambda i, c: c.close())
         finally:
             self._pool.shutdown(wait=False)
+            self._push_pool.shutdown(wait=False)

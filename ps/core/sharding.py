@@ -161,12 +161,8 @@ class ShardPlan:
     def moved(self, other: ShardPlan) -> int:
         """Blocks whose owner differs in ``other`` (same layout and block size: blocks are the
         same; a block cut differently counts as moved)."""
-        return sum(1 for b in other.blocks if self.owner.get(b.name) != other.owner[b.name]
-                   or b not in self._block_set)
-
-    @property
-    def _block_set(self) -> frozenset[Block]:
-        return frozenset(self.blocks)
+        mine = frozenset(self.blocks)  # once: a set per block made this quadratic in the blocks
+        return sum(1 for b in other.blocks if self.owner.get(b.name) != other.owner[b.name] or b not in mine)
 
 
 def _tensor_states(plan: ShardPlan, arrays: list[dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:

@@ -410,3 +410,40 @@ def test_a_shard_with_a_standby_survives_its_primarys_kill_9(roots, tmp_path, re
             assert np.array_equal(acked[v], ref[v]), v
     finally:
         c.close()
+
+
+def test_an_idle_worker_and_an_ssp_0_worker_step_over_shards(roots, tmp_path):
+    """bsp: a worker whose data ran out takes part in the round with nothing (``idle``, as the
+    leased sampler calls it at an epoch's end) at every shard -- it raised BadInput from the
+    split of its empty vector. ssp(0), the default bound: a step's pull waits for the clock
+    floor its own push makes -- its push's shard calls queued behind the pull's in one thread
+    pool per worker, so the step stalled until the round timeout."""
+    from tests.integration.test_modes import _model
+
+    rs = _shards(roots, tmp_path, 2, tag="idle")
+    sharding = ShardingConfig(weights=(1.0, 1.0), block_elems=2)
+    job = JobConfig(name="idle", optimizer=OptimizerConfig(lr=0.05), sharding=sharding)
+    a, b = _model(0), _model(0)
+    oa = HpsOptimizer(a, _address(rs), job, worker_id="idle-a", round_timeout_s=20)
+    ob = HpsOptimizer(b, _address(rs), job, worker_id="idle-b", round_timeout_s=20)
+    x = torch.randn(4, 6)
+    with ThreadPoolExecutor(1) as pool:
+        for _ in range(2):
+            ob.zero_grad()
+            b(x).sum().backward()
+            stepped = pool.submit(ob.step)
+            oa.idle()
+            assert stepped.result(timeout=30).applied
+            assert oa.last_result.version == ob.last_result.version
+    torch.testing.assert_close(list(a.parameters()), list(b.parameters()), rtol=0, atol=0)
+    oa.close(), ob.close()
+
+    job = JobConfig(name="ssp0", mode="ssp", staleness=0, optimizer=OptimizerConfig(lr=0.05), sharding=sharding)
+    m = _model(1)
+    opt = HpsOptimizer(m, _address(rs), job, worker_id="ssp0-w", round_timeout_s=8)
+    for _ in range(6):
+        m(x).sum().backward()
+        opt.step()  # TimedOut ("the slowest is at ...") when the pull held every shard thread
+        opt.zero_grad()
+    assert opt.sync(timeout_s=20) >= 6
+    opt.close()
