@@ -245,6 +245,11 @@ class _Servicer:
             # Join the parent first (it checks the tokens this call presented) to learn the
             # job's token hash, so the member is admitted only after its own token is checked.
             await self.tier.attach(check_name(req.job))  # type: ignore[attr-defined]
+            try:
+                self._check_job(context, req.job, ROLE_NAME[req.role] != "worker")
+            except HpsError:
+                await self.tier.detach(req.job)  # type: ignore[attr-defined]
+                raise
         relay_role = ROLE_NAME[req.role] != "worker"
         self._check_job(context, req.job, relay_role)
         with self.rpc.timed("register") as timing:
@@ -391,8 +396,8 @@ class _Servicer:
                     self._check_adopted(name, cfg, adopted)
                     self.tier.check_create(cfg, layout)  # refusals before any value is read
                     if layout is not None:
+                        self.tier.budget.reserve(4 * layout.numel)  # refused: nothing to give back
                         reserved = 4 * layout.numel
-                        self.tier.budget.reserve(reserved)
                         values = Assembler(layout, what=f"initial values of job {short(h.job.config.name)}")
                 elif kind == "chunks":
                     if values is None:

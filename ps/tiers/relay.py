@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -229,6 +230,18 @@ class Relay(ParentLink, Tier):
             raise NotReady(f"this {self.role} tier is loading {what} (torch, the first time: seconds); "
                            "retry shortly")
         return task.result()
+
+    async def detach(self, job: str) -> None:
+        """Undo ``attach`` for a child refused here (its credentials, after the parent's reply
+        told the server the job's token hash): a relay attached with no child would hold the
+        parent's rounds for the job until its heartbeats stopped, which they never do, and the
+        token it kept from that call is the refused caller's, not one the job gave."""
+        held = self.up.job_tokens.get(job)
+        if held is not None and hashlib.sha256(held.encode()).digest() != self.up.token_hashes.get(job):
+            del self.up.job_tokens[job]
+        js = self.jobs.get(job)
+        if js is not None and len(js.members) == 0:
+            await self._members_changed(js)
 
     async def register(self, job: str, member: str, role: str, address: str, last_seq: int,
                        incarnation: int) -> Registration:

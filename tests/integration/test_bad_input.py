@@ -251,6 +251,24 @@ def test_a_push_past_the_tiers_budget_waits_and_then_goes_through(tree):
         c.close()
 
 
+def test_a_create_refused_for_the_budget_gives_back_nothing_it_did_not_take(tree):
+    """A job's values reserve memory from the push budget; one refused there (RESOURCE_EXHAUSTED)
+    took nothing, so it gives nothing back -- it released what the pushes in flight held, and
+    the budget stopped bounding them until the tier went quiet."""
+    big = Layout([KeySpec("w", (300_000,))])  # 1.2 MB of values: past a 1 MB budget in use
+    tree.add("root", "global", push_budget_mb=1)
+    budget = tree.lt.call(lambda: tree.tier("root").budget)
+    tree.lt.call(lambda: budget.reserve(4096))  # a push being received holds this
+    rpc = stubs(grpc.insecure_channel(tree.addr("root")))
+    frames = encode_create_job(JobConfig(name="big"), big, split(big, np.zeros(big.numel, np.float32),
+                                                                 get_codec("fp32")))
+    with pytest.raises(grpc.RpcError) as err:
+        rpc["CreateJob"](iter(frames), timeout=5)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert tree.lt.call(lambda: budget.used) == 4096
+    assert "big" not in tree.lt.call(lambda: dict(tree.tier("root").jobs))
+
+
 def test_a_job_nobody_joins_is_reaped(tree):
     tree.add("root", "global", unjoined_job_ttl_s=0.5)
     root = tree.tier("root")

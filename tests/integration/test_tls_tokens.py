@@ -77,6 +77,14 @@ def test_certificates_and_tokens_together(tree, tmp_path, monkeypatch):
         assert "b" not in at_zone or not at_zone["b"].members
         assert [j.name for j in fetch_status(zone, token=token_a).jobs] == ["a"]
         assert st.tokens_required and not st.insecure
+        # ...and left b at the root again: attached with no worker, it held every round of b
+        # there (a bsp round waits for each member) -- a stranger's refused call stalled b.
+        wr = ParameterClient(root, "b", "w1", timeout_s=10, round_timeout_s=8, retry_s=5, tls=certs["w1"],
+                             token=token_b)
+        clients.append(wr)
+        wr.register()
+        wr.pull(min_version=0)
+        assert wr.push(np.ones(LAYOUT.numel, np.float32))[0] == 1
     finally:
         for c in clients:
             c.close()
