@@ -176,6 +176,7 @@ class Assembler:
         self.out = None if lazy else np.empty(layout.numel, dtype=np.float32) if out is None else out
         self.chunks = 0
         self._covered: dict[str, list[tuple[int, int]]] = {}
+        self._count: dict[str, int] = {}  # elements covered so far, per key
         self._parts: list[tuple[int, np.ndarray]] = []
         self._received: list[Chunk] = []
 
@@ -185,14 +186,22 @@ class Assembler:
         if c.numel == 0 or c.offset + c.numel > spec.numel:
             raise BadInput(f"{what}: chunk {i} of key {short(c.key)} covers [{c.offset}, {c.offset + c.numel}) "
                            f"outside the key's {spec.numel} elements")
-        self.chunks += 1
-        if self.chunks > self.layout.numel:  # each chunk covers at least one element once
+        if self.chunks + 1 > self.layout.numel:  # each chunk covers at least one element once
             raise BadInput(f"{what}: more chunks than the job has elements ({self.layout.numel})")
+        # Before decoding: chunks of a few payload bytes (sign, top-k, PowerSGD) that covered a
+        # key again and again each decoded to a dense copy, many times the memory reserved for
+        # the push. Covering more elements than the key has means an overlap (``_gaps`` says where).
+        covered = self._count.get(c.key, 0) + c.numel
+        if covered > spec.numel:
+            raise BadInput(f"{what}: key {short(c.key)} has overlapping chunks: chunk {i} brings them to "
+                           f"{covered} elements of its {spec.numel}")
         values = get_codec(c.codec).decode(c.payload, c.numel)
         if self.check_finite and not all_finite(values):
             bad = int(values.size - np.isfinite(values).sum())
             raise BadInput(f"{what}: key {short(c.key)} holds {bad} non-finite values (NaN/Inf); "
                            "nothing was applied")
+        self.chunks += 1  # taken: counted
+        self._count[c.key] = covered
         base = self.layout.offset(c.key)
         if self.out is None:
             self._parts.append((base + c.offset, values))

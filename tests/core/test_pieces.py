@@ -72,6 +72,21 @@ def test_a_lazy_assembler_checks_what_the_eager_one_checks():
         Assembler(LAYOUT, "push", lazy=True).add(split(LAYOUT, bad, get_codec("fp32"))[1])
 
 
+@pytest.mark.parametrize("lazy", [True, False])
+def test_chunks_covering_a_key_again_are_refused_before_they_are_decoded(lazy):
+    """A sign chunk is a thirty-second of the dense bytes it decodes to: a push of many chunks
+    each covering the whole key again decoded every one (a lazy assembler keeps them all), far
+    past the memory reserved for the push, and was refused only at its end."""
+    layout = Layout([KeySpec("w", (4096,))])
+    chunk = split(layout, np.ones(4096, np.float32), get_codec("sign"))[0]
+    a = Assembler(layout, "push", lazy=lazy)
+    a.add(chunk)
+    for _ in range(3):
+        with pytest.raises(BadInput, match="overlapping chunks: chunk 1 brings them to 8192 elements"):
+            a.add(chunk)
+    assert a.chunks == 1  # the refused ones were not taken
+
+
 @pytest.mark.parametrize("batch,early", [(BspRound, False), (BspRound, True), (Window, False)])
 def test_a_batch_of_pieces_sums_bit_for_bit_as_one_of_vectors(batch, early):
     grads = [_grad(s, zeros=0.2) for s in (4, 5, 6)]
