@@ -51,7 +51,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ps.core import codecs
-from ps.core.config import JobConfig, check_name
+from ps.core.config import JobConfig, check_member, check_name
 from ps.core.errors import BadInput, Conflict, HpsError, Internal, short
 from ps.core.tensors import Assembler
 from ps.net.frames import BodyReader
@@ -271,7 +271,7 @@ class _Servicer:
         for job in req.jobs:  # every job it names that this tier can check (see ps.server.auth)
             if self.guard.knows(job):
                 self._check_job(context, job, ROLE_NAME.get(req.role, "worker") != "worker")
-        unknown = self.tier.heartbeat(req.member[:128], list(req.jobs), ROLE_NAME.get(req.role, "worker"),
+        unknown = self.tier.heartbeat(check_member(req.member), list(req.jobs), ROLE_NAME.get(req.role, "worker"),
                                       req.address)
         return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)
 

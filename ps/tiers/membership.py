@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 from ps.core.config import check_member, check_name
-from ps.core.errors import BadInput, Conflict, Unavailable
+from ps.core.errors import BadInput, Conflict, Exhausted, Unavailable
 from ps.core.logs import event
 from ps.core.outer import check_outer_member
 from ps.core.types import Registration
@@ -21,6 +21,7 @@ __all__ = ["Membership"]
 
 log = logging.getLogger("hps.tier")
 
+MAX_CHILDREN = 4096  # relay children listed (by heartbeat) at most: a tree has tens
 _REPLACED_KEPT = 8  # incarnations remembered per member id, to catch two processes sharing one
 
 
@@ -148,7 +149,12 @@ class Membership:
 
     def heartbeat(self, member: str, jobs: list[str], role: str = "worker", address: str = "") -> list[str]:
         now = self.clock()
-        if address:  # a relay child: remembered for `hps status` even while it has no job
+        # A relay child, remembered for `hps status` even while it has no job; only one whose
+        # role check (``ps.server.peers``) ran as a relay: a worker's heartbeat that named an
+        # address made its name a "relay" here, and that worker's own calls were then refused.
+        if address and role != "worker":
+            if member not in self.children and len(self.children) >= MAX_CHILDREN:
+                raise Exhausted(f"this tier already lists {MAX_CHILDREN} relay children; {member!r} is not added")
             self.children[member] = (role, address[:256], now)
         return [j for j in jobs if j not in self.jobs or not self.jobs[j].members.touch(member, now)]
 

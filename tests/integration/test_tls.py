@@ -106,6 +106,13 @@ def test_a_worker_certificate_cannot_act_as_a_relay(tree, certs):
     assert _code(lambda: rpc.stubs["Heartbeat"](heartbeat, timeout=10)) == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(HpsError, match="certificate is a worker"):
         rpc.call("Register", register, timeout=10)
+    # A worker's heartbeat that names an address does not make its name a relay's here: that
+    # locked the real w0 out (every call of its refused as a relay's without a relay certificate).
+    rpc.call("Heartbeat", pb.HeartbeatRequest(member="w0", role=ROLE["worker"], address="10.0.0.9:1"), timeout=10)
+    assert "w0" not in tree.lt.call(lambda: dict(tree.tier("eu").children))
+    w.register()
+    with pytest.raises(HpsError, match="member id"):
+        rpc.call("Heartbeat", pb.HeartbeatRequest(member="w\x1b[2J", role=ROLE["worker"]), timeout=10)
     # the regional master's own certificate cannot register as zone eu-a either (wrong name and role)
     with Caller(region, tls=certs["eu"]) as other:
         assert _code(lambda: other.stubs["Register"](register, timeout=10)) == grpc.StatusCode.PERMISSION_DENIED
