@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ps.core.config import check_member
 from ps.net.tls import TIER_NAME, TlsFiles
 
 __all__ = ["init_certs", "tiers_of", "identity_uri", "issue"]
@@ -100,6 +101,9 @@ def _ca(directory: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurveP
 def issue(directory: str | os.PathLike, role: str, name: str, region: str = "", hosts: tuple[str, ...] = (),
           days: int = _DAYS) -> TlsFiles:
     """Sign a certificate for one tier or worker with DIR's CA (made if missing); its files."""
+    check_member(name)  # the files' name: no '/' out of DIR
+    if name == "ca":
+        raise ValueError("'ca' names the CA's own files (ca.crt, ca.key); give the tier or worker another name")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     ca_cert, ca_key = _ca(d, "hps cluster CA")
@@ -133,11 +137,18 @@ def issue(directory: str | os.PathLike, role: str, name: str, region: str = "", 
 def init_certs(directory: str | os.PathLike, topology: dict, workers: list[str] | tuple[str, ...] = ("worker",),
                hosts: tuple[str, ...] = ()) -> dict[str, TlsFiles]:
     """A CA (kept if DIR has one) and a certificate for every tier of ``topology`` and every worker."""
+    tiers, seen = tiers_of(topology), set()
+    # Every name checked before any file is written: one certificate per file name
+    for name in [n for _, n, _ in tiers] + list(workers):
+        check_member(name)
+        if name == "ca" or name in seen:
+            holders = "the CA's and another's" if name == "ca" else "two tiers', or a tier's and a worker's"
+            raise ValueError(f"{name!r} would name {holders} certificate files: certificates are named after "
+                             "their holder; rename one (nothing was written)")
+        seen.add(name)
     out = {}
-    for role, name, region in tiers_of(topology):
+    for role, name, region in tiers:
         out[name] = issue(directory, role, name, region, hosts)
     for w in workers:
-        if w in out:
-            raise ValueError(f"worker name {w!r} is also a tier's name; certificates are named after their holder")
         out[w] = issue(directory, "worker", w)
     return out

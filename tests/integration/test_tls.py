@@ -165,6 +165,22 @@ def test_a_relay_and_a_worker_keep_training_across_a_certificate_rotation(tree, 
     w.close()
 
 
+@pytest.mark.parametrize("topology,workers", [
+    ({"regions": [{"name": "eu", "zones": ["eu"]}]}, ["w0"]),   # a region and its zone share a name
+    ({}, ["ca"]),                                              # a worker named like the CA's files
+    ({}, ["../w0"]),                                           # a name out of the directory
+])
+def test_certs_init_refuses_names_that_would_overwrite_files_and_writes_nothing(tmp_path, topology, workers):
+    """The zone's certificate overwrote its region's, a worker 'ca' the CA's key (every later
+    certificate signed by a leaf), and '../w0' was written outside the directory."""
+    from ps.core.errors import BadInput
+    from ps.tools.certs import init_certs
+
+    with pytest.raises((ValueError, BadInput), match="would name|member id"):
+        init_certs(tmp_path / "certs", topology, workers=workers)
+    assert not (tmp_path / "certs").exists() and not (tmp_path / "w0.crt").exists()
+
+
 def test_tls_files_go_together(tmp_path):
     with pytest.raises(ValueError, match="go together"):
         TlsFiles.of(cert="a.crt")
