@@ -388,10 +388,12 @@ class _Servicer:
             async for data in request_iterator:
                 kind, h, payload = reader.feed(data)
                 if kind == "job":
+                    # Credentials first: building the configuration may import torch to check
+                    # an optimizer (seconds, on this loop), and a stranger's call must not cost that.
+                    name = check_name(h.job.config.name)
+                    self._check_create(context, name)
                     head = create_job_of(h)
                     cfg, layout = head
-                    name = check_name(cfg if isinstance(cfg, str) else cfg.name)
-                    self._check_create(context, name)
                     adopted = adopted_token(h)
                     self._check_adopted(name, cfg, adopted)
                     self.tier.check_create(cfg, layout)  # refusals before any value is read
