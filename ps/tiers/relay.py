@@ -525,6 +525,10 @@ class Relay(ParentLink, Tier):
                           want: bool, held: tuple[tuple[int, int], ...]) -> Grant:
         return await self.up.lease(js.config.name, member, incarnation, dataset, epoch, want, held)
 
+    def _behind(self, js: RelayJob, since: int) -> bool:
+        # The parent announced that version (or is out of reach, so nobody here knows better).
+        return since <= js.parent_version or not self.up.reachable
+
     def _lag(self, js: RelayJob, now: float) -> tuple[int, float]:
         # Behind the parent, or cut off from it (then it cannot know how far behind): the time
         # since it last held the parent's newest version (every answered long-poll confirms).

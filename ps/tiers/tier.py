@@ -81,6 +81,9 @@ log = logging.getLogger("hps.tier")
 # Outcomes of ``resolve``.
 APPLIED, NOT_APPLIED, UNKNOWN = "applied", "not_applied", "unknown"
 _RESOLVE_WAIT_S = 30.0
+# How long a pull from a caller ahead of this tier (same lineage) waits for the tier to catch up
+# even when the caller asked not to wait (an async worker): a tier a moment behind its parent.
+_AHEAD_WAIT_S = 2.0
 
 
 def new_epoch() -> int:
@@ -540,13 +543,15 @@ class Tier(Membership):
             raise NotMember(f"{short(member) if member else 'an anonymous caller'} is not a member of job "
                             f"{short(job)} here; register for the job before pulling its parameters")
         deadline = self.clock() + max(0.0, wait_s)
+        if view_epoch == js.view.epoch and since > js.view.version:  # see below: a moment to catch up
+            deadline = max(deadline, self.clock() + _AHEAD_WAIT_S)
 
         def must_wait() -> bool:
             if not js.view.ready:
                 return True
             # A caller from another lineage needs a snapshot now: its version numbers do not
             # compare with ours.
-            return view_epoch == js.view.epoch and (js.view.version < min_version or
+            return view_epoch == js.view.epoch and (js.view.version < max(min_version, since) or
                                                     js.view.clock_min < min_clock)
 
         while must_wait() and self.clock() < deadline:
@@ -556,6 +561,12 @@ class Tier(Membership):
             raise NotReady(f"this {self.role} tier has no view of job {short(job)} yet (still syncing "
                            "with its parent); retry shortly")
         v = js.view.version
+        if view_epoch == js.view.epoch and since > v and self._behind(js, since):
+            # The caller is ahead of this tier on the same lineage (it came over from another
+            # tier of the tree, or this one is cut off from its parent): a snapshot of v would
+            # take its version back -- and a relay's whole subtree with it.
+            raise NotReady(f"this {self.role} tier holds version {v} of job {short(job)}, behind the caller's "
+                           f"{since}; retry shortly (it is still catching up with its parent)")
         if view_epoch == js.view.epoch:
             entries = js.log.since(since, v)
             nbytes = sum(e.nbytes for e in entries) if entries else 0
@@ -574,6 +585,13 @@ class Tier(Membership):
         js.stats.bytes_pulled_out += payload_bytes(chunks)
         return (PullMeta(js.view.epoch, since, v, True, self.epoch),
                 [(VersionMeta(v, js.view.checksum, js.view.clock_min), chunks)])
+
+    def _behind(self, js: JobState, since: int) -> bool:
+        """Whether a caller holding ``since`` of this tier's lineage, past its version, is ahead
+        only because this tier lags (it waits, NotReady), rather than past what the authority
+        holds: a root's view is the authority (a standby promoted by force, without what its
+        primary published last), and the caller takes its snapshot."""
+        return False
 
     def _may_read(self, js: JobState, member: str) -> bool:
         return member in js.members or member in self.children

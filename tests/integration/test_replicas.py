@@ -102,3 +102,51 @@ def test_a_child_behind_the_delta_log_gets_a_snapshot_and_one_within_it_gets_del
     assert root_stats["snapshots_served"] == 1 and root_stats["deltas_served"] == 7
     w.close()
     reader.close()
+
+
+def test_a_tier_behind_a_caller_of_its_lineage_does_not_take_the_caller_back(tree):
+    """A caller holding a version this tier has not reached (a worker come over from another
+    zone, a relay that failed over; the tier is cut off from its parent, or a moment behind)
+    was served a snapshot of the tier's older version: the caller's version went back (a
+    relay's whole subtree with it). It waits for the tier, then gets NotReady; once the tier
+    catches up the caller goes forward. A tier in touch with its parent that announced less
+    than the caller holds (a standby promoted by force) still serves the authority's view."""
+    from ps.core.errors import NotReady, Unavailable
+
+    tree.add("root", "global")
+    z1, z2 = tree.add("z1", "zone", parent="root"), tree.add("z2", "zone", parent="root")
+    cfg = JobConfig(name="j", mode="async", optimizer=OptimizerConfig(lr=0.1))
+    w = ParameterClient(z1, "j", "w0")
+    w.create_job(cfg, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    w.pull()
+    r = ParameterClient(z2, "j", "r0", retry_s=1)
+    r.register()
+    r.pull(min_version=0)
+    up = tree.tier("z2").up
+
+    async def cut_off(*a, **kw):  # z2 loses its parent: no pull, no heartbeat gets through
+        up.reachable = False
+        raise Unavailable("cut off (test)")
+    tree.lt.call(lambda: setattr(up, "_call", cut_off))
+    _train([w], 3)
+    w.pull(min_version=3)
+    held = tree.view("z2", "j")[1]  # (the long-poll it had out may have brought version 1)
+    v = w.view
+    epoch, version, values = v.epoch, v.version, v.values.copy()
+    assert held < version
+    r.view.load_snapshot(epoch, version, values.copy(), v.checksum, v.clock_min)  # r came over from z1
+    with pytest.raises(NotReady, match=f"holds version {held} of job 'j', behind the caller's {version}"):
+        r.pull(wait_s=0)  # as an async worker pulls
+    assert r.view.version == version and same_bits(r.view.values, values)
+
+    tree.lt.call(lambda: delattr(up, "_call"))  # back in touch: z2 catches up, r goes forward
+    _train([w], 1)
+    r.pull(min_version=version + 1, wait_s=30)
+    assert (r.view.version, r.view.checksum) == tree.view("root", "j")[1:3]
+
+    # Past what the root holds (a history its promoted standby never had): the authority's view.
+    r.view.load_snapshot(epoch, 99, r.view.values.copy(), r.view.checksum, r.view.clock_min)
+    r.pull(wait_s=0)
+    assert (r.view.version, r.view.checksum) == tree.view("root", "j")[1:3]
+    r.close(), w.close()
