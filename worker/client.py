@@ -535,6 +535,8 @@ class ParameterClient:
                                        "run different hps releases (the view checksum changed from CRC-32 "
                                        "to XXH3-64 on 2026-11-26)") from None
                     time.sleep(0.2 * bad_snapshots)  # never a tight loop of multi-megabyte pulls
+                if time.monotonic() > deadline:  # bounded like every other way round this loop
+                    raise TimedOut(f"version {min_version} did not arrive within the deadline: {exc}") from None
                 continue
             moved = start_epoch and view.epoch != start_epoch  # new lineage: versions restart
             if view.ready and ((view.version >= min_version and view.clock_min >= min_clock) or moved):

@@ -38,6 +38,7 @@ EVENTS = frozenset({
     "round.restarted", "round.refused", "push.forgotten",
     "checkpoint.written", "checkpoint.failed", "wal.write_failed",
     "parent.lost", "parent.regained", "parent.restarted", "parent.switched", "parent.returned",
+    "parent.bad_snapshot",
     "launch.tier_died", "launch.tier_restarted", "launch.tier_failed",
     "worker.retrying", "worker.recovered", "worker.gave_up", "worker.switched", "worker.returned",
     "training.loss_rising",

@@ -276,6 +276,18 @@ def decode_pull_reply(frames: Iterable[bytes]) -> tuple[PullMeta, list[tuple[Ver
             raise BadInput(f"malformed pull reply: unexpected {kind!r} frame at position {i}")
     if meta is None:
         raise BadInput("malformed pull reply: empty stream")
+    # What the header promises, whole: a snapshot is one version, the one it names; deltas run
+    # from the caller's version to the one named, each once (a stream short of its end, or one
+    # naming versions it does not carry, is not taken for the pull it claims to be).
+    got = [vm.version for vm, _ in versions]
+    if meta.snapshot:
+        whole = got == [meta.to_version]
+    else:
+        whole = (meta.to_version - meta.from_version == len(got)
+                 and all(v == meta.from_version + 1 + i for i, v in enumerate(got)))
+    if not whole:
+        raise BadInput(f"malformed pull reply: {'a snapshot' if meta.snapshot else 'deltas'} to version "
+                       f"{meta.to_version} from {meta.from_version} carries versions {short(got)}")
     return meta, versions
 
 

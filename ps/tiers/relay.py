@@ -54,6 +54,7 @@ from ps.core.errors import (
 )
 from ps.core.exactly_once import MAX_IN_FLIGHT, Unanswered
 from ps.core.leases import Dataset, Grant
+from ps.core.logs import event
 from ps.core.outer import above_inner
 from ps.core.ranks import RankInfo
 from ps.core.replica import apply_pull
@@ -76,6 +77,7 @@ _PULL_WAIT_S = 5.0   # long-poll window of the follow loop
 # 500 ms, ps.net.rpc): with 2 s, the first version after a root restart came 1.1-1.5 s after
 # the root was serving again (benchmarks/chaos.py), the relays still sleeping off their backoff.
 _BACKOFF_S = (0.05, 0.5)
+_BAD_SNAPSHOTS = 3  # snapshots in a row failing their checksum before it is an error, not a warning
 
 # Lossless codecs a relay passes on as they came: each decodes to exactly what re-encoding the
 # decoded values would carry, and keeps no state (no residual) at the sender.
@@ -574,9 +576,10 @@ class Relay(ParentLink, Tier):
     async def _follow(self, job: str, js: RelayJob) -> None:
         """Keep ``js``'s view on the parent's, until the job is dropped or replaced (one loop
         per job: two would each apply the same delta, the second to a view already past it)."""
-        delay = _BACKOFF_S[0]
+        delay, bad_snapshots = _BACKOFF_S[0], 0
         while self.jobs.get(job) is js:
-            epoch = 0 if job in self._force_snapshot else js.view.epoch
+            forced = job in self._force_snapshot
+            epoch = 0 if forced else js.view.epoch
             # Without a view, take a snapshot of whatever the parent holds right away.
             want = js.view.version + 1 if epoch else 0
             try:
@@ -585,10 +588,20 @@ class Relay(ParentLink, Tier):
                     return  # dropped or replaced while the pull waited
                 self._force_snapshot.discard(job)
                 self.apply_pulled(js, meta, versions)
-                delay = _BACKOFF_S[0]
+                delay, bad_snapshots = _BACKOFF_S[0], 0
             except Stale as exc:
-                log.warning("%s: %s", self.role, exc)
                 self._force_snapshot.add(job)
+                if not forced:  # a delta on another base: a snapshot at once
+                    log.warning("%s: %s", self.role, exc)
+                    continue
+                # The snapshot itself failed its checksum: not a base, the bytes or the parent
+                # (or a release apart). Never a tight loop of whole-model pulls; said loudly.
+                bad_snapshots += 1
+                log.log(logging.ERROR if bad_snapshots >= _BAD_SNAPSHOTS else logging.WARNING,
+                        "%s: job %s: %d snapshot(s) in a row from the parent failed: %s", self.role, job,
+                        bad_snapshots, exc, extra=event("parent.bad_snapshot", job=job, count=bad_snapshots))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
             except UnknownJob:
                 if await self._job_gone(job):
                     return
@@ -598,6 +611,9 @@ class Relay(ParentLink, Tier):
                 log.debug("%s: pull of %s failed: %s", self.role, job, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
+            except Exception:  # a bug or a reply nothing checked: said, and the loop goes on
+                log.exception("%s: following job %s failed", self.role, job)
+                await asyncio.sleep(_BACKOFF_S[1])
 
     async def _job_gone(self, job: str) -> bool:
         """The parent says it does not know ``job``: it ended, or the parent restarted and holds

@@ -150,3 +150,43 @@ def test_a_tier_behind_a_caller_of_its_lineage_does_not_take_the_caller_back(tre
     r.pull(wait_s=0)
     assert (r.view.version, r.view.checksum) == tree.view("root", "j")[1:3]
     r.close(), w.close()
+
+
+def test_a_relay_backs_off_from_bad_snapshots_and_its_follow_loop_outlives_a_bug(tree, monkeypatch, caplog):
+    """A relay whose parent's snapshots fail their checksum (a corrupting link, releases apart)
+    pulled the whole model back to back, forever; an exception that is no hps error (a reply
+    nothing had checked) ended its follow loop without a word, the view frozen and ready."""
+    import logging
+    import time
+
+    import ps.tiers.relay as relay_mod
+    from ps.core.errors import Stale
+
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    w = ParameterClient(zone, "j", "w0")
+    w.create_job(JobConfig(name="j", mode="async", optimizer=OptimizerConfig(lr=0.1)), LAYOUT,
+                 np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    w.pull()
+    real, pulled = relay_mod.apply_pull, []
+
+    def corrupt(view, layout, meta, versions):
+        pulled.append(meta.snapshot)
+        raise Stale("version fails its checksum (test)")
+    monkeypatch.setattr(relay_mod, "apply_pull", corrupt)
+    caplog.set_level(logging.WARNING, "hps.relay")
+    w.push(_grad(0))  # applied at the root (async acknowledges then); the zone cannot take it
+    time.sleep(1.5)
+    assert 3 <= len(pulled) <= 12, f"{len(pulled)} pulls in 1.5 s"  # backoff 0.05 s .. 0.5 s
+    assert any(r.levelno == logging.ERROR and "snapshot(s) in a row" in r.getMessage() for r in caplog.records)
+
+    def bug(view, layout, meta, versions):
+        monkeypatch.setattr(relay_mod, "apply_pull", real)
+        raise IndexError("a bug (test)")
+    monkeypatch.setattr(relay_mod, "apply_pull", bug)
+    w.push(_grad(1))
+    w.pull(min_version=2, wait_s=20)  # the zone's loop went on
+    assert tree.view("z", "j")[1:3] == tree.view("root", "j")[1:3]
+    assert any("following job j failed" in r.getMessage() for r in caplog.records)
+    w.close()

@@ -202,6 +202,22 @@ def test_a_relay_re_encodes_decoded_chunks_verbatim(codec):
     assert list(encode_pull_reply(got_meta, versions)) == reply
 
 
+@pytest.mark.parametrize("meta,have,why", [
+    (PullMeta(9, 0, 4, True, 9), [], "a snapshot with no version"),
+    (PullMeta(9, 0, 4, True, 9), [3], "a snapshot of another version than named"),
+    (PullMeta(9, 1, 4, False, 9), [2, 3], "deltas short of the version named (a stream cut at a version)"),
+    (PullMeta(9, 1, 4, False, 9), [2, 4, 4], "a version twice, one missing"),
+    (PullMeta(9, 1, 1 << 62, False, 9), [2], "a range no reply could carry"),
+])
+def test_a_pull_reply_that_is_not_what_its_header_names_is_refused(meta, have, why):
+    """A snapshot with no version made the replica raise IndexError (a relay's follow loop died
+    silently); deltas short of their end were applied as far as they went."""
+    chunks = _chunks("fp32")
+    reply = list(encode_pull_reply(meta, [(VersionMeta(v, 5), chunks) for v in have]))
+    with pytest.raises(BadInput, match="malformed pull reply"):
+        decode_pull_reply(reply)
+
+
 def test_push_with_no_chunks():
     meta, chunks, _ = decode_push(encode_push(META, []))
     assert meta == META and chunks == []
