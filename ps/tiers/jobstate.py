@@ -259,3 +259,4 @@ class RelayJob(JobState):
     unsent_report: tuple[float, int, float] = (0.0, 0, 0.0)  # telemetry not yet sent up
     parent_version: int = 0              # the newest version the parent has announced
     synced_at: float = 0.0               # when this tier last held the parent's newest version
+    pull_failures: int = 0               # the parent's answers to this job's pulls failing in a row

@@ -78,6 +78,7 @@ _PULL_WAIT_S = 5.0   # long-poll window of the follow loop
 # the root was serving again (benchmarks/chaos.py), the relays still sleeping off their backoff.
 _BACKOFF_S = (0.05, 0.5)
 _BAD_SNAPSHOTS = 3  # snapshots in a row failing their checksum before it is an error, not a warning
+_FAILING_PULLS = 5  # a job's pulls failing in a row before its lag counts (and a warning says so)
 
 # Lossless codecs a relay passes on as they came: each decodes to exactly what re-encoding the
 # decoded values would carry, and keeps no state (no residual) at the sender.
@@ -534,7 +535,8 @@ class Relay(ParentLink, Tier):
     def _lag(self, js: RelayJob, now: float) -> tuple[int, float]:
         # Behind the parent, or cut off from it (then it cannot know how far behind): the time
         # since it last held the parent's newest version (every answered long-poll confirms).
-        behind = js.parent_version > js.view.version or not self.up.reachable
+        behind = (js.parent_version > js.view.version or not self.up.reachable
+                  or js.pull_failures >= _FAILING_PULLS)  # answered, but not with versions it can take
         return (js.parent_version or js.view.version,
                 (now - js.synced_at) if behind and js.synced_at else 0.0)
 
@@ -588,7 +590,7 @@ class Relay(ParentLink, Tier):
                     return  # dropped or replaced while the pull waited
                 self._force_snapshot.discard(job)
                 self.apply_pulled(js, meta, versions)
-                delay, bad_snapshots = _BACKOFF_S[0], 0
+                delay, bad_snapshots, js.pull_failures = _BACKOFF_S[0], 0, 0
             except Stale as exc:
                 self._force_snapshot.add(job)
                 if not forced:  # a delta on another base: a snapshot at once
@@ -597,6 +599,7 @@ class Relay(ParentLink, Tier):
                 # The snapshot itself failed its checksum: not a base, the bytes or the parent
                 # (or a release apart). Never a tight loop of whole-model pulls; said loudly.
                 bad_snapshots += 1
+                js.pull_failures += 1
                 log.log(logging.ERROR if bad_snapshots >= _BAD_SNAPSHOTS else logging.WARNING,
                         "%s: job %s: %d snapshot(s) in a row from the parent failed: %s", self.role, job,
                         bad_snapshots, exc, extra=event("parent.bad_snapshot", job=job, count=bad_snapshots))
@@ -608,10 +611,13 @@ class Relay(ParentLink, Tier):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
             except HpsError as exc:
-                log.debug("%s: pull of %s failed: %s", self.role, job, exc)
+                js.pull_failures += 1  # (the parent out of reach says so itself: parent.lost)
+                log.log(logging.WARNING if js.pull_failures == _FAILING_PULLS else logging.DEBUG,
+                        "%s: pull of %s failed %d time(s) in a row: %s", self.role, job, js.pull_failures, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
             except Exception:  # a bug or a reply nothing checked: said, and the loop goes on
+                js.pull_failures += 1
                 log.exception("%s: following job %s failed", self.role, job)
                 await asyncio.sleep(_BACKOFF_S[1])
 

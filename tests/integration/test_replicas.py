@@ -7,7 +7,8 @@ import pytest
 
 from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.view import KeySpec, Layout
-from tests.helpers import bsp_rounds, same_bits
+from ps.tools.status import fetch_status
+from tests.helpers import bsp_rounds, same_bits, wait_for
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (64, 33)), KeySpec("b", (33,))])
@@ -180,6 +181,8 @@ def test_a_relay_backs_off_from_bad_snapshots_and_its_follow_loop_outlives_a_bug
     time.sleep(1.5)
     assert 3 <= len(pulled) <= 12, f"{len(pulled)} pulls in 1.5 s"  # backoff 0.05 s .. 0.5 s
     assert any(r.levelno == logging.ERROR and "snapshot(s) in a row" in r.getMessage() for r in caplog.records)
+    # and it says it lags (its status, hps_replica_lag_seconds), though its parent answers
+    wait_for(lambda: fetch_status(zone).jobs[0].lag_s > 0, "the zone's lag while its pulls fail")
 
     def bug(view, layout, meta, versions):
         monkeypatch.setattr(relay_mod, "apply_pull", real)
