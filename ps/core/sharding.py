@@ -236,8 +236,14 @@ def reshard(old: list[tuple[dict[str, np.ndarray], dict]], sharding: ShardingCon
     for j in range(len(after.shards)):
         sub = after.shard_layout(j)
         arrays = {"params": p_parts[j], "view": v_parts[j]}
-        if "applied" in old[0][0]:
-            arrays["applied"] = old[0][0]["applied"]
+        # The records of applied pushes stay with the shard number: a worker's client for
+        # shard j (its own incarnation and push numbers) talks to shard j before and after, so
+        # shard j's records -- with the runs it dropped, or an old push read as never applied
+        # would be applied again -- are the ones its retries are answered from.
+        if j < len(old):
+            for name in ("applied", "applied_runs"):
+                if name in old[j][0]:
+                    arrays[name] = old[j][0][name]
         for i, spec in enumerate(sub):
             if spec.kind != "param":
                 continue

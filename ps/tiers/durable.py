@@ -150,6 +150,8 @@ class Durable:
 
     def _restore_all(self) -> None:
         for d in sorted(Path(self.config.checkpoint_dir).glob("*/")):
+            if d.name.startswith("."):  # no job's (names start with a letter or digit): a tool's work
+                continue                # in progress, such as `hps reshard` staging a target
             if (d / "ENDED").exists():
                 version = json.loads((d / "ENDED").read_text())["version"]
                 self.ended[d.name] = version
@@ -186,6 +188,10 @@ class Durable:
         arrays, meta = loaded
         cfg = config_from_json(meta["config"])
         layout = Layout([KeySpec(k[0], tuple(k[1]), k[2], *k[3:]) for k in meta["keys"]])  # kind: since issue 13
+        if self.config.shard_count:
+            # Before anything is installed or written: a shard started on another shard's
+            # directory (or with the N before a reshard) served blocks its workers take for others.
+            self._check_shard(cfg, layout)
         js = self._install(cfg, layout, arrays["params"], meta["version"], arrays["view"], register=False)
         state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
         js.optimizer.load_state_dict({"steps": meta["steps"], **state})

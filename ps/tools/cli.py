@@ -428,6 +428,9 @@ def _reshard(args) -> int:
 
     try:
         weights = tuple(float(w) for w in args.weights.split(",")) if args.weights else None
+        if len(args.targets) == 1:  # (export joins a job's shards through one: not a job to serve)
+            raise ValueError("give two or more new shards' checkpoint directories (--to), in shard order: a "
+                             "job on one root is not sharded (`hps checkpoint export` takes it off the shards)")
         r = reshard_dirs(args.sources, args.targets, args.job, weights, args.block_elems or None)
     except (HpsError, ValueError, OSError) as exc:
         print(f"hps reshard: {exc}", file=sys.stderr)

@@ -78,7 +78,8 @@ def find_job_dir(path: str | Path, job: str = "") -> Path:
         if not checkpoint.list_checkpoints(p / job):
             raise BadInput(f"{p / job} holds no checkpoint (ckpt-*.npz)")
         return p / job
-    jobs = sorted(d.name for d in p.iterdir() if d.is_dir() and checkpoint.list_checkpoints(d))
+    jobs = sorted(d.name for d in p.iterdir()
+                  if d.is_dir() and not d.name.startswith(".") and checkpoint.list_checkpoints(d))
     if len(jobs) != 1:
         raise BadInput(f"{p} holds checkpoints of {len(jobs)} jobs ({', '.join(jobs) or 'none'}); name one with --job")
     return p / jobs[0]

@@ -19,6 +19,7 @@ so the job's workers keep their token; where the old shards hold no hash or diff
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,9 @@ def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
         raise BadInput("name the job (--job)")
     if not targets:
         raise BadInput("give the new shards' checkpoint directories (--to), in shard order")
+    if len({Path(t).resolve() for t in targets}) != len(targets):
+        raise BadInput(f"the target directories {[str(t) for t in targets]} name one directory twice: each new "
+                       "shard needs its own (one shard's checkpoint overwrote another's)")
     dirs = [find_job_dir(s, job) for s in sources]
     out_dirs = [Path(t) / job for t in targets]
     for d in out_dirs:
@@ -80,13 +84,27 @@ def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
     first = old[0][1]["config"].get("sharding") or {}
     sharding = ShardingConfig(weights=weights, block_elems=block_elems or int(first.get("block_elems", 1 << 20)))
     new, moved = reshard(old, sharding)
-    for d, (arrays, meta) in zip(out_dirs, new, strict=True):
-        checkpoint.save(d, int(meta["version"]), arrays, meta)
-    roster = dirs[0] / "roster.json"
-    if roster.exists():  # ranks and data-shard leases live at shard 0
-        checkpoint.write_atomic(out_dirs[0] / "roster.json", json.dumps(json.loads(roster.read_text())))
     hashes = {_token_hash(d, job) for d in dirs}
     held = hashes.pop() if len(hashes) == 1 else None
+    # Each target's files are written beside it (a name no root takes for a job) and moved into
+    # place only once every target's are: a failure halfway leaves no target half written (and
+    # a rerun is not refused for it).
+    staged = [d.with_name(f".{d.name}.resharding") for d in out_dirs]
+    try:
+        for d, (arrays, meta) in zip(staged, new, strict=True):
+            shutil.rmtree(d, ignore_errors=True)
+            checkpoint.save(d, int(meta["version"]), arrays, meta)
+        roster = dirs[0] / "roster.json"
+        if roster.exists():  # ranks and data-shard leases live at shard 0
+            checkpoint.write_atomic(staged[0] / "roster.json", json.dumps(json.loads(roster.read_text())))
+        for d, final in zip(staged, out_dirs, strict=True):
+            if final.exists():
+                final.rmdir()  # empty (checked above)
+            d.rename(final)
+    except BaseException:
+        for d in staged:
+            shutil.rmtree(d, ignore_errors=True)
+        raise
     if held:
         for t in targets:
             Guard(None, store=Path(t) / TOKENS_FILE).set_hash(job, bytes.fromhex(held))

@@ -70,7 +70,8 @@ def _ckpts(plan: ShardPlan, cfg: JobConfig) -> list[tuple[dict, dict]]:
     out = []
     for i, (p, mm) in enumerate(zip(plan.split(params), plan.split(m), strict=True)):
         sub = plan.shard_layout(i)
-        arrays = {"params": p, "view": p.copy(), "applied": np.zeros(3, np.uint8)}
+        arrays = {"params": p, "view": p.copy(), "applied": np.full(3, i, np.uint8),
+                  "applied_runs": np.full(2, 10 + i, np.uint8)}
         off = 0
         for j, s in enumerate(sub):
             if s.kind == "param":
@@ -105,6 +106,13 @@ def test_reshard_3_to_4_carries_values_and_state_and_moves_little():
         if s.kind == "param":
             trained[LAYOUT.offset(s.key):LAYOUT.offset(s.key) + s.numel] = True
     assert np.array_equal(joined[trained], m[trained])  # the optimizer state, bit for bit
+    # Shard j's records of applied pushes (with the runs it dropped) stay at shard j: its
+    # workers' clients for shard j retry there. Shard 0's went everywhere, the runs nowhere.
+    for j, (arrays, _) in enumerate(new):
+        if j < len(old):
+            assert arrays["applied"].tolist() == [j] * 3 and arrays["applied_runs"].tolist() == [10 + j] * 2
+        else:
+            assert "applied" not in arrays and "applied_runs" not in arrays
     assert len(before.blocks) >= 60 and moved <= 1.5 * len(before.blocks) / 4, moved
 
 

@@ -175,11 +175,19 @@ def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(r
     c.close()
     for r in rs:
         r.stop()  # SIGTERM: each writes a checkpoint at version 6
-    out = subprocess.run(
-        [sys.executable, "-m", "ps.tools.cli", "reshard", "--job", "j",
-         "--from", *[str(tmp_path / f"s3-{i}") for i in range(3)],
-         "--to", *[str(tmp_path / f"n4-{i}") for i in range(4)]],
-        capture_output=True, text=True, timeout=120)
+
+    def reshard(*targets: str):
+        return subprocess.run([sys.executable, "-m", "ps.tools.cli", "reshard", "--job", "j",
+                               "--from", *[str(tmp_path / f"s3-{i}") for i in range(3)],
+                               "--to", *[str(tmp_path / t) for t in targets]], capture_output=True, text=True,
+                              timeout=120)
+    # One directory twice (shard 1's checkpoint overwrote shard 0's, and it said it succeeded),
+    # or one target (a job no worker can use): refused, nothing written.
+    for targets, why in ((("n4-0", "n4-0", "n4-2", "n4-3"), "twice"), (("n4-0",), "two or more")):
+        out = reshard(*targets)
+        assert out.returncode != 0 and why in out.stderr, out.stderr
+        assert not any(p.exists() for p in tmp_path.glob("n4-*/j")), "a refused reshard wrote files"
+    out = reshard(*[f"n4-{i}" for i in range(4)])
     assert out.returncode == 0, out.stderr
     moved, blocks = (int(w) for w in out.stdout.split("blocks moved")[0].split()[-3::2])
     assert "3 -> 4 shards" in out.stdout and blocks >= 70 and moved <= 1.5 * blocks / 4, out.stdout
@@ -213,6 +221,12 @@ def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(r
     for v in range(7, 13):
         assert np.array_equal(acked[v], ref[v]), v
     c.close()
+    for r in new:
+        r.stop()
+    # A shard started on another shard's directory does not serve the job: its blocks are not
+    # the ones the ring places there (a worker took them for the others', without an error).
+    wrong = roots("wrong", "--shard", "0/4", "--checkpoint-dir", str(tmp_path / "n4-1"))
+    assert not wrong.status().jobs and "not the blocks the ring places there" in wrong.text()
 
 
 def test_misaddressed_shards_and_jobs_are_refused_with_a_sentence(roots, tmp_path):
