@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
@@ -44,6 +45,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import xxhash
 
 from ps.core.config import JobConfig, ShardingConfig
 from ps.core.errors import BadInput, Conflict, NotReady, Stale
@@ -119,6 +121,13 @@ class _Residuals:
     def reset(self) -> None:
         for c in self._clients:
             c.encoder.reset()
+
+
+def _joined_epoch(epochs: list[int]) -> int:
+    """The joined view's lineage: a new one when any shard's is (a restart of any shard, not of
+    shard 0 alone, voids what a background sender summed on the old views; a shard refusing
+    each push on its old lineage while the others applied it lost every step after the restart)."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(epochs)}Q", *epochs)) >> 2 | 1
 
 
 class ShardedClient:
@@ -269,7 +278,7 @@ class ShardedClient:
             plan.merge([c.view.values for c in self.clients], out=view.values)
             view.version = min(c.view.version for c in self.clients)
             view.clock_min = min(c.view.clock_min for c in self.clients)
-            view.epoch = self.clients[0].view.epoch
+            view.epoch = _joined_epoch([c.view.epoch for c in self.clients])
             # Each shard checks its own blocks; the joined view's is the XOR of theirs (a shard's
             # changes it), not a checksum of the joined values.
             view.checksum = 0

@@ -150,6 +150,7 @@ def test_a_kill_9_of_one_shard_loses_no_acknowledged_version(roots, tmp_path, re
     acked: dict[int, np.ndarray] = {}
     _train(c, 0, 6, acked)  # shard 1 checkpointed at 4; 5 and 6 are in its write-ahead log only
     others = [rs[0].status().jobs[0].checksum, rs[2].status().jobs[0].checksum]
+    lineage = c.view.epoch
     rs[1].signal(signal.SIGKILL)
     rs[1].restart("--shard", "1/3", "--checkpoint-dir", str(tmp_path / "s3-1"))
     assert "replayed from the write-ahead log" in rs[1].text()
@@ -158,6 +159,10 @@ def test_a_kill_9_of_one_shard_loses_no_acknowledged_version(roots, tmp_path, re
     assert c.view.checksum == st.checksum ^ others[0] ^ others[1]  # the joined view's: every shard's
     assert [rs[0].status().jobs[0].checksum, rs[2].status().jobs[0].checksum] == others  # untouched
     _train(c, 6, 10, acked)  # training goes on (the worker re-registers at the restarted shard)
+    # The joined view is on a new lineage when any shard's is, not shard 0's alone: an ssp/async
+    # sender drops what it summed on the old views instead of pushing it to be refused at shard
+    # 1 only, after shards 0 and 2 applied it.
+    assert c.view.epoch != lineage
     for v, values in ref.items():
         assert np.array_equal(acked[v], values), v  # bit for bit what one root computes
     c.close()
