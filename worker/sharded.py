@@ -156,6 +156,7 @@ class ShardedClient:
         self.lost_steps = 0
         self.start_version = self.start_clock = 0
         self.member_timeout_s = 0.0
+        self._minted = ""  # the job token shard 0 minted when this client created the job
 
     # -- what every shard does ------------------------------------------------------------
     def _each(self, fn: Callable[[int, ParameterClient], T], pool: ThreadPoolExecutor | None = None) -> list[T]:
@@ -228,9 +229,17 @@ class ShardedClient:
         # Shard 0 first: under the admin token it mints the job's token, which the others take
         # on, so one token acts in the job at every shard (a worker's HPS_TOKEN).
         first = self.clients[0].create_job(config, plan.shard_layout(0), parts[0])
-        token = self.clients[0].minted
+        # A retry after a shard failed the first try: shard 0 has the job and mints nothing now,
+        # so its token is the one kept from the first try (the others minted their own).
+        token = self.clients[0].minted = self.clients[0].minted or self._minted
+        self._minted = token
         rest = self._each(lambda i, c: c.create_job(config, plan.shard_layout(i), parts[i], job_token=token)
                           if i else first)
+        strays = [i for i, c in enumerate(self.clients) if i and c.minted and c.minted != token]
+        if strays:
+            raise Conflict(f"root shard(s) {strays} minted job tokens of their own for job {config.name!r} (shard 0 "
+                           "made the job before this client, and its token is not known here): no one token acts "
+                           "at every shard. End the job at every shard (hps job end) and create it again")
         return any(rest)
 
     def register(self) -> None:

@@ -319,6 +319,16 @@ def test_one_job_token_acts_at_every_shard(roots, tmp_path):
     creator = ShardedClient([r.address for r in rs], "j", "w0", timeout_s=10, retry_s=30, token=admin)
     worker = None
     try:
+        # Shard 1 fails the first try after shard 0 made the job; the retry hands shard 1 the
+        # token shard 0 minted then (it minted one of its own: no token acted at every shard).
+        real = creator.clients[1].create_job
+
+        def down_once(*a, **kw):
+            creator.clients[1].create_job = real
+            raise Unavailable("shard 1 is restarting (test)")
+        creator.clients[1].create_job = down_once
+        with pytest.raises(Unavailable):
+            creator.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
         assert creator.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
         token = creator.clients[0].minted
         assert token and all(c._rpc.token == token for c in creator.clients)
