@@ -168,6 +168,7 @@ class HpsOptimizer(torch.optim.Optimizer):
         # Leased-data progress of steps not applied (a skipped ssp/async step, a bsp step refused
         # as Stale): it goes with the next push (``_progress``).
         self._carried: tuple[tuple[int, int, int], ...] = ()
+        self._micro_batches = 0  # no_sync blocks since the last step (their batches' progress goes with it)
         # Join a running job without sending the initial values: across a WAN every joining
         # worker would otherwise ship the whole model to the root only to have it ignored.
         # Otherwise a JobConfig creates the job, and a name adopts one declared with `hps job
@@ -463,7 +464,10 @@ class HpsOptimizer(torch.optim.Optimizer):
         epoch was done while every other worker waited for that shard. A lost step's samples
         count as trained with the next step, as a lost step's before a shard's end always did
         (the next batch's end offset covers them)."""
-        mine = self._sampler.step_progress() if self._sampler is not None else ()
+        # One batch per step, and one more per micro-batch accumulated under ``no_sync``: a
+        # step on k batches that reported one fell ever further behind, its shards held for good.
+        batches, self._micro_batches = 1 + self._micro_batches, 0
+        mine = self._sampler.step_progress(batches) if self._sampler is not None else ()
         carried, self._carried = self._carried, ()
         return furthest(carried, mine) if carried else mine
 
@@ -556,7 +560,9 @@ class HpsOptimizer(torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without sending them (micro-batches;
         as DDP's ``no_sync``): with ``overlap=True`` the backward after the block sends the
-        summed gradients. Without overlap nothing is sent before ``step()`` anyway."""
+        summed gradients. Without overlap nothing is sent before ``step()`` anyway. Each block
+        is counted as one micro-batch of the next step (its leased-data progress: ``sampler``)."""
+        self._micro_batches += 1
         if self._overlap is None:
             yield
             return

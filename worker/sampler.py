@@ -54,6 +54,7 @@ import torch
 
 from ps.core.errors import BadInput, HpsError
 from ps.core.leases import DONE, GRANTED, Dataset, Grant
+from ps.core.types import furthest
 from worker.client import ParameterClient
 from worker.sharded import ShardedClient
 
@@ -116,11 +117,13 @@ class LeasedSampler:
         world = info.world_size if info is not None and info.world_size else 1
         return -(-batches // world)
 
-    def step_progress(self) -> tuple[tuple[int, int, int], ...]:
-        """The (epoch, shard, end offset) of the oldest batch yielded and not yet reported: call
-        once per optimizer step and send it in the push's ``StepInfo.progress``."""
+    def step_progress(self, batches: int = 1) -> tuple[tuple[int, int, int], ...]:
+        """The (epoch, shard, end offset) of the oldest ``batches`` batches yielded and not yet
+        reported (the furthest per shard): call once per optimizer step, with the number of
+        batches the step trained on, and send it in the push's ``StepInfo.progress``."""
         with self._lock:
-            return self._fifo.popleft() if self._fifo else ()
+            taken = [self._fifo.popleft() for _ in range(min(batches, len(self._fifo)))]
+        return furthest(*taken) if len(taken) > 1 else taken[0] if taken else ()
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.epoch
@@ -128,6 +131,7 @@ class LeasedSampler:
             self._iterating += 1
         self._start_renewer()
         delay = _POLL_S[0]
+        leased: set[tuple[int, int]] = set()  # the shards this iteration was handed
         try:
             while True:
                 grant = self._lease(epoch, want=True)
@@ -145,6 +149,7 @@ class LeasedSampler:
                 delay = _POLL_S[0]
                 order = shard_indices(self.dataset, epoch, grant.shard, self._permutation(epoch))
                 key, pos = (epoch, grant.shard), grant.start
+                leased.add(key)
                 while pos < grant.end:
                     with self._lock:
                         if key in self._lost:
@@ -156,6 +161,16 @@ class LeasedSampler:
                         self._fifo.append(((epoch, grant.shard, end),))
                     yield order[pos:end].tolist()
                     pos = end
+        except GeneratorExit:
+            # The loop left the epoch early (a break, an exception, max_steps): the batches it was
+            # handed and did not step on (a DataLoader's prefetch) are not its progress, and its
+            # shards are no longer its own -- no longer renewed, they go back to the pool when
+            # their leases expire, or to this worker again, from their trained offsets, when it
+            # iterates the epoch again. Renewed as held, they stayed leased for good.
+            with self._lock:
+                self._fifo = deque(e for e in self._fifo if not (e and e[0][:2] in leased))
+                self._held -= leased
+            raise
         finally:
             with self._lock:
                 self._iterating -= 1

@@ -5,8 +5,10 @@
 True
 >>> book.lease("a", 1, epoch=0, now=0.0)
 Grant(status='granted', epoch=0, shard=0, start=0, end=16, current_epoch=0, lost=())
->>> book.lease("b", 1, epoch=0, now=0.0).shard, book.lease("b", 1, epoch=0, now=0.0).shard
-(1, 2)
+>>> book.lease("b", 1, epoch=0, now=0.0).shard                          # (a caller lists what it
+1
+>>> book.lease("b", 1, epoch=0, now=0.0, held=((0, 1),)).shard          #  holds: see ``lease``)
+2
 >>> book.lease("c", 1, epoch=0, now=1.0).status     # every shard left is held by someone
 'wait'
 >>> book.progress([(0, 0, 8)], now=2.0)             # a's first 8 samples were applied
@@ -126,16 +128,21 @@ class LeaseBook:
     # -- leasing ---------------------------------------------------------------------------------
     def lease(self, member: str, incarnation: int, epoch: int, now: float, want: bool = True,
               held: tuple[tuple[int, int], ...] = ()) -> Grant:
-        """Renew ``member``'s leases, take back those of ``held`` nobody else holds, and (``want``)
-        hand it the first unfinished, unheld shard of ``epoch``."""
+        """Renew ``member``'s leases that ``held`` lists (every shard the caller holds), take back
+        those of ``held`` nobody else holds, and (``want``) hand it the first unfinished, unheld
+        shard of ``epoch`` -- or again the one it holds there and does not list (a retried call
+        whose answer was lost). A lease it does not list is not renewed and expires."""
         ds = self._declared()
         if not 0 <= epoch < MAX_EPOCH:
             raise BadInput(f"an epoch must be in [0, {MAX_EPOCH}), got {epoch}")
         self.expire(now)
         for key in [k for k, h in self._holders.items() if h[0] == member and h[1] != incarnation]:
             del self._holders[key]  # its predecessor died: back to the pool, from the done offset
-        for h in self._holders.values():
-            if h[0] == member:
+        listed = set(held)
+        for key, h in self._holders.items():
+            # Only what the caller says it holds: one it does not list (an answer it never got, a
+            # shard its loop left) is not renewed -- renewed forever, nobody trained it.
+            if h[0] == member and key in listed:
                 h[2] = now + ds.lease_timeout_s
         for e, s in held:  # after a root restart (leases it had not saved) or a late renewal
             if (e, s) not in self._holders and e in self.done and 0 <= s < ds.shards \
@@ -148,6 +155,12 @@ class LeaseBook:
             return Grant(RENEWED, epoch, current_epoch=self.current_epoch, lost=lost)
         done = self._epoch(epoch)
         self.current_epoch = max(self.current_epoch, epoch)
+        for (e, s), h in self._holders.items():
+            # Held by this very caller but not listed: granted to a call whose answer it never
+            # got (the call is retried). The same shard again, from its done offset.
+            if e == epoch and h[0] == member and h[1] == incarnation and (e, s) not in listed:
+                h[2] = now + ds.lease_timeout_s
+                return Grant(GRANTED, epoch, s, done[s], ds.shard_len(s), self.current_epoch, lost)
         mine = False
         for s, offset in enumerate(done):
             if offset >= ds.shard_len(s):
@@ -182,9 +195,11 @@ class LeaseBook:
             return 0
         counted = 0
         for e, s, end in entries:
-            if e in self.finished or not (0 <= e < MAX_EPOCH and 0 <= s < ds.shards):
+            # Only epochs a lease opened (durably: the roster lists them): progress that named
+            # any other opened one, with a list of a million offsets, per entry of a push.
+            if e not in self.done or not 0 <= s < ds.shards:
                 continue
-            done, length = self._epoch(e, bounded=False), ds.shard_len(s)
+            done, length = self.done[e], ds.shard_len(s)
             if done[s] >= length:
                 continue
             done[s] = max(done[s], min(end, length))
@@ -202,9 +217,10 @@ class LeaseBook:
 
     # -- persistence (JSON-ready) -------------------------------------------------------------------
     def state(self) -> dict:
+        # Copies: a checkpoint writes this later, from a thread, while versions go on.
         return dict(dataset=asdict(self.dataset) if self.dataset else None,
-                    done={str(e): d for e, d in self.done.items()}, finished=sorted(self.finished),
-                    current_epoch=self.current_epoch,
+                    done={str(e): list(d) for e, d in self.done.items()}, finished=sorted(self.finished),
+                    current_epoch=self.current_epoch, open=sorted(self.done),
                     leases=[[e, s, h[0], h[1]] for (e, s), h in sorted(self._holders.items())])
 
     def load(self, state: dict, now: float) -> None:
@@ -218,6 +234,10 @@ class LeaseBook:
             self.current_epoch = int(state.get("current_epoch", 0))
             self._left = {e: sum(x < ds.shard_len(s) for s, x in enumerate(d)) for e, d in self.done.items()} \
                 if ds is not None else {}
+        if ds is not None:  # epochs a lease opened since the checkpoint (the roster lists them)
+            for e in state.get("open", ()):
+                if int(e) not in self.finished:
+                    self._epoch(int(e), bounded=False)
         if "leases" in state and ds is not None:
             self._holders = {(int(e), int(s)): [str(m), int(i), now + ds.lease_timeout_s]
                              for e, s, m, i in state["leases"]}

@@ -48,7 +48,7 @@ class Durable:
 
     def _roster(self, js: RootJob) -> dict:
         state = js.leases.state()
-        return dict(ranks=js.ranks.state(), dataset=state["dataset"], leases=state["leases"])
+        return dict(ranks=js.ranks.state(), dataset=state["dataset"], leases=state["leases"], open=state["open"])
 
     async def _save_roster(self, js: RootJob) -> None:
         """Ranks, the dataset and the leases held, written (atomically) when they change: rare
@@ -202,7 +202,8 @@ class Durable:
         roster_path = d / "roster.json"
         roster = json.loads(roster_path.read_text()) if roster_path.exists() else {}
         js.ranks.load(roster.get("ranks", []))
-        js.leases.load({"dataset": roster.get("dataset"), **meta.get("data", {}), "leases": roster.get("leases", [])},
+        js.leases.load({"dataset": roster.get("dataset"), **meta.get("data", {}), "leases": roster.get("leases", []),
+                        "open": roster.get("open", [])},
                        self.clock())
         js.roster_saved = roster or None
         replayed = 0

@@ -155,7 +155,8 @@ class Standby:
                 roster = json.loads(m.data)
                 await asyncio.to_thread(checkpoint.write_atomic, Path(root._job_dir(m.job)) / "roster.json", m.data)
                 js.ranks.load(roster.get("ranks", []))
-                js.leases.load({"dataset": roster.get("dataset"), "leases": roster.get("leases", [])},
+                js.leases.load({"dataset": roster.get("dataset"), "leases": roster.get("leases", []),
+                                "open": roster.get("open", [])},
                                root.clock())
                 js.roster_saved = roster
         elif m.kind == "declared":

@@ -50,13 +50,15 @@ def test_shards_are_leased_in_turn_then_wait_then_done():
     with pytest.raises(NotReady):
         book.lease("a", 1, 0, now=0)
     assert book.declare(DS) and not book.declare(DS)
-    g = [book.lease(w, 1, 0, now=0) for w in ("a", "b", "a")]
+    # (a caller lists the shards it holds, as the sampler does)
+    g = [book.lease(w, 1, 0, now=0, held=h) for w, h in (("a", ()), ("b", ()), ("a", ((0, 0),)))]
     assert [(x.status, x.shard, x.start, x.end) for x in g] == [(GRANTED, 0, 0, 16), (GRANTED, 1, 0, 16),
                                                                 (GRANTED, 2, 0, 8)]
+    mine = ((0, 0), (0, 2))
     assert book.lease("c", 1, 0, now=1).status == WAIT      # held by others
-    assert book.lease("a", 1, 0, now=1).status == WAIT      # b's shard might still come back
+    assert book.lease("a", 1, 0, now=1, held=mine).status == WAIT      # b's shard might still come back
     book.progress([(0, 1, 16)], now=2)
-    assert book.lease("a", 1, 0, now=2).status == DONE      # the rest is its own to finish
+    assert book.lease("a", 1, 0, now=2, held=mine).status == DONE      # the rest is its own to finish
     book.progress([(0, 0, 16), (0, 2, 8)], now=3)
     assert 0 in book.finished and 0 not in book.done
     assert book.lease("c", 1, 0, now=4).status == DONE
@@ -71,9 +73,10 @@ def test_an_expired_lease_resumes_from_the_trained_offset_and_progress_renews():
     book.progress([(0, 0, 4), (0, 0, 8), (0, 0, 6)], now=8)  # max: a late, smaller offset is no step back
     assert book.done[0][0] == 8
     book.lease("b", 1, 0, now=9)                             # shard 1
-    book.lease("b", 1, 0, now=9)                             # shard 2
-    assert book.lease("b", 1, 0, now=17).status == WAIT      # a's lease runs to 18 (progress at 8)
-    g = book.lease("b", 1, 0, now=18.5)                      # expired: b resumes it at 8
+    book.lease("b", 1, 0, now=9, held=((0, 1),))             # shard 2
+    b = ((0, 1), (0, 2))
+    assert book.lease("b", 1, 0, now=17, held=b).status == WAIT      # a's lease runs to 18 (progress at 8)
+    g = book.lease("b", 1, 0, now=18.5, held=b)                      # expired: b resumes it at 8
     assert (g.status, g.shard, g.start, g.end) == (GRANTED, 0, 8, 16)
     r = book.lease("a", 1, 0, now=19, want=False, held=((0, 0),))   # a comes back: lost it
     assert r.status == RENEWED and r.lost == ((0, 0),)
@@ -106,6 +109,10 @@ def test_progress_naming_no_open_shard_is_ignored_and_open_epochs_are_bounded():
     assert book.progress([(0, 0, 4)], now=0) == 0            # nothing declared
     book.declare(DS)
     assert book.progress([(0, 7, 4), (-1, 0, 4)], now=0) == 0
+    # An epoch no lease opened: ignored (a push naming thousands of them opened one each, a list
+    # of offsets per shard, and took the open-epoch slots real epochs need).
+    assert book.progress([(0, 2, 99), (12345, 0, 1)], now=0) == 0 and book.done == {}
+    book.lease("a", 1, 0, now=0)
     assert book.progress([(0, 2, 99)], now=0) == 1 and book.done[0][2] == 8   # clipped at the shard's end
     for e in range(1, MAX_OPEN_EPOCHS):
         book.lease("a", 1, e, now=0)
@@ -129,4 +136,39 @@ def test_state_round_trips_and_held_shards_are_taken_back_after_a_restart():
     bare.load({k: v for k, v in state.items() if k != "leases"}, now=100)
     assert bare.lease("a", 1, 0, now=100, want=False, held=((0, 0),)).lost == ()
     assert bare.lease("c", 1, 0, now=100).shard == 2
-    assert bare.lease("c", 1, 0, now=100).status == WAIT
+    assert bare.lease("c", 1, 0, now=100, held=((0, 2),)).status == WAIT
+
+
+def test_a_retried_lease_gets_the_same_shard_and_an_unlisted_one_is_not_renewed():
+    """The answer to a lease was lost (a failed roster write, a broken connection) and the call
+    retried: it was handed the next shard, and the first -- renewed with every later call of its
+    holder, which never knew of it -- was trained by nobody, and the epoch never ended."""
+    book = LeaseBook()
+    book.declare(DS)
+    assert book.lease("a", 1, 0, now=0).shard == 0            # answer lost
+    again = book.lease("a", 1, 0, now=1)                      # retried: a lists nothing yet
+    assert (again.status, again.shard, again.start) == (GRANTED, 0, 0)
+    assert book.lease("a", 1, 0, now=1, held=((0, 0),)).shard == 1
+    # A shard a stops listing (its loop left the epoch) is renewed no more: it expires, and goes
+    # to the next worker from its trained offset, however often a renews what it does list.
+    book.progress([(0, 1, 4)], now=2)
+    for t in (10, 20, 30):
+        book.lease("a", 1, 0, now=t, want=False, held=((0, 0),))
+    g = book.lease("b", 1, 0, now=34)
+    assert (g.status, g.shard, g.start) == (GRANTED, 1, 4)
+    assert book.holders() == {(0, 0): "a", (0, 1): "b"}
+
+
+def test_an_epoch_a_lease_opened_after_the_checkpoint_keeps_its_leases_across_a_restart():
+    """The trained offsets come from a checkpoint, the leases from the roster: an epoch opened
+    since the checkpoint was not in its offsets, and the restored root dropped its leases (the
+    next worker was handed a shard its holder was still training)."""
+    book = LeaseBook()
+    book.declare(DS)
+    checkpointed = json.loads(json.dumps(book.state()))       # no epoch open yet
+    book.lease("a", 1, 0, now=0)
+    roster = json.loads(json.dumps(book.state()))             # written before the lease is answered
+    restored = LeaseBook()
+    restored.load({**checkpointed, "leases": roster["leases"], "open": roster["open"]}, now=5)
+    assert restored.holders() == {(0, 0): "a"}
+    assert restored.lease("b", 1, 0, now=6).shard == 1

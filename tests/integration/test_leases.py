@@ -214,12 +214,16 @@ def test_kill_9_of_the_root_keeps_ranks_leases_and_trained_offsets(tmp_path):
         for end in (4, 8, 12):  # three versions, the first two in a checkpoint, the third logged
             version, _ = a.push(np.zeros(4, np.float32), step=StepInfo(progress=((0, 0, end),)))
             a.pull(min_version=version)
+        # An epoch opened after the last checkpoint: its lease is in the roster, its offsets in
+        # no checkpoint -- the restored root dropped the lease and handed b's shard to c.
+        assert b.lease(ds, epoch=1).shard == 0
         cluster.restart("root", signal.SIGKILL)
         c = ParameterClient(zone, "k", "c", timeout_s=10)
         assert c.rank().rank == 2                         # a and b still hold 0 and 1
         assert b.rank().rank == 1
         got = c.lease(ds, epoch=0)
         assert (got.status, got.shard) == (GRANTED, 1)    # shard 0 is still a's
+        assert c.lease(ds, epoch=1, held=((0, 1),)).shard == 1  # and shard 0 of epoch 1 b's
         a2 = ParameterClient(zone, "k", "a", timeout_s=10)  # a restarts: its shard, from 12
         again = a2.lease(ds, epoch=0)
         assert (again.status, again.shard, again.start) == (GRANTED, 0, 12)

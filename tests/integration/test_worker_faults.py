@@ -197,3 +197,79 @@ def test_an_encode_that_fails_leaves_no_recording_open_and_takes_nothing(tree):
     assert not a.encoder.recording and np.array_equal(_residual(a), before)
     for c in (a, b):
         c.close()
+
+
+class _Counting:
+    """A leased sampler that records how many batches each step reported."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def step_progress(self, batches: int = 1):
+        self.asked.append(batches)
+        return ()
+
+
+def test_a_step_on_micro_batches_reports_every_batch_it_trained_on(tree):
+    """Gradients accumulated over k batches under ``no_sync`` (as with DDP), then one step: it
+    reported one batch, so the progress fell ever further behind the data trained -- shards
+    stayed leased after they were trained, and at the last epoch's end for good."""
+    import torch
+
+    from worker import HpsOptimizer
+    model = torch.nn.Linear(4, 1)
+    opt = HpsOptimizer(model, tree.add("root", "global"), JobConfig(name="j", optimizer=OptimizerConfig(lr=0.1)),
+                       worker_id="w0")
+    try:
+        opt._sampler = counting = _Counting()
+        for k in (3, 1):
+            for _ in range(k - 1):
+                with opt.no_sync():
+                    model(torch.ones(2, 4)).sum().backward()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert counting.asked == [3, 1]
+    finally:
+        opt.close()
+
+
+class _BookClient:
+    """The lease calls of one worker, answered by a ``LeaseBook`` in this process."""
+
+    worker_id, _closed, _rank_info = "a", False, None
+
+    def __init__(self, book) -> None:
+        self.book = book
+
+    def lease(self, dataset, epoch, want=True, held=()):
+        import time
+
+        self.book.declare(dataset)
+        return self.book.lease(self.worker_id, 1, epoch, now=time.monotonic(), want=want, held=held)
+
+
+def test_a_loop_that_leaves_an_epoch_early_leaves_its_shard_to_be_trained_and_reports_no_untrained_batch():
+    """A training loop that broke out of an epoch (max_steps, an exception) kept its shard
+    leased -- renewed as held for as long as the process lived, trained by nobody -- and the
+    batches prefetched but never stepped on were reported as progress with the next steps.
+    Iterating the epoch again now resumes the shard at what was trained."""
+    from ps.core.leases import LeaseBook
+    from worker.sampler import LeasedSampler, shard_indices
+
+    book = LeaseBook()
+    sampler = LeasedSampler(_BookClient(book), dataset_len=40, batch_size=4, shard_size=16)
+    it = iter(sampler)
+    first = [next(it), next(it), next(it)]  # three batches fetched (a prefetching DataLoader) ...
+    assert book.progress(sampler.step_progress(), now=0) == 1  # ... one trained and stepped on
+    it.close()  # the loop left the epoch
+    assert sampler.step_progress() == ()  # the two never trained are nobody's progress
+    shard0 = shard_indices(sampler.dataset, 0, 0).tolist()
+    assert first[0] == shard0[:4]
+    again = iter(sampler)
+    resumed = next(again)
+    assert resumed == shard0[4:8]  # the same shard, from what was trained
+    book.progress(sampler.step_progress(), now=0)
+    for batch in again:
+        book.progress(sampler.step_progress(), now=0)
+    assert 0 in book.finished
