@@ -172,7 +172,7 @@ class OuterRelay(OuterSync, Relay):
             # predecessor's) take a snapshot rather than deltas that do not apply to theirs.
             ijs.view.load_snapshot(new_epoch(), ijs.view.version, ijs.view.values.copy(), ijs.view.checksum)
             ijs.stats.outer_version, ijs.stats.outer_checksum = u, ojs.view.checksum
-            self.outer[name] = OuterState(plan, ojs.view.values.copy())
+            self.outer[name] = OuterState(plan, ojs.view.values.copy(), base_version=ojs.view.version)
             ijs.stats.inner_steps_per_sync = plan.period
             log.info("%s: job %s runs its inner loop here from outer version %d (inner version %d; "
                      "%d inner steps per sync, %d fragment(s))", self.role, name, u, ijs.view.version,
@@ -257,6 +257,7 @@ class OuterRelay(OuterSync, Relay):
             st.idle_rounds, st.rate = 0, StepRate()  # the time away was not training
             for f in range(st.plan.fragments):
                 st.plan.rebase(ijs.params, st.base, ojs.view.values, f)
+            st.based = [ojs.view.version] * st.plan.fragments
             if st.pending is not None:
                 # Still in flight: a synchronous outer round holds it until every region has
                 # synced, and it lands in a later outer version. Dropping it would not take it

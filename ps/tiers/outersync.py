@@ -60,6 +60,7 @@ class OuterState:
 
     plan: OuterPlan
     base: np.ndarray            # the outer values each fragment was last rebased on
+    base_version: int = 0       # ... and their outer version, per fragment (``based``)
     workers: int = 1            # contributors of the last inner round (the pseudo-gradient's weight)
     scratch: np.ndarray | None = None
     detached: bool = False      # every child left: not in the root's rounds until one is back
@@ -76,6 +77,7 @@ class OuterState:
 
     def __post_init__(self) -> None:
         self.progress = PendingProgress(self.plan.fragments)
+        self.based = [self.base_version] * self.plan.fragments
 
     def due(self, dynamic: bool) -> int:
         """Inner steps between two syncs now: the plan's period, or with dynamic steps that
@@ -135,8 +137,10 @@ class OuterSync:
         keeping what was trained meanwhile, which goes up with the next sync."""
         assert st.inflight is not None and st.pending is not None
         outer = ijs.config.outer
-        wait = outer.sync_wait_s if outer is not None and outer.sync_wait_s > 0 else None
-        if wait is not None and st.pending.postponed:
+        # sync_wait_s 0: as long as the sync is retried, the round timeout -- not without end: the
+        # wait holds the inner job's apply lock, and the root down held the region for good.
+        wait = outer.sync_wait_s if outer is not None and outer.sync_wait_s > 0 else self.config.round_timeout_s
+        if st.pending.postponed:
             wait = 0.0
         t0 = time.perf_counter()
         done, _ = await asyncio.wait([st.inflight], timeout=wait)
@@ -181,8 +185,11 @@ class OuterSync:
         n, progress = st.progress.due()
         step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0,
                         progress=progress, inner_rate=st.rate.close() if dynamic else 0.0)
-        agg = Aggregate(round=u, grad=st.scratch, contributors=st.workers, clock_min=u, clock_max=u,
-                        members=(), step=step)
+        # Asynchronous: the root measures staleness from the round, the outer version the
+        # fragment was rebased on (labelled u, the version at sending, it read ~0 and damping
+        # did nothing); synchronous: the root's round, which every region's sync is for.
+        agg = Aggregate(round=st.based[f] if asynchronous else u, grad=st.scratch, contributors=st.workers,
+                        clock_min=u, clock_max=u, members=(), step=step)
         overlap = ijs.config.outer is not None and ijs.config.outer.overlap
         st.pending = Pending(f, u, time.perf_counter(), ojs.stats.bytes_pushed_up,
                              st.plan.norm(st.scratch, f, st.workers), ijs.stats.inner_steps_since_sync,
@@ -192,7 +199,7 @@ class OuterSync:
 
     async def _round_trip(self, ojs: RelayJob, agg: Aggregate) -> Ack:
         fut = asyncio.get_running_loop().create_future()
-        await self._forward(ojs, agg, (), agg.round, fut)  # retries within round_timeout_s; never raises
+        await self._forward(ojs, agg, (), agg.clock_min, fut)  # retries within round_timeout_s; never raises
         ack: Ack = fut.result() if fut.exception() is None else await self._settle_sync(ojs, fut.exception())
         await self._hold_outer(ojs, ack)
         return ack
@@ -285,6 +292,7 @@ class OuterSync:
                          extra=event("outer.steps_per_sync", job=name, steps=period))
             ijs.stats.inner_steps_per_sync = period
         st.plan.rebase(ijs.params, st.base, ojs.view.values, p.fragment, sent=p.params)
+        st.based[p.fragment] = ojs.view.version
         assert self.inner is not None
         self.inner._publish(ijs, ijs.view.clock_min, 0)
         ijs.reset_round(ijs.view.version, "the region synced with the root")

@@ -256,6 +256,11 @@ def test_a_slow_region_does_not_hold_a_fast_one_with_asynchronous_outer_steps(tr
     assert eu.outer_sync_failures == us.outer_sync_failures == 0
     root = tree.view("root", job.name)
     assert root[1] == STEPS // 2 + 2 and tree.view("us", job.name)[1] == root[1]
+    # The slow region's first pseudo-gradient was computed from outer version 0 and applied after
+    # the fast region's STEPS // 2: that is its staleness (damping scales it by 1 / (1 + it)).
+    # Labelled with the version it was sent at, it read 0 and damping did nothing.
+    stats = tree.lt.call(lambda: tree.tier("root").jobs[job.name].stats)
+    assert stats.staleness_max >= STEPS // 2, stats.staleness_max
 
 
 class _FixedRate(StepRate):
