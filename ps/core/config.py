@@ -249,8 +249,9 @@ class OuterConfig:
         _require(not isinstance(self.sync_wait_s, bool) and isinstance(self.sync_wait_s, (int, float))
                  and 0 <= self.sync_wait_s <= 86400 and math.isfinite(self.sync_wait_s),
                  f"outer sync_wait_s must be a number of seconds in [0, 86400], got {self.sync_wait_s!r}")
-        _require(isinstance(self.dynamic_steps, bool), f"outer dynamic_steps must be true or false, "
-                 f"got {self.dynamic_steps!r}")
+        for flag in ("dynamic_steps", "overlap", "asynchronous"):  # a string "false" read as true
+            _require(isinstance(getattr(self, flag), bool), f"outer {flag} must be true or false, "
+                     f"got {getattr(self, flag)!r}")
         _require(not self.dynamic_steps or self.asynchronous,
                  "outer dynamic_steps applies to asynchronous outer steps (synchronous regions wait for "
                  "each other at every sync, so each must take the same inner steps)")

@@ -183,8 +183,9 @@ class OuterSync:
         st.scratch = st.plan.pseudo_gradient(st.base, ijs.params, f, st.workers, out=st.scratch)
         dynamic = ijs.config.outer is not None and ijs.config.outer.dynamic_steps
         n, progress = st.progress.due()
+        rate = st.rate.close()  # (measured always: the lease-timeout check reads it too)
         step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0,
-                        progress=progress, inner_rate=st.rate.close() if dynamic else 0.0)
+                        progress=progress, inner_rate=rate if dynamic else 0.0)
         # Asynchronous: the root measures staleness from the round, the outer version the
         # fragment was rebased on (labelled u, the version at sending, it read ~0 and damping
         # did nothing); synchronous: the root's round, which every region's sync is for.

@@ -447,3 +447,13 @@ def test_the_callers_gradient_is_never_written_and_steps_equal_torch(cfg):
             torch.nn.utils.clip_grad_norm_([ref_p], cfg.clip_grad_norm)
         ref.step()
         np.testing.assert_allclose(params, ref_p.detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("flag", ["overlap", "asynchronous", "dynamic_steps"])
+def test_an_outer_switch_that_is_not_a_bool_is_refused(flag):
+    """A YAML or JSON "false" (a string) read as true: asynchronous outer steps, or overlap,
+    that nobody asked for."""
+    from ps.core.config import OuterConfig
+
+    with pytest.raises(BadInput, match=f"outer {flag} must be true or false, got 'false'"):
+        OuterConfig(**{flag: "false"})
