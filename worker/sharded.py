@@ -31,6 +31,7 @@ splits and joins by shard itself.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import struct
@@ -45,7 +46,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-import xxhash
 
 from ps.core.config import JobConfig, ShardingConfig
 from ps.core.errors import BadInput, Conflict, NotReady, Stale
@@ -127,7 +127,8 @@ def _joined_epoch(epochs: list[int]) -> int:
     """The joined view's lineage: a new one when any shard's is (a restart of any shard, not of
     shard 0 alone, voids what a background sender summed on the old views; a shard refusing
     each push on its old lineage while the others applied it lost every step after the restart)."""
-    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(epochs)}Q", *epochs)) >> 2 | 1
+    digest = hashlib.blake2b(struct.pack(f"<{len(epochs)}Q", *epochs), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2 | 1
 
 
 class ShardedClient:
