@@ -241,17 +241,19 @@ class _Servicer:
         if req.role not in ROLE_NAME:
             raise BadInput(f"register needs a role, got enum value {req.role}")
         self._check_child(context, req.member, ROLE_NAME[req.role])
+        relay_role = ROLE_NAME[req.role] != "worker"
+        attached = False
         if self.relay and self.guard.enabled and not self.guard.knows(req.job):
             # Join the parent first (it checks the tokens this call presented) to learn the
             # job's token hash, so the member is admitted only after its own token is checked.
             await self.tier.attach(check_name(req.job))  # type: ignore[attr-defined]
-            try:
-                self._check_job(context, req.job, ROLE_NAME[req.role] != "worker")
-            except HpsError:
+            attached = True
+        try:
+            self._check_job(context, req.job, relay_role)
+        except HpsError:
+            if attached:  # refused: not attached for it (it held the parent's rounds of the job)
                 await self.tier.detach(req.job)  # type: ignore[attr-defined]
-                raise
-        relay_role = ROLE_NAME[req.role] != "worker"
-        self._check_job(context, req.job, relay_role)
+            raise
         with self.rpc.timed("register") as timing:
             timing.job = req.job
             reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role], req.address[:256],
