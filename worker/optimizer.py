@@ -561,7 +561,8 @@ class HpsOptimizer(torch.optim.Optimizer):
         """Backward passes inside accumulate gradients without sending them (micro-batches;
         as DDP's ``no_sync``): with ``overlap=True`` the backward after the block sends the
         summed gradients. Without overlap nothing is sent before ``step()`` anyway. Each block
-        is counted as one micro-batch of the next step (its leased-data progress: ``sampler``)."""
+        counts as one micro-batch of the next step, its last one outside (DDP's pattern: one
+        block per micro-batch but the last), for the leased data's progress (``sampler``)."""
         self._micro_batches += 1
         if self._overlap is None:
             yield

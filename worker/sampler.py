@@ -98,7 +98,10 @@ class LeasedSampler:
         self.batch_size = batch_size
         self.idle = idle
         self.epoch = 0
-        self._fifo: deque[tuple[tuple[int, int, int], ...]] = deque()
+        # (iteration, progress) of each batch yielded and not yet reported
+        self._fifo: deque[tuple[int, tuple[tuple[int, int, int], ...]]] = deque()
+        self._iterations = 0
+        self._leased_by: dict[tuple[int, int], int] = {}  # shard -> the iteration it was last handed to
         self._held: set[tuple[int, int]] = set()   # leased to this worker, not known finished
         self._lost: set[tuple[int, int]] = set()   # handed to another worker: stop yielding from them
         self._lock = threading.Lock()
@@ -122,13 +125,15 @@ class LeasedSampler:
         reported (the furthest per shard): call once per optimizer step, with the number of
         batches the step trained on, and send it in the push's ``StepInfo.progress``."""
         with self._lock:
-            taken = [self._fifo.popleft() for _ in range(min(batches, len(self._fifo)))]
+            taken = [self._fifo.popleft()[1] for _ in range(min(batches, len(self._fifo)))]
         return furthest(*taken) if len(taken) > 1 else taken[0] if taken else ()
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.epoch
         with self._lock:
             self._iterating += 1
+            self._iterations += 1
+            me = self._iterations
         self._start_renewer()
         delay = _POLL_S[0]
         leased: set[tuple[int, int]] = set()  # the shards this iteration was handed
@@ -150,6 +155,8 @@ class LeasedSampler:
                 order = shard_indices(self.dataset, epoch, grant.shard, self._permutation(epoch))
                 key, pos = (epoch, grant.shard), grant.start
                 leased.add(key)
+                with self._lock:
+                    self._leased_by[key] = me
                 while pos < grant.end:
                     with self._lock:
                         if key in self._lost:
@@ -158,7 +165,7 @@ class LeasedSampler:
                                         epoch, pos)
                             break
                         end = min(pos + self.batch_size, grant.end)
-                        self._fifo.append(((epoch, grant.shard, end),))
+                        self._fifo.append((me, ((epoch, grant.shard, end),)))
                     yield order[pos:end].tolist()
                     pos = end
         except GeneratorExit:
@@ -167,13 +174,18 @@ class LeasedSampler:
             # shards are no longer its own -- no longer renewed, they go back to the pool when
             # their leases expire, or to this worker again, from their trained offsets, when it
             # iterates the epoch again. Renewed as held, they stayed leased for good.
+            # Only this iteration's: a newer one may have been handed the same shard again (a
+            # generator closed when it is collected, after the loop went on).
             with self._lock:
-                self._fifo = deque(e for e in self._fifo if not (e and e[0][:2] in leased))
-                self._held -= leased
+                self._fifo = deque(e for e in self._fifo if e[0] != me)
+                self._held -= {k for k in leased if self._leased_by.get(k) == me}
             raise
         finally:
             with self._lock:
                 self._iterating -= 1
+                for k in leased:
+                    if self._leased_by.get(k) == me:
+                        del self._leased_by[k]
 
     # -- internals -------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> torch.Tensor:

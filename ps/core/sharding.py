@@ -199,8 +199,8 @@ def reshard(old: list[tuple[dict[str, np.ndarray], dict]], sharding: ShardingCon
     """Checkpoints (arrays, meta) of every shard of one job -> those of the same job over
     ``sharding``'s shards, and how many blocks changed owner. Parameters, the published view
     and the optimizer state are carried bit for bit; the version is kept (all shards must be
-    at one version: a job stopped cleanly); the exactly-once records and the data progress
-    are shard 0's (every push reaches every shard)."""
+    at one version: a job stopped cleanly); new shard j keeps old shard j's exactly-once
+    records (its workers' clients for shard j retry there); the data progress is shard 0's."""
     if not old:
         raise BadInput("no shard checkpoints to reshard")
     cfg = _job(old[0][1]["config"])

@@ -86,6 +86,9 @@ log = logging.getLogger("hps.outer")
 PullReply = tuple[PullMeta, list[tuple[VersionMeta, list[Chunk]]]]
 
 
+_REASKS = 8  # lease calls to the root per worker's call, past shards trained to their end here
+
+
 def runs_inner(cfg: JobConfig, role: str) -> bool:
     """Whether a tier of ``role`` runs ``cfg``'s inner loop."""
     return cfg.outer is not None and cfg.outer.inner_tier == role
@@ -343,16 +346,22 @@ class OuterRelay(OuterSync, Relay):
         the root knows (data not synced yet: a worker here restarted, or another took over its
         shard) is handed on from there, or, trained to its end, answered ``wait`` until that
         data reaches the root, so no sample of it is trained twice."""
-        grant = await super().lease(job, member, incarnation, dataset, epoch, want, held)
         st = self.outer.get(job)
         if st is not None:
             self._check_lease_timeout(job, st, dataset.lease_timeout_s)
-        if grant.status != GRANTED or st is None:
-            return grant
-        end = st.progress.furthest(grant.epoch, grant.shard)
-        if end >= grant.end:
-            return dataclasses.replace(grant, status=WAIT, shard=-1, start=0, end=0)
-        return dataclasses.replace(grant, start=end) if end > grant.start else grant
+        trained: tuple[tuple[int, int], ...] = ()
+        for _ in range(_REASKS):
+            grant = await super().lease(job, member, incarnation, dataset, epoch, want, held + trained)
+            if grant.status != GRANTED or st is None:
+                return grant
+            end = st.progress.furthest(grant.epoch, grant.shard)
+            if end < grant.end:
+                return dataclasses.replace(grant, start=end) if end > grant.start else grant
+            # Trained to its end here: the worker holds it at the root (its data is on its way
+            # up) but never learns of it, so the root, asked again without it, would hand it
+            # over as an answer lost on the way. Listed, the root hands the next shard.
+            trained += ((grant.epoch, grant.shard),)
+        return dataclasses.replace(grant, status=WAIT, shard=-1, start=0, end=0)
 
     def _check_lease_timeout(self, job: str, st: OuterState, timeout_s: float) -> None:
         """Say once (per job) when the dataset's lease timeout is not well above this region's

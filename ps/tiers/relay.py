@@ -656,7 +656,7 @@ class Relay(ParentLink, Tier):
         """Bring the view to the parent's: a verified snapshot or verified deltas, which the log
         keeps verbatim to serve the children."""
         js.parent_version = max(meta.to_version, js.view.version) if meta.view_epoch == js.view.epoch \
-            else meta.to_version
+            and not meta.snapshot else meta.to_version  # (a snapshot: what the parent holds, even if less)
         pulled = apply_pull(js.view, js.layout, meta, versions)
         js.stats.bytes_pulled_in += pulled.nbytes
         if pulled.snapshot:

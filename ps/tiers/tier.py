@@ -565,8 +565,10 @@ class Tier(Membership):
             # The caller is ahead of this tier on the same lineage (it came over from another
             # tier of the tree, or this one is cut off from its parent): a snapshot of v would
             # take its version back -- and a relay's whole subtree with it.
-            raise NotReady(f"this {self.role} tier holds version {v} of job {short(job)}, behind the caller's "
-                           f"{since}; retry shortly (it is still catching up with its parent)")
+            why = (f"this {self.role} tier holds version {v} of job {short(job)}, behind the caller's {since}")
+            if not self.parent_reachable():  # a tier of its own: the caller's client moves to another
+                raise Unavailable(f"{why}, and is cut off from its parent")
+            raise NotReady(f"{why}; retry shortly (it is still catching up with its parent)")
         if view_epoch == js.view.epoch:
             entries = js.log.since(since, v)
             nbytes = sum(e.nbytes for e in entries) if entries else 0

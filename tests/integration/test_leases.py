@@ -155,12 +155,11 @@ def test_a_restarted_outer_worker_resumes_its_shard_where_its_region_trained_it(
     """Data a region trained is at the root only after its next sync (H = 50 here: none
     happens). A worker restarted meanwhile (a new incarnation: the root hands its shard back
     from the root's offset) is told by its region where that shard really stands: from 8, and,
-    trained to its end, ``wait`` -- never the samples again. A lease timeout shorter than twice
+    trained to its end, the next shard -- never the samples again. A lease timeout shorter than twice
     the region's time between syncs is said (once) in the region's log."""
     import logging
 
     from ps.core.config import OuterConfig
-    from ps.core.leases import WAIT
 
     tree.add("root", "global")
     tree.add("eu", "regional", parent="root")
@@ -189,7 +188,7 @@ def test_a_restarted_outer_worker_resumes_its_shard_where_its_region_trained_it(
     with caplog.at_level(logging.WARNING, logger="hps.outer"):
         third, g = incarnation(None)
     assert caplog.text.count("lease timeout (30.0s) is under twice this region's time between syncs") == 1
-    assert g.status == WAIT           # shard 0 is trained to its end, at the region
+    assert (g.status, g.shard) == (GRANTED, 1)  # shard 0 is trained to its end, at the region: the next
     assert tree.lt.call(lambda: tree.tier("root").jobs["ol"].leases.done[0][0]) == 0  # the root has none of it
     for c in (first, second, third):
         c.close()

@@ -270,6 +270,15 @@ def test_a_loop_that_leaves_an_epoch_early_leaves_its_shard_to_be_trained_and_re
     resumed = next(again)
     assert resumed == shard0[4:8]  # the same shard, from what was trained
     book.progress(sampler.step_progress(), now=0)
-    for batch in again:
+    # A generator closed late (collected after the loop went on) takes back only its own: the
+    # iteration started meanwhile (on the next shard: shard 0 was still listed as held) keeps
+    # its batches and its lease.
+    third = iter(sampler)
+    fetched = next(third)
+    again.close()
+    assert fetched == shard_indices(sampler.dataset, 0, 1).tolist()[:4]
+    assert sampler.step_progress() == ((0, 1, 4),) and (0, 1) in sampler._held
+    book.progress(((0, 1, 4),), now=0)
+    for batch in third:
         book.progress(sampler.step_progress(), now=0)
     assert 0 in book.finished
