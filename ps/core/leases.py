@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 
 from ps.core.errors import BadInput, Conflict, Exhausted, NotReady
 
-__all__ = ["Dataset", "Grant", "LeaseBook", "GRANTED", "WAIT", "DONE", "RENEWED", "MAX_SHARDS"]
+__all__ = ["Dataset", "Grant", "LeaseBook", "GRANTED", "WAIT", "DONE", "RENEWED", "MAX_SHARDS", "check_epoch"]
 
 GRANTED, WAIT, DONE, RENEWED = "granted", "wait", "done", "renewed"
 MAX_SHARDS = 1 << 20        # per epoch (a lease scans them: keep shards large)
@@ -133,8 +133,7 @@ class LeaseBook:
         shard of ``epoch`` -- or again the one it holds there and does not list (a retried call
         whose answer was lost). A lease it does not list is not renewed and expires."""
         ds = self._declared()
-        if not 0 <= epoch < MAX_EPOCH:
-            raise BadInput(f"an epoch must be in [0, {MAX_EPOCH}), got {epoch}")
+        check_epoch(epoch)
         self.expire(now)
         for key in [k for k, h in self._holders.items() if h[0] == member and h[1] != incarnation]:
             del self._holders[key]  # its predecessor died: back to the pool, from the done offset
@@ -267,6 +266,12 @@ class LeaseBook:
         self._left.pop(epoch, None)
         for k in [k for k in self._holders if k[0] == epoch]:
             del self._holders[k]
+
+
+def check_epoch(epoch: int) -> None:
+    """BadInput unless ``epoch`` is one a lease may name."""
+    if not 0 <= epoch < MAX_EPOCH:
+        raise BadInput(f"an epoch must be in [0, {MAX_EPOCH}), got {epoch}")
 
 
 def _describe(ds: Dataset) -> str:

@@ -50,7 +50,7 @@ from ps.core.consistency import Aggregate, Gradient
 from ps.core.deltas import DeltaEntry
 from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
 from ps.core.exactly_once import decode_applied, encode_applied
-from ps.core.leases import Dataset, Grant
+from ps.core.leases import Dataset, Grant, check_epoch
 from ps.core.logs import event
 from ps.core.nesterov import DelayedNesterov
 from ps.core.optim import ServerOptimizer, warm_up
@@ -672,6 +672,7 @@ class Root(Durable, Pairing, Tier):
     async def _lease_here(self, js: RootJob, member: str, incarnation: int, dataset: Dataset, epoch: int,
                           want: bool, held: tuple[tuple[int, int], ...]) -> Grant:
         self.writable()
+        check_epoch(epoch)  # before the declaration: a refused call declares nothing (it was not saved)
         if js.leases.declare(dataset):
             log.info("job %s: dataset declared by %r: %d samples in %d shards of %d", js.config.name, member,
                      dataset.length, dataset.shards, dataset.shard_size,

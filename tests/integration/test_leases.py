@@ -229,3 +229,17 @@ def test_kill_9_of_the_root_keeps_ranks_leases_and_trained_offsets(tmp_path):
         assert a2.rank().rank == 0
         for x in (a, b, c, a2):
             x.close()
+
+
+def test_a_lease_refused_for_its_epoch_declares_no_dataset(tree):
+    """The dataset was declared before the epoch was checked: a refused call left it declared
+    in memory only (not in the roster), and a restart forgot it -- the job then agreed with
+    another dataset than before."""
+    from ps.core.errors import BadInput
+
+    c = _client(tree.add("root", "global"), "w0")
+    with pytest.raises(BadInput, match="an epoch must be in"):
+        c.lease(Dataset(length=40, shard_size=16), epoch=1 << 41)
+    assert tree.lt.call(lambda: tree.tier("root").jobs["r"].leases.dataset) is None
+    assert c.lease(Dataset(length=48, shard_size=16), epoch=0).status == GRANTED  # declares it now
+    c.close()
