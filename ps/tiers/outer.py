@@ -197,6 +197,13 @@ class OuterRelay(OuterSync, Relay):
             async with ijs.apply_lock:  # (a sync may have started while the lock was awaited)
                 if st.inflight is None and (ijs.stats.inner_steps_since_sync > 0 or st.progress):
                     self._send(ijs, st)
+                lost = ijs.stats.inner_steps_since_sync if st.inflight is None else 0
+                if lost:  # not sent (no outer view to sync with): leaving the root's rounds without them
+                    ijs.stats.inner_steps_since_sync = 0
+                    ijs.stats.inner_steps_lost += lost
+                    log.warning("%s: job %s: %d inner step(s) trained before every member left could not be "
+                                "synced (no outer view); leaving the root's rounds without them", self.role, job,
+                                lost, extra=event("outer.steps_lost", job=job, steps=lost))
         if st.inflight is not None:  # the last pseudo-gradient lands first
             task = asyncio.create_task(self._leave_after(job, st, st.inflight), name=f"outer-leave-{job}")
             self._tasks.append(task)
