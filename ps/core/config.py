@@ -273,6 +273,8 @@ class OuterConfig:
             o = self.optimizer
             _require(self.asynchronous, "outer nesterov_delay applies to asynchronous outer steps (synchronous "
                      "ones step the momentum once per round already)")
+            _require(self.fragments == 1, "outer nesterov_delay with fragments > 1 is not built (its delay counts the "
+                     "root's steps, and a key gets a gradient only at its own fragment's syncs): use fragments=1")
             _require(o.kind == "sgd" and o.momentum > 0 and o.nesterov and o.weight_decay == 0 and not o.options
                      and not o.groups and o.clip_grad_norm == 0,
                      "outer nesterov_delay (delayed Nesterov) needs the outer optimizer SGD with momentum and "

@@ -415,6 +415,8 @@ def test_delayed_nesterov_is_refused_for_other_optimizers_and_synchronous_jobs()
     with pytest.raises(BadInput, match="needs the outer optimizer SGD with momentum and nesterov"):
         OuterConfig(nesterov_delay=2, asynchronous=True, optimizer=OptimizerConfig(kind="sgd", lr=0.7))
     assert OuterConfig(nesterov_delay=2, asynchronous=True, optimizer=_nesterov()).nesterov_delay == 2
+    with pytest.raises(BadInput, match="nesterov_delay with fragments > 1 is not built"):
+        OuterConfig(nesterov_delay=2, asynchronous=True, optimizer=_nesterov(), inner_steps=4, fragments=2)
 
 
 @pytest.mark.parametrize("cfg", [
