@@ -200,9 +200,10 @@ class OuterSync:
 
     async def _round_trip(self, ojs: RelayJob, agg: Aggregate) -> Ack:
         fut = asyncio.get_running_loop().create_future()
+        sent_on = ojs.view.epoch
         await self._forward(ojs, agg, (), agg.clock_min, fut)  # retries within round_timeout_s; never raises
         ack: Ack = fut.result() if fut.exception() is None else await self._settle_sync(ojs, fut.exception())
-        await self._hold_outer(ojs, ack)
+        await self._hold_outer(ojs, ack, sent_on)
         return ack
 
     async def _settle_sync(self, ojs: RelayJob, failure: BaseException) -> Ack:
@@ -307,14 +308,17 @@ class OuterSync:
         log.debug("%s: job %s: fragment %d synced: outer version %d, inner version %d, %.3fs", self.role,
                   name, p.fragment, ojs.view.version, ijs.view.version, time.perf_counter() - p.t0)
 
-    async def _hold_outer(self, ojs: RelayJob, ack: Ack) -> None:
+    async def _hold_outer(self, ojs: RelayJob, ack: Ack, sent_on: int) -> None:
         """Wait until the followed outer view holds the version that applied our push, however
         long that takes: the push was applied, so a sync counted failed here would send its
         steps again with the next one (applied twice; a slow WAN or a partition after the ack
         did that at 60 s). A warning every ``_OUTER_WAIT_S``. Only a lineage newer than the
         ack's (the root restarted after it) that lacks that version ends the wait: that root
-        kept no record of it (no checkpoints), so the sync failed and its steps go again."""
-        start, reached = ojs.view.epoch, False
+        kept no record of it (no checkpoints), so the sync failed and its steps go again.
+        ``sent_on``: the lineage the sync was sent on -- not the one held when the ack came: a
+        relay's recorded ack of the old lineage, answering a retry after the root restarted and
+        this region moved, made a lineage newer than the ack's look like the start, for good."""
+        start, reached = sent_on, False
         said = self.clock()
         while ojs.view.version < ack.applied_version or ojs.view.epoch != ack.view_epoch:
             if self.jobs.get(ojs.config.name) is not ojs:
