@@ -128,7 +128,7 @@ class _Batches:
     def __init__(self) -> None:
         self.steps = 0
 
-    def step_progress(self):
+    def step_progress(self, batches: int = 1):
         self.steps += 1
         return ((0, 3, 100),) if self.steps == 1 else ((0, 4, 10 * (self.steps - 1)),)
 
