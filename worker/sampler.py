@@ -174,8 +174,8 @@ class LeasedSampler:
             # shards are no longer its own -- no longer renewed, they go back to the pool when
             # their leases expire, or to this worker again, from their trained offsets, when it
             # iterates the epoch again. Renewed as held, they stayed leased for good.
-            # Only this iteration's: a newer one may have been handed the same shard again (a
-            # generator closed when it is collected, after the loop went on).
+            # Only this iteration's entries and shards: a generator is closed when it is
+            # collected, maybe after a newer iteration of the loop yielded batches of its own.
             with self._lock:
                 self._fifo = deque(e for e in self._fifo if e[0] != me)
                 self._held -= {k for k in leased if self._leased_by.get(k) == me}

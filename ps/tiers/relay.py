@@ -236,9 +236,10 @@ class Relay(ParentLink, Tier):
 
     async def detach(self, job: str) -> None:
         """Undo ``attach`` for a child refused here (its credentials, after the parent's reply
-        told the server the job's token hash): a relay attached with no child would hold the
-        parent's rounds for the job until its heartbeats stopped, which they never do, and the
-        token it kept from that call is the refused caller's, not one the job gave."""
+        told the server the job's token hash, or its registration): a relay attached with no
+        child would hold the parent's rounds for the job until its heartbeats stopped, which
+        they never do, and a token it kept from that call that is not the job's is the refused
+        caller's."""
         held = self.up.job_tokens.get(job)
         if held is not None and hashlib.sha256(held.encode()).digest() != self.up.token_hashes.get(job):
             del self.up.job_tokens[job]
@@ -251,9 +252,7 @@ class Relay(ParentLink, Tier):
         try:
             return await super().register(job, member, role, address, last_seq, incarnation)
         except HpsError:
-            js = self.jobs.get(job)
-            if js is not None and len(js.members) == 0:  # joined the parent for a child refused here
-                await self._members_changed(js)
+            await self.detach(job)  # joined the parent for a child refused here
             raise
 
     async def _members_changed(self, js: RelayJob) -> None:
