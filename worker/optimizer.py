@@ -168,6 +168,7 @@ class HpsOptimizer(torch.optim.Optimizer):
         # Leased-data progress of steps not applied (a skipped ssp/async step, a bsp step refused
         # as Stale): it goes with the next push (``_progress``).
         self._carried: tuple[tuple[int, int, int], ...] = ()
+        self._round_skipped = False  # the last bsp round this worker pushed to was skipped
         self._micro_batches = 0  # no_sync blocks since the last step (their batches' progress goes with it)
         # Join a running job without sending the initial values: across a WAN every joining
         # worker would otherwise ship the whole model to the root only to have it ignored.
@@ -183,35 +184,37 @@ class HpsOptimizer(torch.optim.Optimizer):
         try:
             self._check_join(job, name, created, run_id, resume)
             self.rank, self.world_size = self._take_rank(requested_rank, cfg.min_workers, start_timeout_s)
-        except Exception:
-            self.client.close()  # leave again: a member that never pushes would hold up bsp rounds
+            log.info("%s: job %s %s as rank %d of %d", self.client.worker_id, name,
+                     "created" if created else "joined", self.rank, self.world_size)
+            self.client.pull(min_version=self.client.start_version)
+            self._load_view(buffers=True, frozen=True)
+            # The job's param groups, as torch's class would hold them; what the script changes in
+            # them from these values travels with each push.
+            trained = [(i, t) for i, (_, t, kind) in enumerate(self._keys) if kind == "param"]
+            defaults = group_defaults(cfg.optimizer)
+            where = group_index(cfg.optimizer, [self._keys[i][0] for i, _ in trained])
+            groups: list[dict[str, Any]] = [{"params": [], **d} for d in defaults]
+            for (_, t), g in zip(trained, where, strict=True):
+                groups[g]["params"].append(t)
+            self._configured = [flat_hparams(d) for d in defaults]
+            self._init_done = False
+            super().__init__(groups, defaults[0])
+            self._init_done = True
+            # An outer job's workers train in bsp rounds at their region (its inner loop).
+            self.mode = "bsp" if cfg.mode == "outer" else cfg.mode
+            self.staleness = cfg.staleness
+            self.clock = self.client.start_clock
+            self.trace: list[tuple[int, int]] = []  # (clock, version computed on), if record
+            self._record = record
+            # async: several pushes in flight (each acknowledged only once the root applied it);
+            # ssp: one, so the clock floors it reports arrive in order.
+            self.sender = (Sender(self.client, record, in_flight=MAX_IN_FLIGHT if self.mode == "async" else 1)
+                           if self.mode != "bsp" else None)
+        except BaseException:
+            # Leave again: a member that never pushes would hold up bsp rounds (a script that
+            # catches this and retries would leave one behind per try).
+            self.client.close()
             raise
-        log.info("%s: job %s %s as rank %d of %d", self.client.worker_id, name,
-                 "created" if created else "joined", self.rank, self.world_size)
-        self.client.pull(min_version=self.client.start_version)
-        self._load_view(buffers=True, frozen=True)
-        # The job's param groups, as torch's class would hold them; what the script changes in
-        # them from these values travels with each push.
-        trained = [(i, t) for i, (_, t, kind) in enumerate(self._keys) if kind == "param"]
-        defaults = group_defaults(cfg.optimizer)
-        where = group_index(cfg.optimizer, [self._keys[i][0] for i, _ in trained])
-        groups: list[dict[str, Any]] = [{"params": [], **d} for d in defaults]
-        for (_, t), g in zip(trained, where, strict=True):
-            groups[g]["params"].append(t)
-        self._configured = [flat_hparams(d) for d in defaults]
-        self._init_done = False
-        super().__init__(groups, defaults[0])
-        self._init_done = True
-        # An outer job's workers train in bsp rounds at their region (its inner loop).
-        self.mode = "bsp" if cfg.mode == "outer" else cfg.mode
-        self.staleness = cfg.staleness
-        self.clock = self.client.start_clock
-        self.trace: list[tuple[int, int]] = []  # (clock, version computed on), if record
-        self._record = record
-        # async: several pushes in flight (each acknowledged only once the root applied it);
-        # ssp: one, so the clock floors it reports arrive in order.
-        self.sender = (Sender(self.client, record, in_flight=MAX_IN_FLIGHT if self.mode == "async" else 1)
-                       if self.mode != "bsp" else None)
         self._overlap: Overlap | None = None
         from_env = overlap is None
         if overlap is None:
@@ -434,7 +437,7 @@ class HpsOptimizer(torch.optim.Optimizer):
         else:
             result = self._step_bsp(lambda: self.client.push(grad, clock=self.clock, report=report, step=info),
                                     t0, sync_buffers, progress)
-            if self.client.last_skipped and not overflow and found_inf is not None:
+            if self._round_skipped and not overflow and found_inf is not None:
                 self._scaler_backs_off()
         self.last_result = result
         return returned if closure is not None else result
@@ -451,11 +454,11 @@ class HpsOptimizer(torch.optim.Optimizer):
             progress = self._progress()
             info = StepInfo(self._hparams(), sent.absent, sent.overflow, int(has_buffers), progress)
         except BaseException:
-            sent.stream.abort()  # not left open at the zone until its round timeout
+            sent.abort()  # not left open at the zone until its round timeout
             raise
         if self._record:
             self.trace.append((self.clock, self.client.view.version))
-        return self._step_bsp(lambda: sent.stream.finish(info, report), t0, sync_buffers, progress)
+        return self._step_bsp(lambda: sent.finish(info, report), t0, sync_buffers, progress)
 
     def _progress(self) -> tuple[tuple[int, int, int], ...]:
         """The leased-data progress this step's push carries: its batch's, after what steps not
@@ -477,9 +480,13 @@ class HpsOptimizer(torch.optim.Optimizer):
         ``progress``: the push's leased-data progress, carried to the next push if it is lost."""
         down0 = self.client.bytes_down
         applied, up = True, 0
+        # Whether this round was skipped (another worker overflowed): read only from this
+        # push's own answer; ``client.last_skipped`` still holds the last one's after a Stale.
+        self._round_skipped = False
         try:
             version, up = send()
             applied = not self.client.last_skipped
+            self._round_skipped = self.client.last_skipped
         except BaseException as exc:
             # Not applied (Stale), or raised to the script (its outcome unknown): its progress
             # goes with the next push (reported twice is harmless: the root keeps the furthest).
@@ -533,7 +540,13 @@ class HpsOptimizer(torch.optim.Optimizer):
         sender = self.sender
         down0, up0 = self.client.bytes_down, sender.bytes_up
         view = self.client.view
-        if skip:  # not pushed; the batch still counts as consumed (as a skipped step on one device)
+        if skip and self.mode == "ssp":
+            # Nothing pushed, but this worker's clock floor still moves: the floor rises only
+            # with a push, and with staleness s, s + 1 skipped steps in a row left this worker
+            # waiting for its own floor until the round timeout (AMP's first steps overflow).
+            # The batch still counts as consumed (as a skipped step on one device).
+            sender.submit(None, self.clock, view.version, view.epoch, report, info)
+        elif skip:  # async: no floor; not pushed
             self._carried = info.progress  # (it holds what was carried before: ``_progress``)
         else:
             sender.submit(grad, self.clock, view.version, view.epoch, report, info)

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ps.core.errors import BadInput, Conflict, Stale
+from ps.core.types import StepInfo
 from ps.core.view import Layout
 from worker.client import ParameterClient
 from worker.streamed import StreamedPush
@@ -67,6 +69,36 @@ class Sent:
     stream: StreamedPush
     absent: tuple[int, ...]  # keys that carry nothing (no gradient, frozen, unsynced buffers)
     overflow: bool           # some gradient was not finite: the round must be skipped
+    client: ParameterClient  # whose encoder records what the push did to its residuals
+
+    def finish(self, step: StepInfo, report: tuple[float, int, float]) -> tuple[int, int]:
+        """Send the tail and wait for the answer (``StreamedPush.finish``), then end the
+        encoder's recording as ``ParameterClient.push`` does: kept if the push was applied (or
+        may yet be: sent, unanswered), taken back if not (its round skipped, for any worker's
+        overflow, or the push refused), so the residual still owes what it carried."""
+        encoder = self.client.encoder
+        try:
+            result = self.stream.finish(step, report)
+        except (Stale, BadInput, Conflict, RuntimeError):  # not applied, and it will not be
+            if encoder.recording:
+                encoder.roll_back()
+            raise
+        except BaseException:
+            if encoder.recording:
+                encoder.commit()
+            raise
+        if encoder.recording:
+            if self.overflow or self.client.last_skipped:
+                encoder.roll_back()
+            else:
+                encoder.commit()
+        return result
+
+    def abort(self) -> None:
+        """Cut the push (nothing of it applied) and take its encode back."""
+        self.stream.abort()
+        if self.client.encoder.recording:
+            self.client.encoder.roll_back()
 
 
 class Overlap:
@@ -219,13 +251,10 @@ class Overlap:
             if rest or self.stream is None:
                 self._send([self.keys[i][0] for i in rest], rest)
             assert self.stream is not None
-            if self.overflow:
-                # The round will be skipped: what this push sent is never applied, so the
-                # error-feedback state goes back to where it was before the step.
-                self.client.encoder.roll_back()
-            else:
-                self.client.encoder.commit()
-            return Sent(self.stream, tuple(absent), self.overflow)
+            # The encoder's recording stays open: the caller ends it once the push's answer is
+            # in (``Sent.settle``), since a round skipped for another worker's overflow, or a
+            # push refused, applies nothing of it either.
+            return Sent(self.stream, tuple(absent), self.overflow, self.client)
         except BaseException:
             self.abort()
             raise
@@ -238,6 +267,7 @@ class Overlap:
         self._queue.join()
         if self.stream is not None:
             self.stream.abort()
+        if self.client.encoder.recording:  # (opening the push may have failed after begin())
             self.client.encoder.roll_back()
         self._reset()
 

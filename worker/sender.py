@@ -40,6 +40,9 @@ __all__ = ["Sender"]
 
 log = logging.getLogger("hps.worker")
 
+# What a push of no contributors carries (only skipped steps were summed): no gradient.
+_NOTHING = np.zeros(0, np.float32)
+
 
 class Sender:
     """Pushes what ``submit`` hands it from ``in_flight`` background threads (see the module).
@@ -47,7 +50,8 @@ class Sender:
     ``record`` keeps ``applied``: (lowest clock, highest clock, version) per push, for tests.
     ``bytes_up``, ``pushes`` and ``peak_in_flight`` count what it sent. A push refused as
     Stale is logged and counted in ``client.lost_steps``; any other hps error is raised by
-    the next ``submit`` or ``drain``. Raises ValueError when ``in_flight`` < 1.
+    the next ``submit`` or ``drain``, and so is any other exception a push raised (the
+    gradient it carried is not applied). Raises ValueError when ``in_flight`` < 1.
     """
 
     def __init__(self, client: ParameterClient | ShardedClient, record: bool = False, in_flight: int = 1) -> None:
@@ -69,7 +73,7 @@ class Sender:
         self.peak_in_flight = 0
         self._pipelined = in_flight > 1
         self._moving = False  # moving back to the first tier: no push starts until it is done
-        self._error: HpsError | None = None
+        self._error: BaseException | None = None
         # Leased-data progress of pushes not applied (refused, failed, or void after a root
         # restart): it goes with the next one, or the shard it ends stays leased for good.
         self._orphaned: tuple[tuple[int, int, int], ...] = ()
@@ -79,9 +83,11 @@ class Sender:
         for t in self._threads:
             t.start()
 
-    def submit(self, grad: np.ndarray | torch.Tensor, clock: int, base_version: int, view_epoch: int,
+    def submit(self, grad: np.ndarray | torch.Tensor | None, clock: int, base_version: int, view_epoch: int,
                report: tuple[float, int, float] = (0.0, 0, 0.0), step: StepInfo = NO_STEP) -> None:
-        """Queue a gradient; raises the error a previous push ended with (e.g. the job ended)."""
+        """Queue a gradient; raises the error a previous push ended with (e.g. the job ended).
+        ``grad`` None: a step with nothing to push (an AMP overflow in ssp) that still moves this
+        worker's clock floor: it goes up as a push of no contributors, or with the next gradient."""
         with self._cv:
             if self._orphaned:  # (only the progress: the step's absent keys stay its own)
                 step = replace(step, progress=furthest(self._orphaned, step.progress))
@@ -94,12 +100,18 @@ class Sender:
                 if self._sum is not None:  # the root restarted: gradients on the old lineage are void
                     self.client.lost_steps += self._n
                     step = replace(step, progress=furthest(self._step.progress, step.progress))
-                self._sum, self._n = grad.clone() if isinstance(grad, torch.Tensor) else grad.copy(), 1
+                if grad is None:
+                    self._sum, self._n = _NOTHING, 0
+                else:
+                    self._sum, self._n = grad.clone() if isinstance(grad, torch.Tensor) else grad.copy(), 1
                 self._clocks, self._base = (clock, clock), (view_epoch, base_version)
                 self._report, self._step = report, step
             else:
-                self._sum += grad
-                self._n += 1
+                if grad is not None and not self._n:  # only skipped steps so far
+                    self._sum = grad.clone() if isinstance(grad, torch.Tensor) else grad.copy()
+                elif grad is not None:
+                    self._sum += grad
+                self._n += grad is not None
                 self._clocks = (self._clocks[0], clock)
                 self._base = (view_epoch, min(self._base[1], base_version))
                 (loss, n, secs), (loss2, n2, secs2) = self._report, report
@@ -144,10 +156,14 @@ class Sender:
                 with self._cv:
                     self.client.lost_steps += n
                     self._orphaned += step.progress
-            except HpsError as exc:
+            except BaseException as exc:  # an hps error, or any other (out of memory while encoding)
+                # Kept for the next submit or drain: a sending thread that ended without a word
+                # lost its gradient, and drain() then reported the run's last pushes applied.
                 with self._cv:
                     self._error = exc
                     self._orphaned += step.progress
+                if not isinstance(exc, Exception):  # (KeyboardInterrupt, SystemExit): this thread ends
+                    raise
             finally:
                 with self._cv:
                     self._busy -= 1

@@ -126,6 +126,43 @@ def test_a_cut_or_skipped_push_leaves_the_error_feedback_as_it_was(tree):
         assert all((after[k] == before[k]).all() for k in before)
 
 
+def test_a_round_skipped_for_another_workers_overflow_leaves_the_error_feedback_as_it_was(tree):
+    """w1 overflows, so the round is skipped for w0 too: nothing w0's streamed push carried is
+    applied, so its top-k residuals must be as before the step (they were kept)."""
+    models = [small_mlp(), small_mlp()]
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    job = JobConfig(name="ef2", push_codec="topk", topk=0.1, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    x, y = mlp_batches(2, 8)
+    opts = [HpsOptimizer(models[0], zone, job, worker_id="w0", overlap=True, bucket_mb=TINY_BUCKETS),
+            HpsOptimizer(models[1], zone, job, worker_id="w1")]
+    results: dict = {}
+
+    def step(i: int, s: int) -> None:
+        opts[i].zero_grad()
+        loss = mlp_loss(models[i], x[s], y[s])
+        (loss * float("inf") if (i, s) == (1, 1) else loss).backward()
+        results[i] = opts[i].step()
+
+    try:
+        for s in range(2):
+            if s == 1:
+                before = _residuals(opts[0])
+                assert before and any(v.any() for v in before.values())  # top-k left something unsent
+            threads = [threading.Thread(target=step, args=(i, s)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert len(results) == 2 and results[0].applied == (s == 0), results
+            results.clear()
+        after = _residuals(opts[0])
+        assert after.keys() == before.keys() and all((after[k] == before[k]).all() for k in before)
+    finally:
+        for o in opts:
+            o.close()
+
+
 def test_a_backward_without_a_step_is_dropped_by_zero_grad(tree):
     """A batch skipped after its backward (or a backward that raised): zero_grad drops the
     push it began, and the next backward and step go through."""

@@ -306,3 +306,26 @@ def test_address_job_and_rank_come_from_the_environment(tree, monkeypatch):
 async def _declare(root, cfg: JobConfig) -> None:
     await root.create_job(cfg, None, None)
 
+
+
+def test_an_ssp_worker_whose_step_overflows_still_moves_its_clock_floor(tree):
+    """ssp(0): a skipped step (AMP overflow) pushes nothing, yet the next step waits for the
+    clock floor that step would have raised, and the only worker that can raise it is this one.
+    Before the fix each step after the overflow waited the whole round timeout, then failed."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    job = JobConfig(name="ssp-skip", mode="ssp", staleness=0, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    model = _mlp(0)
+    with HpsOptimizer(model, zone, job, worker_id="w0", round_timeout_s=5.0) as opt:
+        clocks = []
+        for s in range(4):
+            opt.zero_grad()
+            model(torch.randn(8, 6)).pow(2).mean().backward()
+            if s in (1, 2):  # two overflows in a row: more than the staleness bound allows
+                next(model.parameters()).grad[0, 0] = float("nan")
+            t0 = time.monotonic()
+            r = opt.step()
+            assert time.monotonic() - t0 < 4.0, f"step {s} waited for its own clock floor"
+            clocks.append((r.applied, opt.clock))
+        assert opt.sync(timeout_s=10) >= 2
+    assert clocks == [(True, 1), (False, 2), (False, 3), (True, 4)]

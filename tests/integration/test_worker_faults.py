@@ -121,6 +121,31 @@ def test_the_last_pushes_of_an_async_run_failing_is_said_by_drain_not_swallowed(
         a.close()
 
 
+def test_a_push_that_raises_something_else_is_said_by_drain_and_the_sender_goes_on(tree, monkeypatch):
+    """A push that raised anything but an hps error (out of memory while a GPU encodes) ended its
+    sending thread without a word: its gradient was gone, and drain() said all was applied."""
+    (a,) = _clients(tree.add("root", "global"), "a", mode="async")
+    push = a.push
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return push(*args, **kwargs)
+    monkeypatch.setattr(a, "push", failing_once)
+    sender = Sender(a)
+    try:
+        sender.submit(_grad(1), 0, a.view.version, a.view.epoch)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            sender.drain(30)
+        sender.submit(_grad(2), 1, a.view.version, a.view.epoch)  # the thread still sends
+        assert sender.drain(30) and sender.pushes == 1
+    finally:
+        sender.close(5)
+        a.close()
+
+
 class _Batches:
     """A leased sampler's progress, one batch per step (what ``LeasedSampler.step_progress``
     hands the optimizer): the last batch of shard 3 of epoch 0, then batches of shard 4."""
