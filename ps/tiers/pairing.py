@@ -103,7 +103,11 @@ class Pairing:
             write_role(self.config.checkpoint_dir, **self.role_state)
 
     def writable(self) -> None:
-        """Refuse what only a primary does (pushes, joins, jobs, ranks, leases)."""
+        """Refuse what only a primary does (pushes, joins, jobs, ranks, leases), and all of it
+        once this root is stopping: its last checkpoint empties the log, and a version applied
+        after it would be in the log only (what an older release, rolled back to, cuts)."""
+        if self._stopping:
+            raise Unavailable("this root is stopping; retry (a restarted or standby root answers)")
         if self.state == "primary":
             return
         if self.state == "standby":

@@ -444,3 +444,26 @@ def test_a_roll_back_that_fails_takes_the_job_out_of_service(tree, tmp_path):
         w.push(_grad(0, 0), clock=0)
     assert "restart the root" in root.damaged["j"] and tree.view("root", "j")[1] == 0
     w.close()
+
+
+def test_a_stopping_root_applies_nothing_after_its_last_checkpoint(tree, tmp_path):
+    """A root's clean stop writes a checkpoint of every job and empties the log (what a roll
+    back to an older release relies on: OPERATING.md). A push that came while it stopped was
+    applied and acknowledged after that checkpoint: in the log only, past what it promised."""
+    root = tree.add("root", "global", checkpoint_dir=str(tmp_path / "ckpt"))
+    c = ParameterClient(root, "stopping", "w0", timeout_s=5, retry_s=1.0)
+    try:
+        c.create_job(JobConfig(name="stopping", optimizer=OptimizerConfig(kind="sgd", lr=0.1)), LAYOUT,
+                     np.zeros(LAYOUT.numel, np.float32))
+        c.register()
+        c.pull()
+        assert c.push(_grad(0, 0))[0] == 1
+        c.pull()
+        tier = tree.tier("root")
+        tree.lt.run(tier.stop())  # the tier stops; its server still answers (as in shutdown's grace)
+        with pytest.raises(HpsError, match="stopping"):
+            c.push(_grad(1, 0))
+        assert tree.lt.call(lambda: tier.jobs["stopping"].view.version) == 1
+        assert not [p for p in (tmp_path / "ckpt" / "stopping").glob("wal-*.log") if p.stat().st_size]
+    finally:
+        c.close()
