@@ -44,6 +44,7 @@ EVENTS = frozenset({
     "training.loss_rising",
     "rank.assigned", "rank.released", "data.declared", "lease.expired",
     "root.primary", "root.promoted", "root.deposed", "standby.following", "standby.synced", "standby.in_sync",
+    "standby.kept",
     "outer.started", "outer.sync_failed", "outer.sync_postponed", "outer.sync_unsettled", "outer.steps_lost",
     "outer.dropped", "outer.steps_per_sync",
 })

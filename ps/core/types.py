@@ -308,7 +308,7 @@ class TierStatus:
 
 # What a Follow stream carries (hps.proto, LogEntry.Kind), in wire order.
 LOG_KINDS = ("follow", "hello", "state", "declared", "ended", "record", "roster", "synced", "ack", "beat",
-             "tokens", "token")
+             "tokens", "token", "kept")
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,10 @@ class Pairing:
                 cfg = self.ended_configs.get(name, (None, 0))[0]
                 f.send(LogMessage("ended", job=name, version=version, data=json.dumps(dict(
                     version=version, config=dataclasses.asdict(cfg) if cfg else None)).encode()))
+            for name in [n for n in self.damaged if n not in self.jobs]:
+                # Not restored at start-up (its files damaged here): the standby's copy may be the
+                # only good one of its acknowledged versions, and it wipes what it is not sent.
+                f.send(LogMessage("kept", job=name))
             for name, js in list(self.jobs.items()):
                 async with js.apply_lock:  # no version in the middle: records after it follow it
                     if self.jobs.get(name) is not js or not f.alive:

@@ -159,6 +159,13 @@ class Standby:
                                 "open": roster.get("open", [])},
                                root.clock())
                 js.roster_saved = roster
+        elif m.kind == "kept":  # the primary could not restore it: this copy stays as it is
+            self._seen.add(m.job)
+            if (Path(root._job_dir(m.job))).exists():
+                log.error("job %s: the primary %s could not restore it, so it is not served; this standby keeps "
+                          "its own copy of its files (restore the primary's from them, or promote this root "
+                          "and restart it to serve the job)", m.job, self.primary,
+                          extra=event("standby.kept", job=m.job))
         elif m.kind == "declared":
             self._seen.add(m.job)
             await asyncio.to_thread(self._wipe, m.job)

@@ -338,3 +338,25 @@ def test_a_standby_not_in_sync_is_promoted_only_with_force(roots):
     assert r.returncode == 0 and "term 1" in r.stdout, r.stdout + r.stderr
     with Caller(b.address) as rpc:
         assert status_from_pb(rpc.call("Status", pb.StatusRequest(), 5)).root_state == "primary"
+
+
+def test_a_standby_keeps_its_copy_of_a_job_its_primary_could_not_restore(roots, tmp_path):
+    """Both roots go down; the primary's files of job j are damaged, so it comes back without
+    j (not served). The standby, following it again, wiped every job it was not sent: the only
+    good copy of j's acknowledged versions. It keeps them now, and says so."""
+    a, b = _pair(roots)
+    c = _client(f"ipv4:{a.address},{b.address}", retry_s=0)
+    _train(c, 0, 5, {})
+    c.close()
+    b.signal(signal.SIGKILL)
+    a.signal(signal.SIGKILL)
+    for f in (tmp_path / "a" / "j").iterdir():
+        if f.is_file():
+            f.write_bytes(b"damaged")
+    held = sorted(p.name for p in (tmp_path / "b" / "j").iterdir())
+    a.restart()
+    _wait_for(lambda: "is not served" in a.log.read_bytes()[a.offset:].decode(errors="replace"), "a to refuse j")
+    b.restart()
+    _wait_for(lambda: _synced(b), "the standby to sync again")
+    assert sorted(p.name for p in (tmp_path / "b" / "j").iterdir()) == held
+    assert "keeps its own copy" in b.log.read_bytes()[b.offset:].decode(errors="replace")
