@@ -34,6 +34,8 @@ is allocated) or a bad checksum ends the segment's valid data, and the rest is c
   * in an earlier segment only when the next segment continues right after its last valid record
     (a failed append whose undo failed too, or a torn tail an older build wrote past); otherwise
     the damaged bytes may have held acknowledged versions, and recovery refuses.
+A whole record that fails its checksum with bytes after it is refused too, in any segment: a
+crash tears only the record being appended, so one followed by more was acknowledged.
 Versions must be contiguous across the whole log: a gap, or the same version twice with
 different contents (a fork), raises ``WalCorrupt`` and changes nothing on disk, because guessing
 would silently lose acknowledged versions. ``records(after=v)`` also refuses when the log
@@ -151,13 +153,20 @@ class WriteAheadLog:
             self._close()
             found = self.segments()
             segs, cuts = self._validate(found, [scan_segment(p) for _, p in found])
+            for seg, scan, version, _ in cuts:
+                if scan.beyond:
+                    # A whole record, damaged, with bytes after it: a crash tears only the record
+                    # being appended, and the next append starts after its fsync, so this one
+                    # was acknowledged, and perhaps the ones after it too. Disk damage, not a tear.
+                    raise self._corrupt(
+                        f"{scan.why} in the record of version {version} at offset {scan.end} of "
+                        f"{seg.path.name}, and {scan.beyond} bytes follow it: not what a crash leaves "
+                        "(it tears only the last record, never acknowledged), so acknowledged versions "
+                        "may be there")
             for seg, scan, version, last in cuts:
                 what = ("the tail of the newest segment, torn by a crash during an append: never "
                         "acknowledged" if last else "left by a failed append or an older build; the "
                         "next segment continues without it")
-                if scan.beyond:  # a crash tears only the last record: this may be disk damage
-                    what += (f"; but {scan.beyond} bytes follow the damaged record: if versions after "
-                             f"{version} were acknowledged, restore {seg.path.name} from a backup")
                 log.warning("write-ahead log %s: %s at offset %d of %s (%d bytes); cutting it there, "
                             "at version %d (%s)", self.dir, scan.why, scan.end, seg.path.name,
                             scan.size - scan.end, version, what)
