@@ -302,6 +302,7 @@ def test_kubernetes_scrape_config_keeps_hps_pods_and_their_tier_labels():
     (hps,) = config["scrape_configs"]
     targets = {r.get("target_label") for r in hps["relabel_configs"]}
     assert {"tier", "region", "zone"} <= targets and hps["honor_labels"] is True
+    assert config["alerting"]["alertmanagers"], "the alerts fire in Prometheus and page nobody"
     # The pods carry the labels and the port name it relabels from.
     for tier in ("root", "regional", "zone"):
         kind = "statefulset" if tier == "root" else "deployment"
@@ -463,6 +464,9 @@ def test_prometheus_operator_objects_have_the_crd_shape(rendered, tmp_path):
                 assert ep["honorLabels"] is True  # the tiers' `job` label is the training job
                 targets = {r["targetLabel"] for r in ep["relabelings"]}
                 assert {"tier", "region", "zone"} <= targets
+                # The Operator names its scrape job "<namespace>/<name>": HpsTierDown (up{job="hps"})
+                # and the inhibitions keyed on it never fired without this.
+                assert {"targetLabel": "job", "replacement": "hps"} in ep["relabelings"]
                 # It selects every hps pod of its namespace, on the port they name "metrics".
                 for name, w in workloads(objs).items():
                     labels = w["spec"]["template"]["metadata"]["labels"]
