@@ -102,7 +102,8 @@ def _serve(args) -> int:
             role=args.role, listen=args.listen, parent=args.parent or "", name=args.name or "",
             metrics_port=int(args.metrics_port), health_port=int(args.health_port), heartbeat_s=float(args.heartbeat_s),
             member_timeout_s=float(args.member_timeout_s), checkpoint_dir=args.checkpoint_dir or "",
-            checkpoint_every=int(args.checkpoint_every), round_timeout_s=float(args.round_timeout_s),
+            checkpoint_every=int(args.checkpoint_every), checkpoint_keep=int(args.checkpoint_keep),
+            round_timeout_s=float(args.round_timeout_s),
             flush_ms=float(args.flush_ms), flush_bytes=int(args.flush_bytes), up_codec=args.up_codec or "",
             max_job_params=int(args.max_job_params), push_budget_mb=int(args.push_budget_mb),
             max_jobs=int(args.max_jobs), unjoined_job_ttl_s=float(args.unjoined_job_ttl_s),
@@ -140,17 +141,24 @@ def _serve(args) -> int:
 
 
 # `hps launch` exit codes (also in its --help and the README).
-LAUNCH_EXIT = {0: "stopped by SIGINT/SIGTERM with every tier serving",
+LAUNCH_EXIT = {0: "stopped by SIGINT/SIGTERM/SIGHUP with every tier serving",
                2: "bad topology or flags",
                3: "a tier could not be started (nothing is left running)",
                4: "a tier could not be kept up (restarts given up on; the rest served until stopped)"}
 
 
 class _Stop(Exception):
-    """SIGINT or SIGTERM reached ``hps launch``."""
+    """SIGINT, SIGTERM or SIGHUP reached ``hps launch``."""
+
+
+# What stops ``hps launch``: SIGHUP too (its terminal closed). The tiers run in sessions of their
+# own, so they never get the terminal's signals: the launcher dying of one orphaned them all.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _raise_stop(*_) -> None:
+    for sig in _STOP_SIGNALS:  # a second Ctrl-C must not cut the clean-up this starts short
+        signal.signal(sig, signal.SIG_IGN)
     raise _Stop
 
 
@@ -176,7 +184,7 @@ def _launch(args) -> int:
         from ps.core.logs import use_json
 
         use_json({"process": "launch"})
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, _raise_stop)
     try:
         # stops what it started if this raises
@@ -215,7 +223,7 @@ def _launch(args) -> int:
         # From here a signal only asks to stop: raised mid-respawn it would orphan the new
         # process (and blocking signals instead would hand the mask down to it).
         stop: list[int] = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in _STOP_SIGNALS:
             signal.signal(sig, lambda signum, _: stop.append(signum))
         while not stop and len(sup.failed) < len(sup.watch):  # all given up on: nothing to serve
             sup.poll()
@@ -223,7 +231,7 @@ def _launch(args) -> int:
     except _Stop:
         pass
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in _STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the graceful stop short
         cluster.stop()
         if sup is not None:
@@ -470,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--member-timeout-s", action=_EnvDefault, default="3.0", help="drop silent members after")
     s.add_argument("--checkpoint-dir", action=_EnvDefault, help="root: checkpoint directory")
     s.add_argument("--checkpoint-every", action=_EnvDefault, default="50", help="root: versions between checkpoints")
+    s.add_argument("--checkpoint-keep", action=_EnvDefault, default="3",
+                   help="root: checkpoints kept per job (the newest ones; at least 1)")
     s.add_argument("--standby-of", action=_EnvDefault, default="",
                    help="root: start as the hot standby of the primary root at HOST:PORT (it follows its "
                         "write-ahead log and takes over when the primary is gone for --lease-s)")

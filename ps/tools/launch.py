@@ -80,6 +80,16 @@ _READY = re.compile(r"hps: serving (\S+) (\S+) on ([^\s\"]+)(?: metrics (\d+))?"
 # (benchmarks/dataplane.py). Without mmap, freed memory stays in the heap for the next message.
 # Given to every server process unless the environment already sets them.
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(64 << 20)}
+
+# The launcher's own HPS_* variables that its tiers may inherit. Every `hps serve` flag reads
+# HPS_<FLAG> as its default, so a shell that had sourced a client's env file (HPS_TLS_*, which
+# `hps launch` itself tells users to do) made every tier of `hps launch --insecure` refuse to
+# start; the topology's settings are how a launch configures its tiers.
+_PASSED_ON = frozenset({"HPS_LOG_FORMAT", "HPS_LOG_LEVEL"})
+
+
+def _inherited(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if not k.startswith("HPS_") or k in _PASSED_ON}
 _LINK_READY = re.compile(r"wanem(?: \S+)?: relaying (\S+) -> ")
 
 
@@ -194,7 +204,7 @@ class Cluster:
         mutual TLS and tokens with a throw-away CA under ``logdir/secrets`` (``LocalSecrets``;
         what `hps launch` and `hps demo` do unless told --insecure); else every tier runs
         --insecure, as tests of other things do."""
-        c = cls(Path(logdir), env={**(MALLOC_ENV if tune_malloc else {}), **os.environ, **(env or {})})
+        c = cls(Path(logdir), env={**(MALLOC_ENV if tune_malloc else {}), **_inherited(os.environ), **(env or {})})
         c.logdir.mkdir(parents=True, exist_ok=True)
         if secure:
             c.secrets = LocalSecrets.create(c.logdir / "secrets", topo)
@@ -359,16 +369,19 @@ class Cluster:
                *(self.secrets.tier_args(name) if self.secrets else ["--insecure"])]
         if parent:
             cmd += ["--parent", parent]
+        # After the topology's settings (``args``): argparse keeps a flag's last value, and the
+        # tier's own must win over the settings every tier gets.
+        own: list[str] = []
         if spec.get("checkpoint_dir"):
-            cmd += ["--checkpoint-dir", str(spec["checkpoint_dir"])]
+            own += ["--checkpoint-dir", str(spec["checkpoint_dir"])]
         for key in ("flush_ms", "flush_bytes", "lease_s"):  # per tier: a zone flushes sooner than a region
             if key in spec:
-                cmd += [f"--{key.replace('_', '-')}", str(spec[key])]
+                own += [f"--{key.replace('_', '-')}", str(spec[key])]
         # Every tier of a local cluster shares one machine: torch's default of one arithmetic
         # thread per core in each of them oversubscribes it. Measured on the 2-core demo
         # (py-spy, async): the root's Adam step and a region's encode spent most of their time
         # waiting for their own threads. One each, unless the environment says otherwise.
-        tier = self._popen(name, role, cmd + list(args), self.logdir / f"{name}.log", parent,
+        tier = self._popen(name, role, cmd + list(args) + own, self.logdir / f"{name}.log", parent,
                            extra_env={"OMP_NUM_THREADS": "1"})
         self.tiers[name] = tier
         if wait:

@@ -80,7 +80,7 @@ def print_launch(launch_dir: str | Path, out) -> tuple[int, str]:
         print(f"  {t['role']:9s} {name:8s} {t['address']:22s} pid {t['pid']:<7d} {state}, "
               f"{t['restarts']} restart(s){last}; log {t['log']}", file=out)
         rc = rc or int(t["state"] != "up")
-        if t["role"] == "global":
+        if t["role"] == "global" and not root:  # the first: the root (a standby and shards follow it)
             root = t["address"]
     return rc, root
 

@@ -73,9 +73,9 @@ class Launch:
         return subprocess.run(HPS + ["status", "--launch-dir", str(self.dir)], capture_output=True,
                               text=True, timeout=60)
 
-    def stop(self) -> int:
+    def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
+            os.kill(self.proc.pid, sig)
         return self.proc.wait(timeout=60)
 
     def close(self) -> None:
@@ -152,6 +152,34 @@ def test_a_restarted_root_restores_its_jobs_and_a_clean_stop_exits_0(tmp_path, l
         assert c.view.values.tolist() == [0.0, 1.0, 2.0]
     finally:
         c.close()
+    assert lc.stop() == 0
+
+
+def test_a_closed_terminal_sighup_stops_launch_and_every_tier(tmp_path, launches):
+    """The tiers run in sessions of their own (no terminal's signals reach them): a launcher
+    that died of SIGHUP's default action left every one of them running, unsupervised."""
+    lc = Launch(tmp_path, "--insecure")
+    launches(lc)
+    pids = [t["pid"] for t in lc.wait(_up, "every tier up")["tiers"].values()]
+    assert lc.stop(signal.SIGHUP) == 0, lc.text()
+    for pid in pids:  # stopped and reaped by the launcher: none is left
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_tiers_own_flags_win_over_the_settings_and_the_launchers_hps_variables_stay_its_own(
+        tmp_path, launches, monkeypatch):
+    """settings: {flush_ms: 5} with a zone's own flush_ms: 200 ran the zone at 5 ms (the settings
+    came last, and argparse keeps the last). And a shell holding a client's HPS_TLS_* (`hps
+    launch` tells users to source them) made every tier of an --insecure launch refuse to start."""
+    monkeypatch.setenv("HPS_TLS_CERT", str(tmp_path / "client.pem"))
+    topo = {**TOPO, "settings": {**TOPO["settings"], "flush_ms": 5}, "root": {"name": "root", "zones": [{"name": "z", "flush_ms": 200}]}}
+    lc = Launch(tmp_path, "--insecure", topo=topo)
+    launches(lc)
+    st = lc.wait(_up, "every tier up")
+    args = Path(f"/proc/{st['tiers']['z']['pid']}/cmdline").read_bytes().decode().split("\0")
+    flush = [args[i + 1] for i, a in enumerate(args) if a == "--flush-ms"]
+    assert flush[-1] == "200", args
     assert lc.stop() == 0
 
 
