@@ -173,7 +173,8 @@ def test_a_tiers_own_flags_win_over_the_settings_and_the_launchers_hps_variables
     came last, and argparse keeps the last). And a shell holding a client's HPS_TLS_* (`hps
     launch` tells users to source them) made every tier of an --insecure launch refuse to start."""
     monkeypatch.setenv("HPS_TLS_CERT", str(tmp_path / "client.pem"))
-    topo = {**TOPO, "settings": {**TOPO["settings"], "flush_ms": 5}, "root": {"name": "root", "zones": [{"name": "z", "flush_ms": 200}]}}
+    topo = {**TOPO, "settings": {**TOPO["settings"], "flush_ms": 5},
+            "root": {"name": "root", "zones": [{"name": "z", "flush_ms": 200}]}}
     lc = Launch(tmp_path, "--insecure", topo=topo)
     launches(lc)
     st = lc.wait(_up, "every tier up")
