@@ -59,6 +59,7 @@ DOCTESTED = (
     "ps.server.auth",
     "ps.server.health",
     "ps.server.lifecycle",
+    "ps.server.peers",
     "ps.server.service",
     "ps.tiers.checkpoint",
     "ps.tiers.durable",

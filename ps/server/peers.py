@@ -19,7 +19,7 @@ from typing import Any
 
 from ps.core.errors import PermissionDenied
 
-__all__ = ["Identity", "peer_identity", "NotRelay", "check_relay_child", "RELAY_ROLES"]
+__all__ = ["Identity", "peer_identity", "NotRelay", "check_relay_child", "RELAY_ROLES", "reachable_address"]
 
 RELAY_ROLES = ("regional", "zone")
 _ROLES = ("global", "regional", "zone", "worker")
@@ -87,3 +87,30 @@ def check_relay_child(context: Any, member: str, role: str, relays: Any, parent:
     if parent_role == "regional" and peer.role == "zone" and peer.region != parent:
         raise NotRelay(f"zone {peer.name!r}'s certificate places it in region {peer.region!r}, not {parent!r}; "
                        "connect it to its own region's master")
+
+
+_UNSPECIFIED = ("0.0.0.0", "::", "[::]", "")
+
+
+def reachable_address(address: str, peer: str) -> str:
+    """The address a child says it serves on, made reachable: a tier listening on every
+    interface (``0.0.0.0:7000``, as every pod does) says so, and that is no address another
+    machine can call; its host is replaced by the one its call came from (``context.peer()``:
+    ``ipv4:10.1.2.3:51234`` or ``ipv6:[fd00::3]:51234``). Certificates are verified against
+    the name every tier's carries, not the host, so TLS works to an address found so.
+
+    >>> reachable_address("0.0.0.0:7000", "ipv4:10.1.2.3:51234")
+    '10.1.2.3:7000'
+    >>> reachable_address("[::]:7000", "ipv6:[fd00::3]:51234")
+    '[fd00::3]:7000'
+    >>> reachable_address("eu-a.hps:7000", "ipv4:10.1.2.3:51234")
+    'eu-a.hps:7000'
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or host not in _UNSPECIFIED:
+        return address
+    kind, _, where = peer.partition(":")
+    ip = where.rpartition(":")[0]
+    if kind not in ("ipv4", "ipv6") or not ip:
+        return address
+    return f"{ip}:{port}"

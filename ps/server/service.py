@@ -84,7 +84,7 @@ from ps.net.wire import (
 )
 from ps.server.auth import Guard, relay_identity
 from ps.server.auth import digest as token_hash
-from ps.server.peers import check_relay_child
+from ps.server.peers import check_relay_child, reachable_address
 from ps.tiers.metrics import NO_RPC_METRICS
 from ps.tiers.tier import Tier
 
@@ -256,7 +256,8 @@ class _Servicer:
             raise
         with self.rpc.timed("register") as timing:
             timing.job = req.job
-            reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role], req.address[:256],
+            reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role],
+                                           reachable_address(req.address[:256], context.peer()),
                                            req.last_seq, req.incarnation)
         return pb.RegisterReply(
             config=job_to_pb(reg.config), keys=layout_to_pb(reg.layout), server_epoch=reg.server_epoch,
@@ -274,7 +275,7 @@ class _Servicer:
             if self.guard.knows(job):
                 self._check_job(context, job, ROLE_NAME.get(req.role, "worker") != "worker")
         unknown = self.tier.heartbeat(check_member(req.member), list(req.jobs), ROLE_NAME.get(req.role, "worker"),
-                                      req.address)
+                                      reachable_address(req.address, context.peer()))
         return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)
 
     @_unary("Leave")

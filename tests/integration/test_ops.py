@@ -356,3 +356,22 @@ def test_a_second_tier_on_a_port_in_use_fails_to_start_instead_of_sharing_it(tre
     reply = health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     probe.close()
+
+
+def test_a_tier_listening_on_every_interface_is_known_to_its_parent_by_a_reachable_address(tree):
+    """Every pod listens on 0.0.0.0:7000 and said so to its parent: `hps status` then walked to
+    0.0.0.0:7000 for every child -- the root itself -- and never showed a region, nor one DOWN.
+    The parent now takes the host the call came from."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root", listen="0.0.0.0:0")
+    port = zone.rsplit(":", 1)[1]
+    c = ParameterClient(zone, "anywhere", "w0")
+    try:
+        c.create_job(JobConfig(name="anywhere"), Layout([KeySpec("w", (3,))]), np.zeros(3, np.float32))
+        c.register()
+        wait_for(lambda: tree.lt.call(lambda: [a for _, a, _ in tree.tier("root").children.values()]) ==
+                 [f"127.0.0.1:{port}"], "the zone known to the root at 127.0.0.1")
+        members = tree.lt.call(lambda: [m.address for m in tree.tier("root").jobs["anywhere"].members])
+        assert members == [f"127.0.0.1:{port}"]
+    finally:
+        c.close()
