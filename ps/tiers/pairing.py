@@ -127,7 +127,11 @@ class Pairing:
                            "primary would drop the rest when it comes back as its standby. Wait until it is in "
                            "sync (hps_root_standby_in_sync), or give --force if the primary's volume is lost")
         if self._standby_task is not None and self._standby_task is not asyncio.current_task():
-            self._standby_task.cancel()
+            if self.standby is not None:
+                async with self.standby.busy:  # between two messages (ps.tiers.standby)
+                    self._standby_task.cancel()
+            else:
+                self._standby_task.cancel()
             await asyncio.gather(self._standby_task, return_exceptions=True)
         self._standby_task = self.standby = None
         self.term += 1

@@ -93,6 +93,10 @@ class Standby:
         self.last_contact = time.monotonic()
         self.connected = False
         self._seen: set[str] = set()  # jobs this bootstrap sent
+        # Held while a message is handled: a promotion cancels following between two messages,
+        # never after a record's append and before its apply (the log one version ahead of the
+        # parameters: the first round after taking over then found the job damaged).
+        self.busy = asyncio.Lock()
 
     async def run(self) -> None:
         """Follow until promoted (or cancelled): reconnect after every break, and take over once
@@ -123,6 +127,10 @@ class Standby:
             return False
 
     async def _handle(self, m: LogMessage) -> None:
+        async with self.busy:
+            await self._handle_one(m)
+
+    async def _handle_one(self, m: LogMessage) -> None:
         self.last_contact = time.monotonic()
         root = self.root
         if m.kind == "hello":
