@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["save", "save_bytes", "to_bytes", "load_latest", "list_checkpoints"]
+__all__ = ["save", "save_bytes", "to_bytes", "load_latest", "list_checkpoints", "write_atomic", "fsync_dir"]
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -59,19 +59,29 @@ def write_atomic(path: Path, data: bytes | str, tmp: Path | None = None) -> None
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)  # make the rename itself durable
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries (a file renamed or created in it) durable."""
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)  # make the rename itself durable
+        os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
 def save_bytes(directory: str | Path, version: int, data: bytes, keep: int = 3) -> Path:
-    """``save`` of a checkpoint file's bytes (``to_bytes``), atomically."""
+    """``save`` of a checkpoint file's bytes (``to_bytes``), atomically. The first checkpoint
+    of a directory also makes the directory's own entry durable (a power cut could otherwise
+    lose the whole job directory, checkpoint and log, after its creation was acknowledged)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    first = not list_checkpoints(d)
     final = d / f"ckpt-{version:012d}.npz"
     write_atomic(final, data, tmp=d / f".ckpt-{version:012d}.npz.tmp")
+    if first:
+        fsync_dir(d.parent)
     for old in list_checkpoints(d)[:-keep]:
         old.unlink(missing_ok=True)
     return final

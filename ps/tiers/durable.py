@@ -42,6 +42,7 @@ class Durable:
             Path(self._job_dir(cfg.name)).mkdir(parents=True, exist_ok=True)
             checkpoint.write_atomic(Path(self._job_dir(cfg.name)) / "declared.json",
                                     json.dumps(dataclasses.asdict(cfg)))
+            checkpoint.fsync_dir(self.config.checkpoint_dir)  # the job's directory entry too
 
     def _job_dir(self, job: str) -> str:
         return f"{self.config.checkpoint_dir}/{job}"

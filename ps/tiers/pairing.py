@@ -226,9 +226,13 @@ class Pairing:
                     f.jobs[name] = f.send(LogMessage("state", job=name, version=js.view.version, data=data))
                     if js.roster_saved:
                         f.send(LogMessage("roster", job=name, data=json.dumps(js.roster_saved).encode()))
+            # Durable before the standby may call itself in sync (it writes that before its ack):
+            # a root killed between the two came back acknowledging alone, while its standby,
+            # cut off from it, could take over; two primaries. From here none acknowledges alone.
+            self.set_role(sync=True)
+            self.replication.required = True
             await f.wait(f.send(LogMessage("synced")), timeout=max(60.0, 10 * self.config.lease_s))
             self.replication.set_synced(f)
-            self.set_role(sync=True)
             log.info("the standby is in sync (%d job(s)); versions are acknowledged once it holds them",
                      len(f.jobs), extra=event("standby.in_sync", term=self.term))
             while f.alive:  # beats: the standby hears from an idle primary, and acks them
