@@ -235,6 +235,9 @@ class _TierCollector:
     def _read(self) -> dict:
         """One consistent snapshot; runs on the tier's loop."""
         snap = dict(status=self.tier.status(), link=None, durability=None)
+        # Here, on the loop, not in collect(): the HTTP server answers each scrape in a thread of
+        # its own, and two at once (an HA Prometheus pair) raced on ``_seen`` (a KeyError: a 500).
+        snap["version_age"] = self._version_ages(snap["status"])
         if self.link is not None:
             self.link.poll()
             up = self.link.up
@@ -282,9 +285,7 @@ class _TierCollector:
         return []  # names are fixed per module; nothing to reserve ahead of the first scrape
 
     def collect(self):
-        snap = self._snapshot()
-        snap["version_age"] = self._version_ages(snap["status"])
-        return families(snap, self.labels)
+        return families(self._snapshot(), self.labels)
 
 
 def _durability(root) -> dict:

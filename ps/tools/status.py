@@ -134,8 +134,9 @@ def print_tree(address: str, out, token: str | None = None) -> int:
         pad = "  " * depth
         if isinstance(st, Exception):
             if lost is not None:  # a relay its parent dropped: a region (or zone) that is down
-                print(f"{pad}{lost.role} {lost.member} @ {addr}: DOWN, silent for {lost.last_seen_s:.0f}s and "
-                      f"dropped from its parent's jobs; unreachable ({st})", file=out)
+                # (last_seen_s counts from the drop, a member timeout after it fell silent)
+                print(f"{pad}{lost.role} {lost.member} @ {addr}: DOWN, dropped from its parent's jobs "
+                      f"{lost.last_seen_s:.0f}s ago; unreachable ({st})", file=out)
             else:
                 print(f"{pad}{addr}: unreachable ({st})", file=out)
             rc = 1
@@ -146,7 +147,8 @@ def print_tree(address: str, out, token: str | None = None) -> int:
                        if st.parent in st.parents else "") + f", {st.parent_switches} switch(es)"
         cut_off = bool(st.parent) and (not st.parent_reachable or st.parent_cut_off_s > 0)
         if cut_off:
-            parent += f", CUT OFF for {st.parent_cut_off_s:.1f}s"
+            # (a standby root keeps no parent link's clock: no time to show)
+            parent += ", CUT OFF" + ("" if st.root_state else f" for {st.parent_cut_off_s:.1f}s")
             rc = 1
         if lost is not None:
             parent += f"; its parent dropped it {lost.last_seen_s:.0f}s ago"
@@ -160,7 +162,8 @@ def print_tree(address: str, out, token: str | None = None) -> int:
         for j in st.jobs:
             workers = [m for m in j.members if m.role == "worker"]
             s = j.stats
-            lag = (f"lag unknown (cut off from its parent; last in sync {j.lag_s:.1f}s ago)" if cut_off
+            lag = ("following its primary's log" if st.root_state == "standby" else
+                   f"lag unknown (cut off from its parent; last in sync {j.lag_s:.1f}s ago)" if cut_off
                    else f"lag {j.lag_versions} versions / {j.lag_s:.1f}s")
             print(f"{pad}  job {j.name}: version {j.version} (checksum {j.checksum:#018x}) {lag}, "
                   f"round {j.round} ({j.round_pushed}/{len(j.members)} pushed), "

@@ -226,6 +226,14 @@ def test_rules_and_dashboard_only_use_series_the_tiers_export(trained):
     pair = families({"status": TierStatus("global", "root", 1, "", True, True, 1.0), "link": None,
                      "standby": {"state": "primary", "term": 1, "in_sync": True}}, {"tier": "global"})
     exported |= {s.name for fam in pair for s in fam.samples}
+    # An outer job's series exist only at the tier running its inner loop (this cluster runs
+    # none): rendered the same way, from a regional master's status of one.
+    from ps.core.types import JobStats, JobStatus
+    outer = JobStatus(name="o", mode="outer", version=1, view_epoch=1, checksum=0, parent_version=1, lag_s=0.0,
+                      round=1, round_pushed=0, clock_min=0, inner_loop=True, stats=JobStats())
+    regional = {"status": TierStatus("regional", "eu", 1, "root", True, True, 1.0, jobs=(outer,)),
+                "link": {"reachable": True, "errors": 0, "reconnects": 0}}
+    exported |= {s.name for fam in families(regional, {"tier": "regional"}) for s in fam.samples}
     rules = yaml.safe_load((ROOT / "deploy/prometheus/rules/hps.rules.yml").read_text())
     recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
     used = {n for g in rules["groups"] for r in g["rules"] for n in _names_used(r["expr"])}
