@@ -25,11 +25,13 @@ True
 
 Readiness is service ``""`` (and the hps service's own name): SERVING once the tier has synced
 with its parent -- the root at once, a relay once its upstream link has succeeded (a heartbeat
-or a register answered) and it holds a view of every job it serves. It stays SERVING if the
-parent is lost later: the relay still serves the view it holds, and flipping readiness would
-empty the Kubernetes Services below it, so a root restart would cascade down the whole tree
-and every child would sit out gRPC's reconnect backoff. A lost parent is reported by
-``hps_upstream_reachable`` and its alert instead.
+or a register answered) and it holds a view of every job it serves. It stays SERVING through
+a short loss of every parent (up to the member timeout: a parent restarting, a switch to an
+alternate): the relay still serves the view it holds, and flipping readiness would empty the
+Kubernetes Services below it, so a root restart would cascade down the whole tree and every
+child would sit out gRPC's reconnect backoff. Cut off longer, it is NOT_SERVING: its parent
+has dropped it, its view no longer moves, and workers are better sent to a zone that still
+trains (``ps.tiers.parents``). A lost parent is also reported by ``hps_upstream_reachable``.
 Liveness is service ``hps.liveness``: SERVING while the event loop answers at all.
 Service ``hps.relay`` is readiness for a relay (zone or regional master) and NOT_FOUND at a
 root: what a relay on an alternate parent asks its first parent before it moves back to it
