@@ -60,6 +60,9 @@ __all__ = ["HpsOptimizer"]
 
 log = logging.getLogger("hps.worker")
 
+# ssp: how long one pull waits for the clock floor before the sender's errors are looked at.
+_FLOOR_SLICE_S = 2.0
+
 Params = torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]
 
 
@@ -552,13 +555,29 @@ class HpsOptimizer(torch.optim.Optimizer):
             sender.submit(grad, self.clock, view.version, view.epoch, report, info)
         self.clock += 1
         if self.mode == "ssp":
-            self.client.pull(min_clock=max(0, self.clock - self.staleness))
+            self._wait_floor(max(0, self.clock - self.staleness))
         else:
             self.client.pull(wait_s=0.0)
         self._load_view(buffers=sync_buffers)
         self.last_step_s = time.perf_counter() - t0
         return StepResult(self.client.view.version, not skip, sender.bytes_up - up0,
                           self.client.bytes_down - down0)
+
+    def _wait_floor(self, floor: int) -> None:
+        """ssp: pull until every live worker reached clock ``floor`` (up to the round timeout), in
+        slices, so that a push of this worker's that failed in the background -- often the very
+        one the floor waits for -- is raised at once, not after a staleness TimedOut that blamed
+        another worker."""
+        assert self.sender is not None
+        deadline = time.monotonic() + self.client.round_timeout_s
+        while True:
+            try:
+                self.client.pull(min_clock=floor, wait_s=min(_FLOOR_SLICE_S, max(0.0, deadline - time.monotonic())))
+                return
+            except TimedOut:
+                self.sender.raise_kept()
+                if time.monotonic() >= deadline:
+                    raise
 
     def sync(self, timeout_s: float = 60.0) -> int:
         """Wait until every pushed gradient is applied, then load the newest parameters and

@@ -183,6 +183,14 @@ class Sender:
                 self._moving = False
                 self._cv.notify_all()
 
+    def raise_kept(self) -> None:
+        """Raise the error a push ended with, if one did and nothing raised it since (as the
+        next ``submit`` would): for a caller waiting on what that push would have brought."""
+        with self._cv:
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+
     def drain(self, timeout_s: float, raise_kept: bool = True) -> bool:
         """Wait until everything submitted is acknowledged (or failed); False on timeout. Raises
         the error a push ended with that no ``submit`` raised since: the last pushes of a run

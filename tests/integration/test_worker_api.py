@@ -329,3 +329,28 @@ def test_an_ssp_worker_whose_step_overflows_still_moves_its_clock_floor(tree):
             clocks.append((r.applied, opt.clock))
         assert opt.sync(timeout_s=10) >= 2
     assert clocks == [(True, 1), (False, 2), (False, 3), (True, 4)]
+
+
+def test_an_ssp_push_that_fails_in_the_background_is_raised_by_the_step_waiting_for_it(tree, monkeypatch):
+    """ssp(0): step c+1 waits for the floor that step c's push raises; that push failed at once
+    in the sender, yet the step waited the whole round timeout, then blamed a slow worker."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    job = JobConfig(name="ssp-fail", mode="ssp", staleness=0, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    model = _mlp(0)
+    with HpsOptimizer(model, zone, job, worker_id="w0", round_timeout_s=60.0) as opt:
+        push, calls = opt.client.push, []
+
+        def refusing_the_second(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise Conflict("refused (simulated)")
+            return push(*args, **kwargs)
+        monkeypatch.setattr(opt.client, "push", refusing_the_second)
+        t0 = time.monotonic()
+        with pytest.raises(Conflict, match="simulated"):
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(8, 6)).pow(2).mean().backward()
+                opt.step()
+        assert time.monotonic() - t0 < 20.0
