@@ -263,6 +263,11 @@ class HpsOptimizer(torch.optim.Optimizer):
                            f"asked for {job}")
         if resume or self.client.start_version == 0:
             return  # resuming on purpose, or nothing trained yet (a declared job, a fresh one)
+        if not isinstance(job, JobConfig) and not have.run_id:
+            # Joined by name a job that names no run (declared with `hps job create`): the job
+            # is the run, and its late, elastic and restarted workers must get in; refusing them
+            # left a declared job to the workers that joined it at version 0.
+            return
         if not other_run and ours:
             return  # a worker of the same run joining (late, elastically, or restarted)
         raise Conflict(

@@ -287,6 +287,23 @@ def test_a_new_run_does_not_silently_resume_an_old_job(tree, monkeypatch):
     again.close()
 
 
+def test_a_declared_job_is_joined_by_name_after_it_trained(tree, monkeypatch):
+    """`hps job create lm`, then workers with HPS_JOB=lm: a late or restarted worker (of any run,
+    or none) joins at the published version; it was refused until resume=True."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    tree.lt.run(_declare(tree.tier("root"), JobConfig(name="decl", optimizer=OptimizerConfig(kind="sgd", lr=0.1))))
+    model = _mlp(0)
+    with HpsOptimizer(model, zone, "decl", worker_id="w0") as first:
+        model(torch.randn(2, 6)).sum().backward()
+        first.step()
+    with HpsOptimizer(_mlp(0), zone, "decl", worker_id="w1") as late:
+        assert late.version == 1
+    monkeypatch.setenv("HPS_RUN_ID", "torchrun-7")
+    with HpsOptimizer(_mlp(0), zone, "decl", worker_id="w0") as restarted:
+        assert restarted.version == 1
+
+
 def test_address_job_and_rank_come_from_the_environment(tree, monkeypatch):
     tree.add("root", "global")
     zone = tree.add("z", "zone", parent="root")
