@@ -13,8 +13,8 @@ process would.
 
 The tier's address comes from ``HPS_ADDRESS``; rank and world size from the root (``RANK`` /
 ``WORLD_SIZE`` under torchrun). MNIST itself needs torchvision and a download, which this
-repository does not depend on: ``--synthetic`` (the default here) trains on generated 28x28
-digits of the same shapes (a class-dependent bright square on noise).
+repository does not depend on: this script trains on generated 28x28 digits of the same
+shapes (a class-dependent bright square on noise; ``--samples`` of them).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``hps`` command: serve | launch | status | job | checkpoint | certs | demo.
+"""The ``hps`` command: serve | launch | status | job | checkpoint | promote | reshard | certs | demo.
 
     hps certs init certs/                      # a CA and a certificate per tier (and worker)
     hps serve --role zone --listen 0.0.0.0:7001 --parent region-eu:7000 --name eu-a \
