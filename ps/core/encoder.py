@@ -61,7 +61,7 @@ def row_sparse_keys(layout: Layout, flat: np.ndarray | torch.Tensor, max_fractio
     for spec in layout:
         width = row_width(spec)
         if (only is not None and spec.key not in only) or len(spec.shape) < 2 or spec.shape[0] < 2 \
-                or width > CHUNK_ELEMS:
+                or not 1 <= width <= CHUNK_ELEMS:  # (a row of 0 elements: a key of no elements)
             continue
         base, rows = layout.offset(spec.key), spec.shape[0]
         # A dense gradient is the common case: rule it out from a few evenly spaced rows
@@ -70,14 +70,15 @@ def row_sparse_keys(layout: Layout, flat: np.ndarray | torch.Tensor, max_fractio
         if tensor:  # on the tensor's device
             table = cast("torch.Tensor", flat)[base: base + spec.numel].view(rows, width)
             if probing:
-                probe = torch.linspace(0, rows - 1, _PROBE_ROWS, device=table.device).long()
+                # In integers: float32's linspace rounds rows - 1 up to rows past 2**24 rows.
+                probe = torch.arange(_PROBE_ROWS, device=table.device) * (rows - 1) // (_PROBE_ROWS - 1)
                 if int((table.index_select(0, probe) != 0).any(dim=1).sum()) > 0.9 * _PROBE_ROWS:
                     continue
             touched = int((table != 0).any(dim=1).sum())
         else:
             host = np.asarray(flat)[base: base + spec.numel].reshape(rows, width)
             if probing:
-                probe_np = np.linspace(0, rows - 1, _PROBE_ROWS).astype(np.int64)
+                probe_np = np.arange(_PROBE_ROWS, dtype=np.int64) * (rows - 1) // (_PROBE_ROWS - 1)
                 if int(np.count_nonzero((host[probe_np] != 0).any(axis=1))) > 0.9 * _PROBE_ROWS:
                     continue
             touched = int(np.count_nonzero((host != 0).any(axis=1)))
@@ -181,7 +182,8 @@ class Encoder:
             return self.ef.encode(name, codec, part)
         g = part if isinstance(part, torch.Tensor) else torch.from_numpy(np.asarray(part))
         u = self.velocity.get(name)
-        u = g.to(torch.float32).clone() if u is None else u.mul_(self.momentum).add_(g)
+        # (a velocity loaded from a checkpoint lives on the host: moved to the gradient's device)
+        u = g.to(torch.float32).clone() if u is None else u.to(g.device).mul_(self.momentum).add_(g)
         self.velocity[name] = u
         payload = self.ef.encode(name, codec, u)
         # Momentum factor masking (DGC): what was sent stops accumulating momentum here; the
@@ -210,7 +212,9 @@ class Encoder:
     def _split(self, layout: Layout, flat: np.ndarray | torch.Tensor, step: int,
                only: frozenset[str] | None = None, copy: bool = True) -> list[Chunk]:
         if self.name == "rows":
-            rows = frozenset(s.key for s in layout)
+            # Rows of at most a chunk, and of at least one element; other keys go as rows of one
+            # element (as lossless): a (1, 2048, 1024) embedding's one row would not fit a frame.
+            rows = frozenset(s.key for s in layout if 1 <= row_width(s) <= CHUNK_ELEMS)
         elif self.lossless:
             rows = row_sparse_keys(layout, flat, only=only)
         else:

@@ -223,6 +223,18 @@ def test_encoder_sends_row_sparse_keys_as_rows_with_a_lossless_codec():
     assert np.array_equal(assemble(LAYOUT, chunks, "t"), g)
 
 
+def test_row_keys_of_every_size_go_up_lossless():
+    """A key of no elements, a row wider than a frame (a (1, 2**21) position embedding), and a
+    table past 2**24 rows (its row probe was float32: it indexed one row past the end)."""
+    layout = Layout([KeySpec("w", (4, 3)), KeySpec("empty", (5, 0)), KeySpec("pos", (1, 2**21))])
+    g = np.random.default_rng(6).standard_normal(layout.numel).astype(np.float32)
+    for codec in ("fp32", "rows"):
+        assert np.array_equal(assemble(layout, Encoder(codec).split(layout, g), "t"), g), codec
+    big = Layout([KeySpec("emb", (16777220, 2))])
+    assert row_sparse_keys(big, torch.zeros(big.numel)) == {"emb"}
+    assert row_sparse_keys(big, np.zeros(big.numel, np.float32)) == {"emb"}
+
+
 def test_encoder_density_follows_the_warm_up_and_residuals_persist():
     enc = Encoder("topk", topk=0.01, warmup_steps=100, seed="w0")
     g = np.random.default_rng(5).standard_normal(LAYOUT.numel).astype(np.float32)
