@@ -167,7 +167,55 @@ def load_topology(path: str | None) -> dict:
         raise BadInput(f"cannot read topology {path}: {exc}") from None
     if not isinstance(topo, dict) or "root" not in topo:
         raise BadInput(f"topology {path} needs a 'root' entry")
+    check_shape(topo, path)
     return topo
+
+
+def check_shape(topo: dict, where: str) -> None:
+    """The topology's structure, before anything is started or written: every tier a mapping
+    with a name (the root's defaults to ``root``), lists where lists go, integer ports, each
+    name once (it names the tier's log, certificate and member id) and not ``ca`` or
+    ``client`` (the CA's and the local clients' certificate files). BadInput naming the
+    entry; a malformed topology crashed with a traceback (exit 1, not 2) part-way through."""
+    names: list[str] = []
+
+    def tier(x, what: str, default: str = "") -> dict:
+        if not isinstance(x, dict):
+            raise BadInput(f"topology {where}: {what} must be a mapping (name: ..., port: ...), got {x!r}")
+        name = x.get("name", default)
+        if not isinstance(name, str) or not name:
+            raise BadInput(f"topology {where}: {what} needs a name, got {name!r}")
+        for key in ("port", "metrics_port"):
+            if key in x and (not isinstance(x[key], int) or isinstance(x[key], bool)):
+                raise BadInput(f"topology {where}: {what} {name!r} has {key} {x[key]!r}: an integer is needed")
+        names.append(name)
+        return x
+
+    def listed(x, what: str) -> list:
+        if x is None:
+            return []
+        if not isinstance(x, list):
+            raise BadInput(f"topology {where}: {what} must be a list, got {x!r}")
+        return x
+
+    if not isinstance(topo.get("settings", {}), dict):
+        raise BadInput(f"topology {where}: settings must be a mapping (flag: value), got {topo['settings']!r}")
+    root = tier(topo["root"], "the root", "root")
+    for z in listed(root.get("zones"), "the root's zones"):
+        if tier(z, "a zone below the root").get("alternates"):  # (they were dropped without a word)
+            raise BadInput(f"topology {where}: zone {z['name']!r} is below the root: its parents are the root "
+                           "and its standby; alternates name regional masters, for zones of a region")
+    for reg in listed(topo.get("regions"), "regions"):
+        tier(reg, "a region")
+        for z in listed(reg.get("zones"), f"region {reg['name']!r}'s zones"):
+            tier(z, f"a zone of region {reg['name']!r}")
+    seen: set[str] = set()
+    for name in names:
+        if name in seen or name in ("ca", "client"):
+            why = "names two tiers" if name in seen else "names the CA's or the local clients' certificate files"
+            raise BadInput(f"topology {where}: {name!r} {why} (a tier's name is its log, certificate and member "
+                           "id): rename one")
+        seen.add(name)
 
 
 @dataclass

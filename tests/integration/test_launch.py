@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -317,3 +318,24 @@ def test_shards_and_standbys_whose_fixed_ports_collide_are_refused_before_anythi
     assert lc.proc.wait(timeout=60) == 2
     assert "'root-1' and 'root-standby-0' would both take port 47001" in lc.text()
     assert not list(lc.dir.glob("root-*.log"))  # no tier was started
+
+
+@pytest.mark.parametrize("text, said", [
+    ("root: foo", "the root must be a mapping"),
+    ("root: {name: r}\nregions: [eu]", "a region must be a mapping"),
+    ("root: {name: r, port: abc}", "port 'abc': an integer is needed"),
+    ("root: {name: r}\nregions: [{zones: [{name: z}]}]", "a region needs a name"),
+    ("root: {name: r, zones: [{name: z}]}\nregions: [{name: eu, zones: [{name: z}]}]", "'z' names two tiers"),
+    ("root: {name: r, zones: [{name: client}]}", "'client' names the CA's"),
+    ("root: {name: r}\nsettings: [1]", "settings must be a mapping"),
+    ("root: {name: r, zones: [{name: z, alternates: [eu]}]}", "alternates name regional masters"),
+])
+def test_a_malformed_topology_is_refused_with_a_sentence_before_anything_starts(tmp_path, text, said):
+    """These crashed part-way through with a traceback (KeyError, TypeError, AttributeError,
+    ValueError from the certificates): exit 1, not the 2 of a bad topology."""
+    from ps.core.errors import BadInput
+    from ps.tools.launch import load_topology
+    path = tmp_path / "topo.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(BadInput, match=re.escape(said)):
+        load_topology(str(path))
