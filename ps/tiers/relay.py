@@ -309,6 +309,14 @@ class Relay(ParentLink, Tier):
                 exc = Unavailable(f"this {self.role} tier failed to forward the round "
                                   f"({type(exc).__name__}); push again")
             self._refuse(js, agg, fut, exc)
+        finally:
+            # The last child may have left while this forward was on its way, and a forward
+            # the parent answered NotMember registers this relay there again: with nobody
+            # below it then, it held every later round of the parent's for good. (Not an outer
+            # job's: a region's outer loop leaves the root's rounds itself, ps.tiers.outer.)
+            if (len(js.members) == 0 and job in self.attached and self.jobs.get(job) is js
+                    and js.config.mode != "outer"):
+                await self._leave_parent(job, lambda: len(js.members) == 0 and self.jobs.get(job) is js)
 
     def workers_below(self, js: RelayJob) -> int:
         """The live workers a push up speaks for (the parent weighs asynchronous updates by it)."""
