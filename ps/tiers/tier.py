@@ -205,6 +205,10 @@ class Tier(Membership):
         try:
             self._check_placement(js, meta)
         except Stale as exc:
+            # The number is spent (the sender never sends it again for this body): seen. An async
+            # sender's numbers run ahead of the last one accepted, and 17 refusals in a row (its
+            # windows on a lineage the root had just left) made every later push "from the future".
+            book.highest = max(book.highest, meta.seq)
             if not keys:
                 raise
             return await self._resolve_late(js, book, meta, digest, keys, exc)

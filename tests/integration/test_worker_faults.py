@@ -307,3 +307,16 @@ def test_a_loop_that_leaves_an_epoch_early_leaves_its_shard_to_be_trained_and_re
     for batch in third:
         book.progress(sampler.step_progress(), now=0)
     assert 0 in book.finished
+
+
+def test_many_async_pushes_refused_as_stale_do_not_make_the_next_one_from_the_future(tree):
+    """An async sender (a relay's windows after a root restart) numbers each push in flight
+    ahead of the last acknowledged; pushes refused as Stale never moved the tier's record of the
+    numbers seen, so after 17 refusals in a row every push was refused for good as BadInput."""
+    (a,) = _clients(tree.add("root", "global"), "a", mode="async")
+    for _ in range(20):  # computed on a lineage the tier does not hold: not applied
+        with pytest.raises(Stale):
+            a.push(_grad(1), view_epoch=a.view.epoch + 1, pipelined=True)
+    version, _ = a.push(_grad(2), pipelined=True)
+    assert version == 1
+    a.close()
