@@ -412,12 +412,18 @@ class Tier(Membership):
         js.window = js.new_window()
         js.inflight += 1
         js.stats.rounds += 1
-        fut.add_done_callback(lambda _: self._window_done(js))
+        fut.add_done_callback(lambda f: self._window_done(js, f))
         self._finish_checked(js, agg, keys, js.members.floor(js.view.clock_min), fut)
 
-    def _window_done(self, js: JobState) -> None:
+    def _window_done(self, js: JobState, fut: asyncio.Future) -> None:
         js.inflight = max(0, js.inflight - 1)
         self._maybe_flush(js)
+        # A floor that rose while this window was on its way (a member expired meanwhile) was
+        # not sent then: nothing else would send it, and the live workers waited for it until
+        # the round timeout. (After a refused window, not at once: a refusal that comes at
+        # once, a log that cannot be written, would make this a tight loop.)
+        if not fut.cancelled() and fut.exception() is None:
+            self._flush_floor(js)
 
     def _flush_floor(self, js: JobState) -> None:
         """SSP: membership shrank and the clock floor rose; send the news up even with nothing
