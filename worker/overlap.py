@@ -228,9 +228,12 @@ class Overlap:
                 names = ", ".join(self.keys[i][0] for i in changed[:3]) + (" ..." if len(changed) > 3 else "")
                 raise ValueError(
                     f"with overlap=True each gradient is sent as backward() makes it, and {len(changed)} "
-                    f"changed after that ({names}): gradient clipping in the script, or a second backward() "
-                    "before step(). Clip at the root (OptimizerConfig.clip_grad_norm), accumulate micro-batches "
-                    "inside opt.no_sync(), or pass overlap=False. Nothing of this step was applied")
+                    f"changed after that ({names}): gradient clipping in the script, a second backward() "
+                    "before step(), or activation checkpointing with use_reentrant=True (a backward per "
+                    "segment: a parameter shared by two segments gets its gradient twice). Clip at the root "
+                    "(OptimizerConfig.clip_grad_norm), accumulate micro-batches inside opt.no_sync(), pass "
+                    "use_reentrant=False to torch.utils.checkpoint, or pass overlap=False. Nothing of this "
+                    "step was applied")
             rest, absent = [], []
             with torch.no_grad():
                 for i, (_, t, kind) in enumerate(self.keys):
