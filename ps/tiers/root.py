@@ -452,10 +452,14 @@ class Root(Durable, Pairing, Tier):
                 except Exception as failed:
                     # Its parameters hold the refused step under the published view: not served
                     # until a restart restores it from the disk (as a mismatch, ``_roll_back``).
-                    self.damaged[js.config.name] = (f"rolling back version {rec.version} failed ({failed}); restart "
-                                                    "the root: it restores the job from its checkpoint and log")
-                    log.critical("job %s is not served: %s", js.config.name, self.damaged[js.config.name],
-                                 exc_info=True, extra=event("job.damaged", job=js.config.name, version=rec.version))
+                    # (Unless this root follows another primary now: the job is not this one.)
+                    if self.jobs.get(js.config.name) is js:
+                        self.damaged[js.config.name] = (f"rolling back version {rec.version} failed ({failed}); "
+                                                        "restart the root: it restores the job from its checkpoint "
+                                                        "and log")
+                        log.critical("job %s is not served: %s", js.config.name, self.damaged[js.config.name],
+                                     exc_info=True, extra=event("job.damaged", job=js.config.name,
+                                                                version=rec.version))
                 if isinstance(exc, WalWriteError):
                     js.stats.durable_failures += 1
                     log.error("job %s: %s; refusing the round until a write succeeds", js.config.name, exc,
@@ -513,6 +517,11 @@ class Root(Durable, Pairing, Tier):
             js.optimizer.roll_back()
             return
         await self._quiesce(js, apply=False)
+        if self.jobs.get(js.config.name) is not js:
+            # This root went over to following another primary meanwhile (its jobs cleared, its
+            # directories being rewritten from the new primary's state): nothing of this one is
+            # served any more, and what the disk holds now is not its to judge.
+            return
         fresh = self._load(Path(self._job_dir(js.config.name)), register=False)
         if fresh is None or (fresh.view.version, fresh.view.checksum) != (js.view.version, js.view.checksum):
             # The disk does not hold the published version: the log holds one this process never
