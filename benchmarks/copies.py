@@ -155,7 +155,10 @@ def _row(where: str, params: int, key_elems: int, reps: int, count_dir: Path) ->
     grad = np.random.default_rng(1).standard_normal(params, dtype=np.float32) * 1e-3
     job = JobConfig(name="big", optimizer=OptimizerConfig(kind="sgd", lr=0.01), delta_log_length=2)
     nbytes = 4 * params
-    with tempfile.TemporaryDirectory() as tmp, Cluster.start(topo, tmp) as cluster:
+    # The counting shim's settings, handed to the tiers by name (a launch passes none of its own
+    # HPS_* variables on).
+    counting = {k: v for k, v in os.environ.items() if k.startswith("HPS_COPYCOUNT_")}
+    with tempfile.TemporaryDirectory() as tmp, Cluster.start(topo, tmp, env=counting) as cluster:
         pids = {"worker": os.getpid(), **{n: t.proc.pid for n, t in cluster.tiers.items()}}
         c = ParameterClient(cluster.address("z" if where == "zone" else "root"), "big", "w0",
                             timeout_s=300, round_timeout_s=300)

@@ -552,8 +552,11 @@ class HpsOptimizer(torch.optim.Optimizer):
             # Nothing pushed, but this worker's clock floor still moves: the floor rises only
             # with a push, and with staleness s, s + 1 skipped steps in a row left this worker
             # waiting for its own floor until the round timeout (AMP's first steps overflow).
-            # The batch still counts as consumed (as a skipped step on one device).
-            sender.submit(None, self.clock, view.version, view.epoch, report, info)
+            # The batch still counts as consumed (as a skipped step on one device): its progress
+            # goes with the next push that carries a gradient (a tier keeps the step
+            # information of contributions only).
+            self._carried = info.progress
+            sender.submit(None, self.clock, view.version, view.epoch, report, replace(info, progress=()))
         elif skip:  # async: no floor; not pushed
             self._carried = info.progress  # (it holds what was carried before: ``_progress``)
         else:
@@ -661,13 +664,17 @@ class HpsOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Drain the background sender (ssp/async), stop heart-beating and leave the job."""
-        sender = getattr(self, "sender", None)
-        if sender is not None:
-            sender.close(self.client.timeout_s)
-        overlap = getattr(self, "_overlap", None)
-        if overlap is not None:
-            overlap.close()
-        self.client.close()
+        try:
+            sender = getattr(self, "sender", None)
+            if sender is not None:
+                sender.close(self.client.timeout_s)
+        finally:  # whatever that raised, this worker leaves: a member that never pushes holds rounds up
+            try:
+                overlap = getattr(self, "_overlap", None)
+                if overlap is not None:
+                    overlap.close()
+            finally:
+                self.client.close()
 
     def __enter__(self) -> HpsOptimizer:
         return self

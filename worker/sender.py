@@ -31,7 +31,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ps.core.errors import HpsError, Stale
+from ps.core.errors import Stale
 from ps.core.types import NO_STEP, StepInfo, furthest
 from worker.client import ParameterClient
 from worker.sharded import ShardedClient
@@ -208,7 +208,7 @@ class Sender:
         failed meanwhile is logged: closing goes on)."""
         try:
             self.drain(timeout_s)
-        except HpsError as exc:
+        except Exception as exc:  # (kept from a push, of any kind): closing goes on
             log.warning("%s: a push failed before the sender closed: %s", self.client.worker_id, exc)
         with self._cv:
             self._stop = True

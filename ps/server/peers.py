@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from ps.core.errors import PermissionDenied
 
@@ -103,6 +104,8 @@ def reachable_address(address: str, peer: str) -> str:
     '10.1.2.3:7000'
     >>> reachable_address("[::]:7000", "ipv6:[fd00::3]:51234")
     '[fd00::3]:7000'
+    >>> reachable_address("[::]:7000", "ipv6:%5Bfd00::3%5D:51234")
+    '[fd00::3]:7000'
     >>> reachable_address("eu-a.hps:7000", "ipv4:10.1.2.3:51234")
     'eu-a.hps:7000'
     """
@@ -110,7 +113,7 @@ def reachable_address(address: str, peer: str) -> str:
     if not sep or host not in _UNSPECIFIED:
         return address
     kind, _, where = peer.partition(":")
-    ip = where.rpartition(":")[0]
+    ip = unquote(where).rpartition(":")[0]  # (gRPC percent-encodes an IPv6 peer's brackets)
     if kind not in ("ipv4", "ipv6") or not ip:
         return address
     return f"{ip}:{port}"

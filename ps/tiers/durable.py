@@ -68,15 +68,21 @@ class Durable:
                 raise Unavailable(f"the root could not save the ranks and data leases of job {js.config.name} "
                                   f"({exc}); retry") from None
             # On the standby before it is answered, as a job's creation is: a takeover must not
-            # give a rank or a shard lease this root granted to another worker. Marked saved only
-            # then, so a retry after a refusal sends it again.
+            # give a rank or a shard lease this root granted to another worker. Marked saved
+            # first (a bootstrap under way sends the job's state with the saved roster after
+            # it), and unmarked if the standby did not take it, so a retry sends it again.
             msg = LogMessage("roster", job=js.config.name, data=json.dumps(roster).encode())
+            before, js.roster_saved = js.roster_saved, roster
             f = self.replication.follower
-            if self.replication.required or (f is not None and f.alive and js.config.name in f.jobs):
-                await self.replication.confirm(msg)
-            else:
-                self.replication.announce(msg)
-            js.roster_saved = roster
+            try:
+                if self.replication.required or (f is not None and f.alive and js.config.name in f.jobs):
+                    await self.replication.confirm(msg)
+                else:
+                    self.replication.announce(msg)
+            except BaseException:
+                if js.roster_saved is roster:
+                    js.roster_saved = before
+                raise
 
     async def _quiesce(self, js: RootJob, apply: bool = True) -> None:
         """Wait for the job's version being applied (``apply``) and checkpoints being written."""

@@ -219,7 +219,8 @@ class Pairing:
                             source = None
                             log.error("job %s (not served) is not sent to the standby: its disk cannot be "
                                       "read (%s)", name, exc)
-                        if source is None:
+                        if source is None:  # the standby keeps its own copy, as of a job not restored
+                            f.send(LogMessage("kept", job=name))
                             continue
                     arrays, meta = self._ckpt_state(source)
                     data = await asyncio.to_thread(checkpoint.to_bytes, arrays, meta)
@@ -229,6 +230,8 @@ class Pairing:
             # Durable before the standby may call itself in sync (it writes that before its ack):
             # a root killed between the two came back acknowledging alone, while its standby,
             # cut off from it, could take over; two primaries. From here none acknowledges alone.
+            if not f.alive:  # gone meanwhile: it never hears "synced", so it cannot take over
+                raise Unavailable("the standby went away before it held every job")
             self.set_role(sync=True)
             self.replication.required = True
             await f.wait(f.send(LogMessage("synced")), timeout=max(60.0, 10 * self.config.lease_s))

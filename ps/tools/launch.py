@@ -198,7 +198,7 @@ def check_shape(topo: dict, where: str) -> None:
             raise BadInput(f"topology {where}: {what} must be a list, got {x!r}")
         return x
 
-    if not isinstance(topo.get("settings", {}), dict):
+    if not isinstance(topo.get("settings") or {}, dict):  # (empty, it loads as None)
         raise BadInput(f"topology {where}: settings must be a mapping (flag: value), got {topo['settings']!r}")
     root = tier(topo["root"], "the root", "root")
     for z in listed(root.get("zones"), "the root's zones"):

@@ -71,7 +71,7 @@ def print_launch(launch_dir: str | Path, out) -> tuple[int, str]:
     print(f"launch pid {st['pid']} {how}, up {time.time() - st['started_at']:.0f}s; restarts after "
           f"{p['first_s']:g}s doubling to {p['max_s']:g}s, at most {p['max_restarts']} per {p['window_s']:g}s",
           file=out)
-    rc, root = (0 if alive else 1), ""
+    rc, roots = (0 if alive else 1), []
     for name, t in st["tiers"].items():
         last = ""
         if t["last_exit"]:
@@ -80,9 +80,29 @@ def print_launch(launch_dir: str | Path, out) -> tuple[int, str]:
         print(f"  {t['role']:9s} {name:8s} {t['address']:22s} pid {t['pid']:<7d} {state}, "
               f"{t['restarts']} restart(s){last}; log {t['log']}", file=out)
         rc = rc or int(t["state"] != "up")
-        if t["role"] == "global" and not root:  # the first: the root (a standby and shards follow it)
-            root = t["address"]
-    return rc, root
+        if t["role"] == "global":
+            roots.append(t["address"])
+    return rc, _primary(roots)
+
+
+def _primary(roots: list[str]) -> str:
+    """Of a launch's global tiers (the root, then its standby, or shards), the one to walk the
+    tree from: the primary of a pair (after a takeover, the standby listed second), else the
+    first. Asked with the admin's token, if the environment names one."""
+    if len(roots) < 2:
+        return roots[0] if roots else ""
+    try:
+        from ps.tools.jobctl import admin_token
+        token = admin_token()
+    except (OSError, ValueError):
+        token = None
+    for address in roots:
+        try:
+            if fetch_status(address, 2.0, token).root_state == "primary":
+                return address
+        except Exception:  # (down, refused): another may answer
+            continue
+    return roots[0]
 
 
 def fetch_status(address: str, timeout_s: float = 5.0, token: str | None = None) -> TierStatus:

@@ -339,3 +339,5 @@ def test_a_malformed_topology_is_refused_with_a_sentence_before_anything_starts(
     path.write_text(text + "\n")
     with pytest.raises(BadInput, match=re.escape(said)):
         load_topology(str(path))
+    path.write_text("root: {name: r}\nsettings:\n")  # empty: it loads as None, and is no settings
+    assert load_topology(str(path))["root"] == {"name": "r"}
