@@ -554,9 +554,11 @@ class HpsOptimizer(torch.optim.Optimizer):
             # waiting for its own floor until the round timeout (AMP's first steps overflow).
             # The batch still counts as consumed (as a skipped step on one device): its progress
             # goes with the next push that carries a gradient (a tier keeps the step
-            # information of contributions only).
+            # information of contributions only). Every key is absent from it: summed with a
+            # later gradient, it must not make a key that one lacks look present.
             self._carried = info.progress
-            sender.submit(None, self.clock, view.version, view.epoch, report, replace(info, progress=()))
+            sender.submit(None, self.clock, view.version, view.epoch, report,
+                          replace(info, progress=(), absent=tuple(range(len(self._keys)))))
         elif skip:  # async: no floor; not pushed
             self._carried = info.progress  # (it holds what was carried before: ``_progress``)
         else:

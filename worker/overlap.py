@@ -255,7 +255,7 @@ class Overlap:
                 self._send([self.keys[i][0] for i in rest], rest)
             assert self.stream is not None
             # The encoder's recording stays open: the caller ends it once the push's answer is
-            # in (``Sent.settle``), since a round skipped for another worker's overflow, or a
+            # in (``Sent.finish``), since a round skipped for another worker's overflow, or a
             # push refused, applies nothing of it either.
             return Sent(self.stream, tuple(absent), self.overflow, self.client)
         except BaseException:
