@@ -295,28 +295,28 @@ class Relay(ParentLink, Tier):
                 # Each window in flight has its own sequence number, reused by its own retries.
                 seq = self._up_issued[job] = max(self._up_issued.get(job, 0), self._up_acked.get(job, 0)) + 1
                 await self._forward_one(js, agg, keys, floor, fut, seq)
-                return
-            # bsp/ssp: one forward per job at a time, its number reused until acknowledged (a
-            # refused round is sent again under it). A second forward started while the first
-            # retries would carry the same number and get the first one's recorded ack --
-            # acknowledged, never applied (invariant 4).
-            async with self._fwd_locks.setdefault(job, asyncio.Lock()):
-                await self._settle_unsure(js)
-                await self._forward_one(js, agg, keys, floor, fut, self._up_acked.get(job, 0) + 1)
+            else:
+                # bsp/ssp: one forward per job at a time, its number reused until acknowledged (a
+                # refused round is sent again under it). A second forward started while the first
+                # retries would carry the same number and get the first one's recorded ack --
+                # acknowledged, never applied (invariant 4).
+                async with self._fwd_locks.setdefault(job, asyncio.Lock()):
+                    await self._settle_unsure(js)
+                    await self._forward_one(js, agg, keys, floor, fut, self._up_acked.get(job, 0) + 1)
         except Exception as exc:  # never leave the children of a closed batch waiting
             if not isinstance(exc, HpsError):
                 log.exception("%s: forwarding round %d of %s failed", self.role, agg.round, job)
                 exc = Unavailable(f"this {self.role} tier failed to forward the round "
                                   f"({type(exc).__name__}); push again")
             self._refuse(js, agg, fut, exc)
-        finally:
-            # The last child may have left while this forward was on its way, and a forward
-            # the parent answered NotMember registers this relay there again: with nobody
-            # below it then, it held every later round of the parent's for good. (Not an outer
-            # job's: a region's outer loop leaves the root's rounds itself, ps.tiers.outer.)
-            if (len(js.members) == 0 and job in self.attached and self.jobs.get(job) is js
-                    and js.config.mode != "outer"):
-                await self._leave_parent(job, lambda: len(js.members) == 0 and self.jobs.get(job) is js)
+        # The last child may have left while this forward was on its way, and a forward the
+        # parent answered NotMember registers this relay there again: with nobody below it
+        # then, it held every later round of the parent's for good. (Not an outer job's: a
+        # region's outer loop leaves the root's rounds itself, ps.tiers.outer. Not once
+        # cancelled: the tier is stopping.)
+        if (len(js.members) == 0 and job in self.attached and self.jobs.get(job) is js
+                and js.config.mode != "outer"):
+            await self._leave_parent(job, lambda: len(js.members) == 0 and self.jobs.get(job) is js)
 
     def workers_below(self, js: RelayJob) -> int:
         """The live workers a push up speaks for (the parent weighs asynchronous updates by it)."""
