@@ -257,9 +257,17 @@ class Relay(ParentLink, Tier):
 
     async def _members_changed(self, js: RelayJob) -> None:
         await super()._members_changed(js)
+        await self._leave_if_childless(js)
+
+    async def _leave_if_childless(self, js: RelayJob) -> None:
+        """Leave the parent's rounds of a job with no child left here (asked again under the
+        job's attach lock: a child may come meanwhile)."""
         job = js.config.name
-        if len(js.members) == 0 and job in self.attached:  # no children left
-            await self._leave_parent(job, lambda: len(js.members) == 0 and self.jobs.get(job) is js)
+
+        def childless() -> bool:
+            return len(js.members) == 0 and self.jobs.get(job) is js
+        if childless() and job in self.attached:
+            await self._leave_parent(job, childless)
 
     async def _leave_parent(self, job: str, still: Callable[[], bool]) -> None:
         """Stop holding the parent's rounds for ``job`` if ``still()`` holds. Under the job's
@@ -314,9 +322,8 @@ class Relay(ParentLink, Tier):
         # then, it held every later round of the parent's for good. (Not an outer job's: a
         # region's outer loop leaves the root's rounds itself, ps.tiers.outer. Not once
         # cancelled: the tier is stopping.)
-        if (len(js.members) == 0 and job in self.attached and self.jobs.get(job) is js
-                and js.config.mode != "outer"):
-            await self._leave_parent(job, lambda: len(js.members) == 0 and self.jobs.get(job) is js)
+        if js.config.mode != "outer":
+            await self._leave_if_childless(js)
 
     def workers_below(self, js: RelayJob) -> int:
         """The live workers a push up speaks for (the parent weighs asynchronous updates by it)."""
