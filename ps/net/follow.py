@@ -20,6 +20,7 @@ import grpc
 
 from ps.core.errors import HpsError, Unavailable
 from ps.core.types import LogMessage, TierStatus
+from ps.net.aio import wait_for
 from ps.net.messages import status_from_pb
 from ps.net.rpc import AsyncCaller, bearer, error_from
 from ps.net.tls import TlsFiles
@@ -59,7 +60,7 @@ class LogLink:
         try:
             while True:
                 try:
-                    data = await asyncio.wait_for(call.read(), lease_s)
+                    data = await wait_for(call.read(), lease_s)
                 except asyncio.TimeoutError:
                     raise Unavailable(f"the primary {self.address} said nothing for {lease_s:.1f}s") from None
                 except grpc.RpcError as err:

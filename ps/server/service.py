@@ -54,6 +54,7 @@ from ps.core import codecs
 from ps.core.config import JobConfig, check_member, check_name
 from ps.core.errors import BadInput, Conflict, HpsError, Internal, short
 from ps.core.tensors import Assembler
+from ps.net.aio import wait_for
 from ps.net.frames import BodyReader
 from ps.net.messages import (
     OUTCOME,
@@ -190,7 +191,7 @@ class _Stream:
         if self.ended:
             return
         try:
-            await asyncio.wait_for(rest(), seconds)
+            await wait_for(rest(), seconds)
         except Exception:  # the stream was cut, or the time is up: the refusal goes out regardless
             pass
 

@@ -40,6 +40,7 @@ from ps.core.ranks import RankBook
 from ps.core.tensors import Chunk, split
 from ps.core.types import JobStats, PushKey
 from ps.core.view import Layout, View
+from ps.net.aio import wait_for
 from ps.net.wire import framed
 from ps.tiers.wal import WriteAheadLog
 
@@ -114,7 +115,7 @@ class JobState:
 
     async def wait_change(self, timeout: float) -> None:
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            await wait_for(self._changed.wait(), timeout)
         except asyncio.TimeoutError:
             pass
 

@@ -61,6 +61,7 @@ from ps.core.replica import apply_pull
 from ps.core.tensors import Chunk, Pieces, payload_bytes
 from ps.core.types import Ack, PullMeta, PushKey, PushMeta, Registration
 from ps.core.view import Layout
+from ps.net.aio import wait_for
 from ps.net.tls import TlsFiles
 from ps.net.upstream import Upstream
 from ps.net.wire import as_resend, encode_push, push_digest
@@ -176,7 +177,7 @@ class Relay(ParentLink, Tier):
     async def stop(self) -> None:
         for job in list(self.attached):
             try:
-                await asyncio.wait_for(self.up.leave(job), 1.0)
+                await wait_for(self.up.leave(job), 1.0)
             except (HpsError, asyncio.TimeoutError):
                 pass  # the parent drops us by timeout instead
         await super().stop()

@@ -34,6 +34,7 @@ import logging
 
 from ps.core.errors import Unavailable
 from ps.core.types import LogMessage
+from ps.net.aio import wait_for
 from ps.tiers.walrecord import WalRecord, to_bytes
 
 __all__ = ["Follower", "Replication"]
@@ -83,7 +84,7 @@ class Follower:
             raise Unavailable(f"the standby is gone ({self.why})")
         fut = self._waiters.setdefault(seq, asyncio.get_running_loop().create_future())
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
+            await wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             raise Unavailable(f"the standby did not acknowledge within the lease ({timeout:.1f}s)") from None
 
@@ -148,7 +149,7 @@ class Replication:
                 raise Unavailable(f"this root's standby does not hold job {job!r} (it is gone or still "
                                   "catching up); no version is acknowledged without it. Retry shortly")
             try:
-                await asyncio.wait_for(self._changed.wait(), left)
+                await wait_for(self._changed.wait(), left)
             except asyncio.TimeoutError:
                 pass
 
@@ -208,7 +209,7 @@ class Replication:
                 raise Unavailable(f"this root's standby is not there to hold the change to job {msg.job!r} "
                                   "(it is gone or taking over); retry shortly")
             try:
-                await asyncio.wait_for(self._changed.wait(), left)
+                await wait_for(self._changed.wait(), left)
             except asyncio.TimeoutError:
                 pass
         f = self.follower

@@ -71,6 +71,7 @@ from ps.core.logs import event
 from ps.core.ranks import RankInfo
 from ps.core.tensors import Chunk, Pieces, all_finite, payload_bytes
 from ps.core.types import Ack, JobStatus, MemberInfo, PullMeta, PushKey, PushMeta, TierStatus, VersionMeta
+from ps.net.aio import wait_for
 from ps.tiers.jobstate import JobState
 from ps.tiers.membership import Membership
 
@@ -245,7 +246,7 @@ class Tier(Membership):
         if js.bsp:  # still open (else a fresh round): more pushes come, so no pass-through
             js.round.lay_out()
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.config.round_timeout_s)
+            return await wait_for(asyncio.shield(fut), self.config.round_timeout_s)
         except asyncio.TimeoutError:
             raise TimedOut(f"the push's {'round' if js.bsp else 'window'} did not complete within "
                            f"{self.config.round_timeout_s:.0f}s; the push stays in it") from None
