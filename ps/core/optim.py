@@ -447,7 +447,7 @@ class ServerOptimizer:
             head, _, name = k[len("state."):].partition(".")
             if name and head.isdigit():
                 i = int(head)
-                if i not in self._p or (arr.ndim and arr.shape != tuple(self._p[i].shape)):
+                if i not in self._p or (arr.ndim and not _fits(arr.shape, tuple(self._p[i].shape))):
                     raise ValueError(f"optimizer state {k} of shape {arr.shape} does not fit a trained key")
                 per.setdefault(i, {})[name] = torch.from_numpy(arr)
                 continue
@@ -480,6 +480,12 @@ class ServerOptimizer:
             for g in groups:
                 g["fused"] = None
         return {"state": state, "param_groups": groups}
+
+
+def _fits(state: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """A state array's shape against its parameter's: the same, or that shape with some sizes
+    1 (factored second moments: Adafactor keeps (m, 1) and (1, n) for an (m, n) weight)."""
+    return len(state) == len(param) and all(s in (p, 1) for s, p in zip(state, param))
 
 
 def _array(value: Any) -> np.ndarray:

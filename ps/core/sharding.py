@@ -184,6 +184,11 @@ def _tensor_states(plan: ShardPlan, arrays: list[dict[str, np.ndarray]]) -> dict
             if v.ndim == 0:
                 state.setdefault(name, v)
                 continue
+            if v.size != spec.numel:  # factored (Adafactor's (m, 1)): only on uncut keys, kept as it is
+                if base_key(spec.key) != spec.key:
+                    raise BadInput(f"shard {shard}'s optimizer state {k} of shape {v.shape} is of a cut key")
+                state[name] = v
+                continue
             full = state.setdefault(name, np.zeros(whole.numel, v.dtype))
             if base_key(spec.key) == spec.key:
                 full[:] = v.reshape(-1)
@@ -250,8 +255,13 @@ def reshard(old: list[tuple[dict[str, np.ndarray], dict]], sharding: ShardingCon
             whole = base_key(spec.key)
             lo = 0 if whole == spec.key else int(_BLOCK_KEY.match(spec.key).group(2)) * sharding.block_elems  # type: ignore[union-attr]
             for name, full in states.get(whole, {}).items():
-                arrays[f"opt.state.{i}.{name}"] = (full.copy() if full.ndim == 0 else
-                                                   full[lo:lo + spec.numel].reshape(spec.shape).copy())
+                if full.ndim == 0 or full.size != after.layout.spec(whole).numel:  # a scalar, or factored
+                    if full.ndim and whole != spec.key:
+                        raise BadInput(f"optimizer state {name} of {whole} is factored ({full.shape}): "
+                                       "the key cannot be cut into blocks")
+                    arrays[f"opt.state.{i}.{name}"] = full.copy()
+                else:
+                    arrays[f"opt.state.{i}.{name}"] = full[lo:lo + spec.numel].reshape(spec.shape).copy()
         meta = {**old[0][1], "config": _asdict(new_cfg), "keys": [[s.key, list(s.shape), s.dtype, s.kind] for s in sub]}
         meta["checksum"] = checksum(v_parts[j])
         if j:

@@ -122,3 +122,27 @@ def test_reshard_refuses_shards_stopped_at_different_versions():
     old[1][1]["version"] = 8
     with pytest.raises(BadInput, match="versions \\[7, 8\\]"):
         reshard(old, ShardingConfig(weights=(1.0,) * 3, block_elems=64))
+
+
+def test_reshard_carries_factored_optimizer_state_of_uncut_keys():
+    """Adafactor keeps (m, 1) and (1, n) arrays for an (m, n) weight: moved whole, as they are."""
+    keys = keys_of(LAYOUT)
+    cfg = JobConfig(name="j", optimizer=OptimizerConfig(kind="adafactor"),
+                    sharding=ShardingConfig(weights=(1.0, 1.0), block_elems=400, keys=keys))
+    before = ShardPlan.of(cfg)
+    old, _, _ = _ckpts(before, cfg)
+    rows = {}
+    for i, (arrays, _) in enumerate(old):
+        for j, s in enumerate(before.shard_layout(i)):
+            if s.kind == "param" and len(s.shape) == 2:
+                rows[s.key] = np.arange(s.shape[0], dtype=np.float32).reshape(-1, 1) + 100 * j
+                arrays[f"opt.state.{j}.row_var"] = rows[s.key]
+    new, moved = reshard(old, ShardingConfig(weights=(1.0, 3.0), block_elems=400))
+    after = ShardPlan.of(dataclasses.replace(cfg, sharding=ShardingConfig((1.0, 3.0), 400, keys)))
+    got = {s.key: arrays[f"opt.state.{j}.row_var"] for i, (arrays, _) in enumerate(new)
+           for j, s in enumerate(after.shard_layout(i)) if s.kind == "param" and len(s.shape) == 2}
+    assert moved > 0 and got.keys() == rows.keys()
+    assert all(np.array_equal(got[k], rows[k]) and got[k].shape == rows[k].shape for k in rows)
+    # cut into blocks, the factored state has no block of its own to go with: refused, not invented
+    with pytest.raises(BadInput, match="adafactor"):
+        reshard(old, ShardingConfig(weights=(1.0, 1.0), block_elems=64))
