@@ -202,6 +202,9 @@ class Durable:
             return None
         arrays, meta = loaded
         cfg = config_from_json(meta["config"])
+        if cfg.name != d.name:  # a copied directory (lm -> lm-backup) would replay lm's log and serve as lm
+            raise ValueError(f"{d} holds a checkpoint of job {cfg.name!r}: a job's files live in a directory "
+                             "of its name (move it back, or out of the checkpoint directory)")
         layout = Layout([KeySpec(k[0], tuple(k[1]), k[2], *k[3:]) for k in meta["keys"]])  # kind: since issue 13
         if self.config.shard_count:
             # Before anything is installed or written: a shard started on another shard's

@@ -354,6 +354,24 @@ def test_nothing_of_a_job_is_acknowledged_before_its_first_checkpoint_is_on_disk
     w.close()
 
 
+def test_a_copy_of_a_jobs_directory_under_another_name_is_not_served_as_that_job(tree, tmp_path):
+    """An operator's copy (j -> j-backup) in the checkpoint directory: restored, it replayed j's
+    live log onto the copy and replaced j (and, once j ended, brought j back from the copy)."""
+    from ps.core.config import ServerConfig
+    from ps.tiers.root import Root
+
+    ckpt = tmp_path / "ckpt"
+    tree.add("root", "global", checkpoint_dir=str(ckpt), checkpoint_every=100)
+    (w,) = _clients(tree.addr("root"), 1)
+    assert w.push(_grad(0, 0), clock=0)[0] == 1
+    w.close()
+    tree.stop("root")
+    shutil.copytree(ckpt / "j", ckpt / "j-backup")
+    root = Root(ServerConfig(role="global", checkpoint_dir=str(ckpt)))
+    assert set(root.jobs) == {"j"} and root.jobs["j"].view.version == 1
+    assert "holds a checkpoint of job 'j'" in root.damaged["j-backup"], root.damaged
+
+
 def test_a_restart_that_cannot_reach_an_acknowledged_version_refuses_the_job_loudly(tree, tmp_path):
     """Restoring is never a silent step back. A newest checkpoint that cannot be read used to
     make the root serve the one before, and after a clean stop (whose checkpoint lets the log's
