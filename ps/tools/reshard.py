@@ -89,7 +89,11 @@ def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
     # Each target's files are written beside it (a name no root takes for a job) and moved into
     # place only once every target's are: a failure halfway leaves no target half written (and
     # a rerun is not refused for it).
+    # The job's token goes first, so no target serves the job without it; on a failure the
+    # tokens set and the targets renamed into place are taken out again, and the renames are
+    # made durable before this returns.
     staged = [d.with_name(f".{d.name}.resharding") for d in out_dirs]
+    placed: list[Path] = []
     try:
         for d, (arrays, meta) in zip(staged, new, strict=True):
             shutil.rmtree(d, ignore_errors=True)
@@ -97,17 +101,26 @@ def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
         roster = dirs[0] / "roster.json"
         if roster.exists():  # ranks and data-shard leases live at shard 0
             checkpoint.write_atomic(staged[0] / "roster.json", json.dumps(json.loads(roster.read_text())))
+        if held:
+            for t in targets:
+                Guard(None, store=Path(t) / TOKENS_FILE).set_hash(job, bytes.fromhex(held))
         for d, final in zip(staged, out_dirs, strict=True):
             if final.exists():
                 final.rmdir()  # empty (checked above)
             d.rename(final)
+            placed.append(final)
+        for final in placed:
+            checkpoint.fsync_dir(final.parent)
     except BaseException:
-        for d in staged:
+        for d in staged + placed:
             shutil.rmtree(d, ignore_errors=True)
+        if held:
+            for t in targets:
+                try:
+                    Guard(None, store=Path(t) / TOKENS_FILE).set_hash(job, b"")
+                except OSError:
+                    pass  # the failure being raised says more
         raise
-    if held:
-        for t in targets:
-            Guard(None, store=Path(t) / TOKENS_FILE).set_hash(job, bytes.fromhex(held))
     blocks = sum(len(m["keys"]) for _, m in new)
     return Resharded(job, int(new[0][1]["version"]), blocks, moved, len(old), len(new),
                      tuple(4 * a["params"].size for a, _ in new), bool(held))

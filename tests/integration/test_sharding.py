@@ -168,7 +168,8 @@ def test_a_kill_9_of_one_shard_loses_no_acknowledged_version(roots, tmp_path, re
     c.close()
 
 
-def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(roots, tmp_path, reference, capsys):
+def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(roots, tmp_path, reference, capsys,
+                                                                               monkeypatch):
     ref = reference
     rs = _shards(roots, tmp_path, 3)
     c = ShardedClient([r.address for r in rs], "j", "w0", timeout_s=10, retry_s=30)
@@ -196,6 +197,23 @@ def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(r
                      "--to", *[str(tmp_path / t) for t in targets]]) == 2
         assert why in capsys.readouterr().err
         assert not any(p.exists() for p in tmp_path.glob("n4-*/j")), "a refused reshard wrote files"
+    # A failure halfway through moving the new shards into place (the third rename) takes the
+    # ones already moved out again: no target holds part of the job, and a rerun is not refused.
+    from pathlib import Path
+    rename, calls = Path.rename, []
+
+    def failing_rename(self, target):
+        calls.append(target)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return rename(self, target)
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    capsys.readouterr()
+    assert main(["reshard", "--job", "j", "--from", *[str(tmp_path / f"s3-{i}") for i in range(3)],
+                 "--to", *[str(tmp_path / f"n4-{i}") for i in range(4)]]) != 0
+    assert "No space" in capsys.readouterr().err
+    monkeypatch.setattr(Path, "rename", rename)
+    assert len(calls) == 3 and not list(tmp_path.glob("n4-*/j")) and not list(tmp_path.glob("n4-*/.j.*"))
     out = reshard(*[f"n4-{i}" for i in range(4)])
     assert out.returncode == 0, out.stderr
     moved, blocks = (int(w) for w in out.stdout.split("blocks moved")[0].split()[-3::2])
