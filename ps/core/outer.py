@@ -170,7 +170,10 @@ class OuterPlan:
         It assumes each sync landed when due (inner versions ``stride`` apart): after a failed
         or postponed sync, with dynamic steps or overlap, the rebases fall elsewhere and this
         is a lower bound, as with asynchronous outer steps (the outer version also moves with
-        the other regions' syncs, so a pending sync that did not make it may count as made)."""
+        the other regions' syncs, so a pending sync that did not make it may count as made),
+        and with fragments: the steps the other F - 1 fragments held since their own syncs (up
+        to (F - 1) * period more; the version alone does not say how old the lineage was) are
+        not counted."""
         synced_to, steps = divmod(old_version, self.stride)
         if steps == self.period and outer_version > synced_to:
             return 0

@@ -184,8 +184,9 @@ class OuterRelay(OuterSync, Relay):
             return inner
 
     async def inner_empty(self, job: str) -> None:
-        """Every child left (the job's end here): send the steps since the last sync, so the
-        outer model holds every inner step, then leave the root's rounds, which would otherwise
+        """Every child left (the job's end here): send the steps since the last sync (with
+        fragments, every fragment's: ``_leave_after`` sends the others), so the outer model
+        holds every inner step, then leave the root's rounds, which would otherwise
         wait for this region. The inner job stays (children pulling still get answers); a child
         registering again rebases it on the outer view first (``_rejoin``)."""
         st = self.outer.get(job)
@@ -195,9 +196,9 @@ class OuterRelay(OuterSync, Relay):
         st.detached = True
         if ijs is not None:
             async with ijs.apply_lock:  # (a sync may have started while the lock was awaited)
-                if st.inflight is None and (ijs.stats.inner_steps_since_sync > 0 or st.progress):
+                if st.inflight is None and (st.unsynced() or st.progress):
                     self._send(ijs, st)
-                lost = ijs.stats.inner_steps_since_sync if st.inflight is None else 0
+                lost = st.drop_unsent() if st.inflight is None else 0
                 if lost:  # not sent (no outer view to sync with): leaving the root's rounds without them
                     ijs.stats.inner_steps_since_sync = 0
                     ijs.stats.inner_steps_lost += lost
@@ -212,8 +213,9 @@ class OuterRelay(OuterSync, Relay):
         await self._leave_root(job, st)
 
     async def _leave_after(self, job: str, st: OuterState, sync: asyncio.Task) -> None:
-        """Merge the last sync, then leave the root's rounds. Leased data trained here that
-        still needs other fragments' syncs (``PendingProgress``) gets them first: at most F more
+        """Merge the last sync, then leave the root's rounds. Steps that other fragments still
+        hold (``OuterState.unsent``), and leased data trained here that still needs other
+        fragments' syncs (``PendingProgress``), get those syncs first: at most F more
         (a failed one is tried again within that bound), so the root counts it as trained.
         The last of those is merged, never followed by another send: a sync still in flight as
         the region leaves the root's rounds is retried there, registers the region again, and
@@ -229,14 +231,14 @@ class OuterRelay(OuterSync, Relay):
                 self._merge(ijs, st)
                 # Steps trained since (a child came back, and left again before this landed) or
                 # a failed sync's go up too, as leased data still short of a fragment's sync does.
-                if i == st.plan.fragments and st.detached and ijs.stats.inner_steps_since_sync > 0:
-                    lost, ijs.stats.inner_steps_since_sync = ijs.stats.inner_steps_since_sync, 0
+                if i == st.plan.fragments and st.detached and st.unsynced():
+                    lost, ijs.stats.inner_steps_since_sync = st.drop_unsent(), 0
                     ijs.stats.inner_steps_lost += lost
                     log.warning("%s: job %s: %d inner step(s) trained before every member left are in no "
                                 "sync after %d tries; leaving the root's rounds without them", self.role, job,
                                 lost, st.plan.fragments + 1, extra=event("outer.steps_lost", job=job, steps=lost))
                 if (i == st.plan.fragments or not st.detached
-                        or not (st.progress or ijs.stats.inner_steps_since_sync > 0)):
+                        or not (st.progress or st.unsynced())):
                     break
                 self._send(ijs, st)
                 if st.inflight is None:
@@ -262,7 +264,7 @@ class OuterRelay(OuterSync, Relay):
         async with ijs.apply_lock:
             if st.inflight is not None and st.inflight.done():
                 self._merge(ijs, st)  # sent before every child left, and landed since
-            lost = ijs.stats.inner_steps_since_sync
+            lost = st.drop_unsent()  # every fragment is rebased: what each held since its sync goes
             st.progress.clear()  # the data of the dropped steps is not in the outer model
             st.idle_rounds, st.rate = 0, StepRate()  # the time away was not training
             for f in range(st.plan.fragments):

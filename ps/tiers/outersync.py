@@ -48,6 +48,7 @@ class Pending:
     bytes_before: int           # the WAN edge's push bytes before it
     norm: float
     steps: int                  # the inner steps it carries
+    fragment_steps: int         # the inner steps its fragment held since its last sync (``OuterState.unsent``)
     params: np.ndarray | None   # overlap: the parameters when it was sent (the region trains on)
     progress: int = 0           # the leased data it completes (PendingProgress.due's count)
     rejoined: bool = False      # sent before every child left, still in flight when one came back
@@ -78,6 +79,19 @@ class OuterState:
     def __post_init__(self) -> None:
         self.progress = PendingProgress(self.plan.fragments)
         self.based = [self.base_version] * self.plan.fragments
+        # Per fragment, the inner steps trained since its last sync went up: with F > 1 a
+        # region that leaves holds steps in every fragment, not only in the one sent last.
+        self.unsent = [0] * self.plan.fragments
+
+    def unsynced(self) -> int:
+        """Inner steps whose update is not wholly in a sync sent (the oldest fragment's)."""
+        return max(self.unsent)
+
+    def drop_unsent(self) -> int:
+        """Forget what no sync will carry (the region rebased, or leaves without it): how many
+        inner steps were lost."""
+        lost, self.unsent = self.unsynced(), [0] * self.plan.fragments
+        return lost
 
     def due(self, dynamic: bool) -> int:
         """Inner steps between two syncs now: the plan's period, or with dynamic steps that
@@ -102,6 +116,7 @@ class OuterSync:
         if contributors:
             st.workers = contributors
             ijs.stats.inner_steps_since_sync += 1
+            st.unsent = [n + 1 for n in st.unsent]
             st.rate.step(time.perf_counter())
         else:  # a round of empty pushes: the workers wait for leased data (held by others)
             st.idle_rounds += 1
@@ -194,8 +209,9 @@ class OuterSync:
         overlap = ijs.config.outer is not None and ijs.config.outer.overlap
         st.pending = Pending(f, u, time.perf_counter(), ojs.stats.bytes_pushed_up,
                              st.plan.norm(st.scratch, f, st.workers), ijs.stats.inner_steps_since_sync,
-                             ijs.params.copy() if overlap else None, n)
+                             st.unsent[f], ijs.params.copy() if overlap else None, n)
         ijs.stats.inner_steps_since_sync, st.idle_rounds = 0, 0
+        st.unsent[f] = 0
         st.inflight = asyncio.create_task(self._round_trip(ojs, agg), name=f"outer-sync-{name}")
 
     async def _round_trip(self, ojs: RelayJob, agg: Aggregate) -> Ack:
@@ -277,6 +293,7 @@ class OuterSync:
                             extra=event("outer.steps_lost", job=name, steps=p.steps))
                 return
             ijs.stats.inner_steps_since_sync += p.steps
+            st.unsent[p.fragment] += p.fragment_steps
             log.warning("%s: job %s: the sync of fragment %d (outer version %d) failed: %s; training on, "
                         "its steps go with the next sync", self.role, name, p.fragment, p.outer_version,
                         short(str(exc), 200), extra=event("outer.sync_failed", job=name, version=p.outer_version))
