@@ -320,10 +320,11 @@ class Relay(ParentLink, Tier):
             self._refuse(js, agg, fut, exc)
         # The last child may have left while this forward was on its way, and a forward the
         # parent answered NotMember registers this relay there again: with nobody below it
-        # then, it held every later round of the parent's for good. (Not an outer job's: a
-        # region's outer loop leaves the root's rounds itself, ps.tiers.outer. Not once
+        # then, it held every later round of the parent's for good. (Not at the tier that runs
+        # an outer job's inner loop: its outer loop leaves the root's rounds itself,
+        # ps.tiers.outer; a relay above zones that run it leaves as any relay. Not once
         # cancelled: the tier is stopping.)
-        if js.config.mode != "outer":
+        if js.config.outer is None or js.config.outer.inner_tier != self.role:
             await self._leave_if_childless(js)
 
     def workers_below(self, js: RelayJob) -> int:
