@@ -410,7 +410,14 @@ class OuterRelay(OuterSync, Relay):
         """An outer job's pseudo-gradients weigh by the region's workers (its inner root's members):
         an asynchronous root applies each at that share."""
         ijs = self.inner.jobs.get(js.config.name) if self.inner is not None else None
-        return ijs.members.workers() if ijs is not None else super().workers_below(js)
+        if ijs is None:
+            return super().workers_below(js)
+        st = self.outer.get(js.config.name)
+        if len(ijs.members) == 0 and st is not None:
+            # Every worker left: the syncs sent as the region leaves carry their steps, at their
+            # share (1, the floor of a memberless count, applied them at 4/5 for 4 of 8 workers).
+            return st.workers
+        return ijs.members.workers()
 
     def encoder(self, js: RelayJob) -> Encoder:
         """An outer job's edge above its inner loop carries pseudo-gradients: the outer codec."""

@@ -155,6 +155,34 @@ def test_asynchronous_outer_steps_apply_each_regions_pseudo_gradient_at_its_shar
     np.testing.assert_allclose(root[3], flat, rtol=1e-5, atol=1e-6)
 
 
+def test_a_region_whose_workers_left_weighs_its_last_syncs_by_the_workers_that_trained_them(tree):
+    """Asynchronous: the root applies a region's pseudo-gradient at its share of the workers.
+    eu's two workers train one step of four and leave, and eu sends that step: it counted as
+    one worker (a memberless region's floor): with two workers at us, the root would apply it
+    at 2/3 of a step instead of 2/4, and us's next ones at 2/3 (review). Checked here on the
+    share eu reports once its workers are gone."""
+    zones = _two_regions(tree)
+    outer = OuterConfig(inner_steps=4, codec="fp32", delta_codec="fp32", asynchronous=True)
+    job = JobConfig(name="as-left", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1), outer=outer,
+                    min_workers=2)
+    x, y = mlp_batches(1, 2 * PER_WORKER)
+    eu = tree.tier("eu")
+
+    def worker(i: int) -> None:
+        model = _model()
+        with HpsOptimizer(model, zones[0], job, worker_id=f"as-left-{i}", timeout_s=20) as opt:
+            opt.zero_grad()
+            sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+            _loss(model, x[0, sl], y[0, sl]).backward()
+            assert opt.step().applied
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    wait_for(lambda: tree.lt.call(lambda: "as-left" not in eu.attached), "eu leaving the root's rounds", 30)
+    assert tree.lt.call(lambda: eu.inner.jobs["as-left"].stats.outer_syncs) == 1
+    assert tree.lt.call(lambda: eu.workers_below(eu.jobs["as-left"])) == 2
+
+
 def test_delayed_nesterov_moves_the_outer_momentum_once_per_round_of_regions(tree):
     """The same alternating run with the outer optimizer SGD, Nesterov 0.9, lr 0.7 and
     ``nesterov_delay=2`` (two regions): each region's update moves the outer parameters by its
