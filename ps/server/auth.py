@@ -55,6 +55,10 @@ from ps.server.peers import peer_identity
 __all__ = ["Guard", "guard_for", "digest", "relay_identity", "read_token_file", "TOKENS_FILE"]
 
 TOKENS_FILE = "job-tokens.json"  # in the root's checkpoint directory: job -> SHA-256 of its token
+# What a root with tokens sends its relays for a job it holds no token hash for: no token's
+# SHA-256 (32 bytes) is equal to it, so below the root, as at it, only the admin acts on the job.
+# (b"" would say "tokens are off": a relay then let anyone in.)
+ADMIN_ONLY = b"admin-only"
 
 log = logging.getLogger("hps.auth")
 
@@ -111,8 +115,16 @@ class Guard:
         return bool(self._hashes.get(job))
 
     def hash_of(self, job: str) -> bytes:
-        """The job's token hash, as a relay child learns it (b"": none, or tokens are off)."""
-        return self._hashes.get(job, b"") if self.enabled else b""
+        """The job's token hash, as a relay child learns it: b"" when tokens are off (the job is
+        open), ``ADMIN_ONLY`` for a job the root holds no token for (restored from before an
+        admin token was set, or resharded from shards whose tokens differed): only the admin's
+        token acts on it, below as at the root."""
+        if not self.enabled:
+            return b""
+        h = self._hashes.get(job)
+        if h:
+            return h
+        return ADMIN_ONLY if self._root else b""
 
     def mint(self, job: str) -> str:
         """A new token for ``job``: its hash is kept (and persisted) here, the token returned once."""
@@ -198,6 +210,10 @@ class Guard:
             return
         if h is not None and not h:
             return  # a relay whose parent requires no tokens for this job: the job is open
+        if h == ADMIN_ONLY:
+            raise (PermissionDenied if tokens else Unauthenticated)(
+                f"job {short(job)} has no job token (it was restored or resharded without one): only the admin "
+                f"token acts on it; {_ADMIN_HINT}")
         if not tokens:
             raise Unauthenticated(f"job {short(job)} needs its token; {_JOB_TOKEN_HINT}")
         if h is not None and any(hmac.compare_digest(digest(t), h) for t in tokens):

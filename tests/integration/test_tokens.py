@@ -130,6 +130,36 @@ def test_job_tokens_stay_in_their_job_and_never_leak(tree, tmp_path, caplog):
         assert not [s for s in secrets if s in text], f"a token appears in the {where}"
 
 
+def test_a_job_the_root_holds_no_token_for_is_the_admins_alone_at_its_relays_too(tree, tmp_path):
+    """A job restored from before the admin token was set (or resharded from shards whose tokens
+    differed) has no token hash: the root lets only the admin act on it. Its registration
+    reply told relays b"" for it, which they read as "tokens are off": once the admin's worker
+    had brought the job to a zone, anyone could join, push and pull it there (review)."""
+    admin_file = tmp_path / "admin"
+    admin_file.write_text(ADMIN + "\n")
+    tree.add("root", "global", admin_token_file=str(admin_file))
+    zone = tree.add("eu-a", "zone", parent="root", admin_token_file=str(admin_file))
+    maker = ParameterClient(tree.addr("root"), "old", "w-maker", timeout_s=10, retry_s=5, token=ADMIN)
+    assert maker.create_job(_job("old"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    token = maker._rpc.token  # the job's, minted for its creator
+    maker.close()
+    tree.lt.call(lambda: tree.tier("root").tokens.set_hash("old", b""))  # as restored without one
+    other = jobctl.create(tree.addr("root"), _job("other"), ADMIN)[1]
+    boss = ParameterClient(zone, "old", "w-admin", timeout_s=10, retry_s=5, token=ADMIN)
+    boss.register()
+    boss.pull(min_version=0)
+    errors = []
+    for tok in (None, token, other):  # nothing, the job's old token, another job's
+        stranger = ParameterClient(zone, "old", "w-stranger", timeout_s=5, retry_s=1, token=tok)
+        errors.append(_refused(stranger.register))
+        stranger.close()
+        with Caller(zone, token=tok) as rpc:
+            errors.append(_refused(lambda rpc=rpc: rpc.stream("Pull", pb.PullRequest(job="old", member="w-admin"), 5)))
+    assert all("only the admin token acts on it" in str(e) for e in errors), [str(e) for e in errors]
+    assert tree.lt.call(lambda: len(tree.tier("eu-a").jobs["old"].members)) == 1
+    boss.close()
+
+
 def test_a_tier_without_an_admin_token_is_open_and_says_so(tree, caplog):
     root = tree.add("root", "global")
     assert "NO ADMIN TOKEN" in caplog.text
