@@ -63,9 +63,9 @@ def _declare(args, root: str, admin_token: str) -> str:
 def _keep_token(directory: Path, token: str) -> Path:
     """The job's token in a 0600 file beside the CA, for another worker to join with (HPS_TOKEN)."""
     path = directory / "demo.token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    from ps.server.auth import write_secret
+
+    write_secret(path, token + "\n")
     return path
 
 

@@ -52,7 +52,7 @@ from pathlib import Path
 from ps.core.errors import PermissionDenied, Unauthenticated, short
 from ps.server.peers import peer_identity
 
-__all__ = ["Guard", "guard_for", "digest", "relay_identity", "read_token_file", "TOKENS_FILE"]
+__all__ = ["Guard", "guard_for", "digest", "relay_identity", "read_token_file", "write_secret", "TOKENS_FILE"]
 
 TOKENS_FILE = "job-tokens.json"  # in the root's checkpoint directory: job -> SHA-256 of its token
 # What a root with tokens sends its relays for a job it holds no token hash for: no token's
@@ -79,6 +79,27 @@ def read_token_file(path: str, what: str = "token") -> str:
     if not text or not text[0].strip():
         raise ValueError(f"the {what} file {path!r} is empty")
     return text[0].strip()
+
+
+def write_secret(path: str | Path, data: str | bytes, private: bool = True) -> None:
+    """A token or key file, whole and (``private``) readable by its owner alone, whatever was
+    there: written to a fresh file made 0600 (O_EXCL: a planted link or an older, looser file
+    is never written through), synced, then renamed over ``path``. Opening ``path`` itself kept
+    an existing file's mode (a re-used 0644 file then held the token for everyone)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(tmp, flags, 0o600 if private else 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def relay_identity(context) -> str | None:

@@ -26,6 +26,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ps.core.config import check_member
 from ps.net.tls import TIER_NAME, TlsFiles
+from ps.server.auth import write_secret
 
 __all__ = ["init_certs", "tiers_of", "identity_uri", "issue"]
 
@@ -61,11 +62,7 @@ def tiers_of(topology: dict) -> list[tuple[str, str, str]]:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)  # whole files only: a server re-reading them never sees half of one
+    write_secret(path, data, private)  # whole files only: a server re-reading them never sees half of one
 
 
 def _key() -> ec.EllipticCurvePrivateKey:

@@ -355,10 +355,9 @@ def _job(args) -> int:
             print(f"job {args.name} {'declared' if created else 'already exists with this configuration'}; "
                   "its first worker brings the parameters")
             if job_token and args.token_file:
-                fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(job_token + "\n")
-                os.chmod(args.token_file, 0o600)  # an existing file keeps its mode otherwise
+                from ps.server.auth import write_secret
+
+                write_secret(args.token_file, job_token + "\n")
                 print(f"its workers' token is in {args.token_file} (mode 0600; give it as HPS_TOKEN)")
             elif job_token:  # shown this once: the root keeps only its hash
                 print(f"its workers' token (shown once; give it as HPS_TOKEN): {job_token}")

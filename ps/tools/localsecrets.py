@@ -4,7 +4,6 @@ and ``LOGDIR/client.env``, what a client of that cluster needs."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,14 +31,13 @@ class LocalSecrets:
     def create(cls, directory: Path, topo: dict) -> LocalSecrets:
         import secrets as _secrets
 
+        from ps.server.auth import write_secret
         from ps.tools.certs import init_certs
 
         directory.mkdir(parents=True, exist_ok=True)
         tls = init_certs(directory / "certs", topo, workers=["client"])
         token_file = directory / "admin-token"
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(_secrets.token_urlsafe(32) + "\n")
+        write_secret(token_file, _secrets.token_urlsafe(32) + "\n")
         return cls(directory, tls, token_file)
 
     def tier_args(self, name: str) -> list[str]:
