@@ -29,6 +29,7 @@ from ps.net.follow import LogLink
 from ps.tiers import checkpoint
 from ps.tiers.replication import Follower, Replication
 from ps.tiers.standby import Standby, write_role
+from ps.tiers.tier import new_epoch
 
 __all__ = ["Pairing"]
 
@@ -121,7 +122,8 @@ class Pairing:
         than its primary acknowledged, and that primary, back, follows it and drops the rest."""
         if self.state == "primary":
             return self.term
-        if self.state == "standby" and not self.role_state["synced"] and not force:
+        unsynced = self.state == "standby" and not self.role_state["synced"]
+        if unsynced and not force:
             raise NotReady("this standby does not hold its primary's whole state (it is still taking it, or never "
                            "had it): promoted, it would serve less than the primary acknowledged, and the old "
                            "primary would drop the rest when it comes back as its standby. Wait until it is in "
@@ -138,6 +140,15 @@ class Pairing:
         self.set_role(state="primary", synced=False, sync=False)  # alone until a standby is in sync
         self.replication = Replication(self.config.lease_s, required=False)
         self.state = "primary"
+        if unsynced:
+            # It may hold fewer versions than the old primary published: it would publish other
+            # values under the same (epoch, version) numbers, and a child at such a version
+            # (whose "up to date" answer carries no checksum) kept the old ones. A new lineage:
+            # every child takes a snapshot, every push on the old one is told to pull.
+            self.epoch = new_epoch()
+            for js in self.jobs.values():
+                js.view.epoch = self.epoch
+                js.log.clear()
         for js in self.jobs.values():
             js.reset_round(js.view.version, "promoted")
         log.warning("promoted to primary with term %d: %s; %d job(s) at versions %s", self.term, why,

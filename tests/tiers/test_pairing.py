@@ -66,3 +66,32 @@ def test_an_unexpected_error_while_following_is_logged_and_the_standby_follows_a
 
     assert asyncio.run(follow_twice()) == 2
     assert "following the primary 127.0.0.1:1 failed; following it again" in caplog.text
+
+
+def test_a_forced_promotion_of_a_standby_not_in_sync_starts_a_new_lineage(tmp_path):
+    """A standby still taking its primary's state holds the primary's view epoch and perhaps
+    fewer versions than it published. Promoted with --force, it published other values under
+    the same (epoch, version) numbers: a child already at such a version is answered "up to
+    date" with no checksum and kept the old values (review). A new epoch makes every child take
+    a snapshot. A standby in sync holds every published version: its lineage goes on."""
+    import numpy as np
+
+    from ps.core.config import JobConfig
+    from ps.core.deltas import DeltaEntry
+    from ps.core.view import KeySpec, Layout
+
+    async def promote(synced: bool) -> tuple[int, int, int, int]:
+        root = Root(ServerConfig(role="global", checkpoint_dir=str(tmp_path / str(synced)), lease_s=1.0))
+        root.state = "standby"
+        root.reset_for_follow(3, 0xE0E0)  # as the primary's "hello" leaves it
+        js = root._install(JobConfig(name="j"), Layout([KeySpec("w", (4,))]), np.zeros(4, np.float32), 5)
+        js.log.append(DeltaEntry(5, 0, ()))
+        root.set_role(synced=synced)
+        term = await root.promote("test", force=True)
+        await asyncio.gather(*root._ckpt_tasks, return_exceptions=True)
+        return term, root.epoch, js.view.epoch, len(js.log)
+
+    term, epoch, view_epoch, logged = asyncio.run(promote(synced=False))
+    assert term == 4 and epoch == view_epoch != 0xE0E0 and logged == 0
+    term, epoch, view_epoch, logged = asyncio.run(promote(synced=True))
+    assert term == 4 and epoch == view_epoch == 0xE0E0 and logged == 1
