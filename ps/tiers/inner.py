@@ -75,5 +75,7 @@ class InnerRoot(Root):
 
     async def pull(self, job: str, member: str, view_epoch: int, since: int, min_version: int,
                    wait_s: float, min_clock: int = 0) -> PullReply:
-        self.relay.note_old_lineage(job, view_epoch, since)
+        js = self.jobs.get(job)
+        if js is not None and self._may_read(js, member):  # a member's word only (one could inflate the count)
+            self.relay.note_old_lineage(job, view_epoch, since)
         return await super().pull(job, member, view_epoch, since, min_version, wait_s, min_clock)

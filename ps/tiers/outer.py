@@ -295,9 +295,9 @@ class OuterRelay(OuterSync, Relay):
         if (ijs is None or st is None or not view_epoch or view_epoch == ijs.view.epoch or since <= 0
                 or view_epoch in st.reported):
             return
-        st.reported.add(view_epoch)
+        st.reported[view_epoch] = None
         if len(st.reported) > 64:
-            st.reported.pop()
+            del st.reported[next(iter(st.reported))]  # the oldest (a set dropped any one, to be counted again)
         lost = st.plan.lost_steps(since, ijs.stats.outer_version)
         ijs.stats.inner_steps_lost += lost
         log.warning("%s: job %s: a child held inner version %d of an earlier lineage (epoch %#x): %d inner "

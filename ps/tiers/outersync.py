@@ -67,7 +67,7 @@ class OuterState:
     detached: bool = False      # every child left: not in the root's rounds until one is back
     inflight: asyncio.Task | None = None  # the sync in flight
     pending: Pending | None = None
-    reported: set[int] = dataclasses.field(default_factory=set)  # old lineages whose loss is counted
+    reported: dict[int, None] = dataclasses.field(default_factory=dict)  # old lineages counted lost, oldest first
     sent: int = 0               # syncs made (an asynchronous job's fragments go in this turn)
     rate: StepRate = dataclasses.field(default_factory=StepRate)  # the region's inner steps per second
     pace: float = 0.0           # dynamic steps: the fastest region's rate, as the root last answered

@@ -681,6 +681,23 @@ def test_a_region_left_twice_while_its_sync_was_in_flight_sends_what_it_trained_
         run.us.close()
 
 
+def test_a_pull_from_a_non_member_naming_an_old_lineage_counts_no_lost_steps(tree):
+    """A regional master counts the inner steps a predecessor lost when a child pulls naming
+    that lineage; the count was taken before the membership check, so anyone could inflate
+    ``inner_steps_lost`` (and the log) with made-up epochs (review)."""
+    from ps.core.errors import NotMember
+    from ps.net.rpc import Caller
+    from ps.net.wire import pb
+
+    run = _LeftMidPeriod(tree, "lin")
+    try:
+        with Caller(tree.addr("eu")) as rpc, pytest.raises(NotMember):
+            rpc.stream("Pull", pb.PullRequest(job="lin", member="stranger", view_epoch=0x1234, since_version=7), 5)
+        assert run.eu_stats().inner_steps_lost == 0
+    finally:
+        run.us.close()
+
+
 def test_a_region_that_keeps_leaving_leaves_the_roots_rounds_with_no_sync_in_flight(tree):
     """eu's workers come and go while its syncs wait at the root for us: it merges each
     landing sync and sends what was trained meanwhile, at most F + 1 times. The last of those
