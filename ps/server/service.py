@@ -328,8 +328,10 @@ class _Servicer:
                 req = parse(pb.PullRequest, data)
                 self._check_job(context, req.job, relay_role=True)
                 timing.job = req.job
+                # At most a minute, as Resolve: a uint32 of milliseconds parked a handler for weeks.
                 meta, versions = await self.tier.pull(req.job, req.member, req.view_epoch, req.since_version,
-                                                      req.min_version, req.wait_ms / 1000.0, req.min_clock)
+                                                      req.min_version, min(req.wait_ms, 60_000) / 1000.0,
+                                                      req.min_clock)
             except Exception as exc:
                 await refuse(context, "Pull", exc, self.rpc)
             finally:
