@@ -177,6 +177,7 @@ class ParameterClient:
         self._hb_thread: threading.Thread | None = None
         self._heartbeat_s = 0.5
         self._encoder: Encoder | None = None  # the push edge's codec and residuals (after register)
+        self._dropped_epoch = 0  # the lineage held before a version failed (the view's epoch is 0 then)
         self._exit_hook: Callable[[], None] | None = None
         self._closed = False
         # On an alternate tier: the first one's health checks (``_probe_home``).
@@ -526,6 +527,7 @@ class ParameterClient:
                 bad_snapshots = 0
             except Stale as exc:
                 log.warning("%s: %s", self.worker_id, exc)
+                self._dropped_epoch = view.epoch or self._dropped_epoch
                 view.epoch = 0  # ask for a snapshot next time
                 if meta.snapshot:  # not a wrong base: the bytes or the checksum itself are wrong
                     bad_snapshots += 1
@@ -551,8 +553,10 @@ class ParameterClient:
                                f"holds {meta.to_version}")
 
     def _apply(self, meta: PullMeta, versions: list[tuple[VersionMeta, list[Chunk]]]) -> int:
+        held = self.view.epoch or self._dropped_epoch  # (a failed version left the view at epoch 0)
         pulled = apply_pull(self.view, self.layout, meta, versions)
-        if pulled.new_lineage and self._encoder is not None:
+        self._dropped_epoch = 0
+        if pulled.snapshot and held and held != self.view.epoch and self._encoder is not None:
             # A new lineage (the root restarted): what the residuals owe was computed on the
             # old one, as the relays also judge (they reset theirs).
             self.encoder.reset()

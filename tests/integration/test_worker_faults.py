@@ -321,3 +321,34 @@ def test_many_async_pushes_refused_as_stale_do_not_make_the_next_one_from_the_fu
     version, _ = a.push(_grad(2), pipelined=True)
     assert version == 1
     a.close()
+
+
+def test_a_new_lineage_found_after_a_failed_version_still_resets_the_residuals(tree, monkeypatch):
+    """A version that fails its checksum sets the view's epoch to 0 (ask for a snapshot). The
+    snapshot that came next, of a new lineage (the root restarted or was promoted by force),
+    was then not seen as one (the epoch held was 0), and the error-feedback residuals owed to
+    the dead lineage went into the new one (review of the pull path)."""
+    import worker.client
+
+    tree.add("root", "global")
+    (c,) = _clients(tree.addr("root"), ["w0"], push_codec="topk", topk=0.1)
+    c.push(_grad(0))
+    assert np.abs(_residual(c)).max() > 0
+    js = tree.tier("root").jobs["j"]
+
+    def new_lineage() -> None:  # what a forced promotion does (ps.tiers.pairing)
+        js.view.epoch ^= 0x5A5A
+        js.log.clear()
+    tree.lt.call(new_lineage)
+    real, calls = worker.client.apply_pull, []
+
+    def failing_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise Stale("version 2 fails its checksum (injected)")
+        return real(*args, **kw)
+    monkeypatch.setattr(worker.client, "apply_pull", failing_once)
+    c.pull()
+    assert len(calls) == 2 and c.view.epoch == tree.lt.call(lambda: js.view.epoch)
+    assert not any(np.abs(v).max() > 0 for v in c.encoder.state_dict().values())  # before: kept
+    c.close()
