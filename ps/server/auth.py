@@ -140,12 +140,12 @@ class Guard:
         open), ``ADMIN_ONLY`` for a job the root holds no token for (restored from before an
         admin token was set, or resharded from shards whose tokens differed): only the admin's
         token acts on it, below as at the root."""
-        h = self._hashes.get(job)
-        if not self._root:
-            return h or b""  # what its parent requires, passed on (by a relay without an admin token too)
         if not self.enabled:
             return b""
-        return h or ADMIN_ONLY
+        h = self._hashes.get(job)
+        if h:
+            return h
+        return ADMIN_ONLY if self._root else b""
 
     def mint(self, job: str) -> str:
         """A new token for ``job``: its hash is kept (and persisted) here, the token returned once."""
@@ -221,14 +221,10 @@ class Guard:
         raise Unauthenticated(f"the token presented is not the admin token; {_ADMIN_HINT} to {what}")
 
     def check_job(self, tokens: tuple[str, ...], job: str, relay: str | None = None) -> None:
-        """Pass if ``tokens`` hold ``job``'s token or the admin's (or a verified relay calls). A
-        relay without an admin token still checks the tokens its parent requires: it let every
-        caller in, and acted upward for them with the token its first child presented."""
-        if relay is not None or self._is_admin(tokens):
+        """Pass if ``tokens`` hold ``job``'s token or the admin's (or a verified relay calls)."""
+        if not self.enabled or relay is not None or self._is_admin(tokens):
             return
         h = self._hashes.get(job)
-        if not self.enabled and (self._root or not h):
-            return  # a root without tokens, or a job whose parent requires none
         if h is None and not self._root:
             # A relay that holds no such job: the tier registers upward presenting these tokens,
             # where the parent checks them, or answers NotMember (register first).
@@ -277,7 +273,6 @@ def guard_for(config, tier) -> Guard:
         guard = Guard(admin, hashes_from=tier.parent_link().token_hashes)
     if not guard.enabled:
         log.warning("%s %s: NO ADMIN TOKEN (--admin-token-file): this tier accepts every call from anyone "
-                    "who can reach it, without a token%s; run it so only on a trusted network",
-                    config.role, config.display_name,
-                    "" if config.role == "global" else " (but the job tokens its parent requires)")
+                    "who can reach it, without a token; run it so only on a trusted network",
+                    config.role, config.display_name)
     return guard

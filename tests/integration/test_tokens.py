@@ -160,30 +160,6 @@ def test_a_job_the_root_holds_no_token_for_is_the_admins_alone_at_its_relays_too
     boss.close()
 
 
-def test_a_relay_without_an_admin_token_still_checks_the_job_tokens_its_parent_requires(tree, tmp_path):
-    """A zone started without --admin-token-file under a root with tokens let every caller in
-    for every job, and acted upward for them with the token its first child had presented: the
-    root's job tokens were bypassed through it (security review). It checks them now."""
-    admin_file = tmp_path / "admin"
-    admin_file.write_text(ADMIN + "\n")
-    tree.add("root", "global", admin_token_file=str(admin_file))
-    zone = tree.add("eu-a", "zone", parent="root")
-    created, token = jobctl.create(tree.addr("root"), _job("j"), ADMIN)
-    other = jobctl.create(tree.addr("root"), _job("k"), ADMIN)[1]
-    w = ParameterClient(zone, "j", "w0", timeout_s=10, retry_s=5, token=token)
-    w.create_job(_job("j"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
-    w.register()
-    w.pull(min_version=0)
-    for tok in (None, other):
-        stranger = ParameterClient(zone, "j", "w-stranger", timeout_s=5, retry_s=1, token=tok)
-        _refused(stranger.register)
-        stranger.close()
-        with Caller(zone, token=tok) as rpc:
-            _refused(lambda rpc=rpc: rpc.stream("Pull", pb.PullRequest(job="j", member="w0"), 5))
-    assert tree.lt.call(lambda: len(tree.tier("eu-a").jobs["j"].members)) == 1
-    w.close()
-
-
 def test_a_tier_without_an_admin_token_is_open_and_says_so(tree, caplog):
     root = tree.add("root", "global")
     assert "NO ADMIN TOKEN" in caplog.text
