@@ -100,6 +100,23 @@ def _from_checkpoint(job_dir: Path) -> tuple[np.ndarray, Layout, ServerOptimizer
     return np.array(arrays["view"], np.float32), layout, opt, int(meta["version"])
 
 
+def _job_name(job_dir: Path) -> str:
+    """The job a directory's newest readable checkpoint is of (a backup may be named otherwise:
+    /backups/lm-20261127); the directory's name when none reads (the restore then says why)."""
+    import json
+    import zipfile
+
+    from ps.core.config import check_name
+
+    for path in reversed(checkpoint.list_checkpoints(job_dir)):
+        try:
+            with np.load(path) as z:
+                return check_name(str(json.loads(bytes(z["__meta__"]).decode())["config"]["name"]))
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
+            continue
+    return job_dir.name
+
+
 @contextmanager
 def restored(job_dir: Path) -> Iterator:
     """The root's job (``RootJob``) restored from ``job_dir`` as a restarted root would restore
@@ -107,13 +124,14 @@ def restored(job_dir: Path) -> Iterator:
     from ps.core.config import ServerConfig
     from ps.tiers.root import Root
 
+    name = _job_name(job_dir)
     with tempfile.TemporaryDirectory(prefix="hps-restore-") as tmp:
-        copy = Path(tmp) / job_dir.name
+        copy = Path(tmp) / name  # (a root serves a directory as the job of its name only)
         shutil.copytree(job_dir, copy, ignore=shutil.ignore_patterns("*.tmp"))
         root = Root(ServerConfig(role="global", checkpoint_dir=tmp))
-        if job_dir.name in root.damaged:
-            raise BadInput(f"job {job_dir.name}: {root.damaged[job_dir.name]}")
-        js = root.jobs.get(job_dir.name)
+        if name in root.damaged:
+            raise BadInput(f"job {name} ({job_dir}): {root.damaged[name]}")
+        js = root.jobs.get(name)
         if js is None:
             raise BadInput(f"{job_dir} holds no job the root could restore (ended, or no checkpoint)")
         try:

@@ -75,6 +75,12 @@ def test_export_writes_what_the_root_holds_and_torch_loads_it(tree, tmp_path, ca
     assert main(["checkpoint", "export", str(ckpt / "j"), "--out", str(tmp_path / "m5.pt"), "--no-wal"]) == 0
     assert "version 5 (checkpoint only)" in capsys.readouterr().out
     assert not torch.equal(torch.load(tmp_path / "m5.pt")["fc.weight"], model["fc.weight"])
+    # A backup named otherwise exports as its job (a root serves a directory only under its job's name).
+    import shutil
+    shutil.copytree(ckpt / "j", tmp_path / "j-20261127")
+    assert main(["checkpoint", "export", str(tmp_path / "j-20261127"), "--out", str(tmp_path / "b.pt")]) == 0
+    assert "version 7" in capsys.readouterr().out
+    assert torch.equal(torch.load(tmp_path / "b.pt")["fc.weight"], model["fc.weight"])
     for c in clients:
         c.close()
 
