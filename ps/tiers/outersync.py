@@ -286,11 +286,12 @@ class OuterSync:
         if exc is not None or not isinstance(ojs, RelayJob):
             ijs.stats.outer_sync_failures += 1
             if p.rejoined:  # the region took the outer view since: these steps are in neither
-                ijs.stats.inner_steps_lost += p.steps
+                lost = max(p.steps, p.fragment_steps)  # (its fragment's since its own last sync)
+                ijs.stats.inner_steps_lost += lost
                 log.warning("%s: job %s: the sync sent before every member left failed: %s; its %d inner "
                             "step(s) are counted lost (the root may have applied them before the failure)",
-                            self.role, name, short(str(exc), 200), p.steps,
-                            extra=event("outer.steps_lost", job=name, steps=p.steps))
+                            self.role, name, short(str(exc), 200), lost,
+                            extra=event("outer.steps_lost", job=name, steps=lost))
                 return
             ijs.stats.inner_steps_since_sync += p.steps
             st.unsent[p.fragment] += p.fragment_steps

@@ -94,6 +94,7 @@ def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
     # made durable before this returns.
     staged = [d.with_name(f".{d.name}.resharding") for d in out_dirs]
     placed: list[Path] = []
+    before: dict[Path, bytes] = {}  # each target's hash for the job as it was, for a roll-back
     try:
         for d, (arrays, meta) in zip(staged, new, strict=True):
             shutil.rmtree(d, ignore_errors=True)
@@ -103,7 +104,9 @@ def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
             checkpoint.write_atomic(staged[0] / "roster.json", json.dumps(json.loads(roster.read_text())))
         if held:
             for t in targets:
-                Guard(None, store=Path(t) / TOKENS_FILE).set_hash(job, bytes.fromhex(held))
+                guard = Guard(None, store=Path(t) / TOKENS_FILE)
+                before[Path(t)] = guard.hashes().get(job, b"")
+                guard.set_hash(job, bytes.fromhex(held))
         for d, final in zip(staged, out_dirs, strict=True):
             if final.exists():
                 final.rmdir()  # empty (checked above)
@@ -114,12 +117,11 @@ def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
     except BaseException:
         for d in staged + placed:
             shutil.rmtree(d, ignore_errors=True)
-        if held:
-            for t in targets:
-                try:
-                    Guard(None, store=Path(t) / TOKENS_FILE).set_hash(job, b"")
-                except OSError:
-                    pass  # the failure being raised says more
+        for t, h in before.items():  # the tokens set, as they were
+            try:
+                Guard(None, store=t / TOKENS_FILE).set_hash(job, h)
+            except (OSError, ValueError):
+                pass  # the failure being raised says more
         raise
     blocks = sum(len(m["keys"]) for _, m in new)
     return Resharded(job, int(new[0][1]["version"]), blocks, moved, len(old), len(new),
