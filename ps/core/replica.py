@@ -42,9 +42,12 @@ class Pulled:
 
 
 def apply_pull(view: View, layout: Layout, meta: PullMeta,
-               versions: list[tuple[VersionMeta, list[Chunk]]]) -> Pulled:
-    """Bring ``view`` to what the pull brought; ``Stale`` (nothing changed) when a version does
-    not apply to its base or fails its checksum."""
+               versions: list[tuple[VersionMeta, list[Chunk]]],
+               applied: list[DeltaEntry] | None = None) -> Pulled:
+    """Bring ``view`` to what the pull brought; ``Stale`` when a version does not apply to its
+    base or fails its checksum, ``BadInput`` when its chunks do not assemble: that version
+    changed nothing, but the ones before it in the reply hold (each delta is applied in place;
+    ``applied`` is given each one as it is, so a relay's log keeps them and matches its view)."""
     if meta.snapshot:
         vm, chunks = versions[0]
         values = assemble(layout, chunks, what="snapshot", check_finite=False, require_all=True)
@@ -60,5 +63,7 @@ def apply_pull(view: View, layout: Layout, meta: PullMeta,
             a.add(c)
         view.apply_delta(meta.view_epoch, vm.version, a.finish_pieces(), vm.checksum, vm.clock_min)
         entries.append(DeltaEntry(vm.version, vm.checksum, tuple(chunks), vm.clock_min, vm.contributors))
+        if applied is not None:
+            applied.append(entries[-1])
         nbytes += payload_bytes(chunks)
     return Pulled(nbytes, False, False, tuple(entries))

@@ -627,6 +627,8 @@ class Relay(ParentLink, Tier):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
             except HpsError as exc:
+                if isinstance(exc, BadInput):  # a reply whose chunks do not assemble: not pulled again
+                    self._force_snapshot.add(job)
                 js.pull_failures += 1  # (the parent out of reach says so itself: parent.lost)
                 log.log(logging.WARNING if js.pull_failures == _FAILING_PULLS else logging.DEBUG,
                         "%s: pull of %s failed %d time(s) in a row: %s", self.role, job, js.pull_failures, exc)
@@ -673,7 +675,18 @@ class Relay(ParentLink, Tier):
         keeps verbatim to serve the children."""
         js.parent_version = max(meta.to_version, js.view.version) if meta.view_epoch == js.view.epoch \
             and not meta.snapshot else meta.to_version  # (a snapshot: what the parent holds, even if less)
-        pulled = apply_pull(js.view, js.layout, meta, versions)
+        applied: list = []
+        try:
+            pulled = apply_pull(js.view, js.layout, meta, versions, applied)
+        except HpsError:
+            # A version of the reply failed: those before it are in the view, so in the log too
+            # (it ended below the view: every child then took a snapshot), and waiting children
+            # hear of them.
+            for entry in applied:
+                js.log.append(entry)
+            if applied:
+                js.notify()
+            raise
         js.stats.bytes_pulled_in += pulled.nbytes
         if pulled.snapshot:
             js.log.clear()

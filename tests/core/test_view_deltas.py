@@ -461,3 +461,24 @@ def test_split_without_copy_gives_fp32_views_of_the_vector_and_copies_otherwise(
         assert all(isinstance(c.payload, bytes) for c in owned)
     zstd = split(layout, flat, get_codec("fp32+zstd"), copy=False)
     assert all(isinstance(c.payload, bytes) for c in zstd)
+
+
+def test_a_reply_whose_second_version_fails_keeps_the_first_and_says_which_held():
+    """apply_pull applies a reply's deltas in place, one by one: when version 2 fails its
+    checksum, version 1 holds, and ``applied`` names it (a relay's log then matches its view;
+    it ended one version below it, and every child took a snapshot)."""
+    from ps.core.replica import apply_pull
+    from ps.core.types import PullMeta, VersionMeta
+
+    layout, codec = _layout(), get_codec("fp32")
+    base, d1, d2 = (np.random.default_rng(k).standard_normal(layout.numel).astype(np.float32) for k in range(3))
+    v1 = base + d1
+    view = View(layout)
+    view.load_snapshot(7, 0, base, checksum(base))
+    reply = [(VersionMeta(1, checksum(v1)), split(layout, d1, codec)),
+             (VersionMeta(2, checksum(v1) ^ 1), split(layout, d2, codec))]  # a wrong checksum
+    applied: list = []
+    with pytest.raises(Stale):
+        apply_pull(view, layout, PullMeta(7, 0, 2, False, 7), reply, applied)
+    assert view.version == 1 and _bits(view.values) == _bits(v1)
+    assert [e.version for e in applied] == [1]

@@ -173,7 +173,7 @@ def test_a_relay_backs_off_from_bad_snapshots_and_its_follow_loop_outlives_a_bug
     w.pull()
     real, pulled = relay_mod.apply_pull, []
 
-    def corrupt(view, layout, meta, versions):
+    def corrupt(view, layout, meta, versions, *applied):
         pulled.append(meta.snapshot)
         raise Stale("version fails its checksum (test)")
     monkeypatch.setattr(relay_mod, "apply_pull", corrupt)
@@ -185,7 +185,7 @@ def test_a_relay_backs_off_from_bad_snapshots_and_its_follow_loop_outlives_a_bug
     # and it says it lags (its status, hps_replica_lag_seconds), though its parent answers
     wait_for(lambda: fetch_status(zone).jobs[0].lag_s > 0, "the zone's lag while its pulls fail")
 
-    def bug(view, layout, meta, versions):
+    def bug(view, layout, meta, versions, *applied):
         monkeypatch.setattr(relay_mod, "apply_pull", real)
         raise IndexError("a bug (test)")
     monkeypatch.setattr(relay_mod, "apply_pull", bug)
