@@ -198,6 +198,10 @@ class Guard:
         os.replace(tmp, self._store)
 
     # -- checks ---------------------------------------------------------------------------------
+    def is_admin(self, tokens: tuple[str, ...]) -> bool:
+        """Whether ``tokens`` hold the admin token (False when this tier has none)."""
+        return self._is_admin(tokens)
+
     def _is_admin(self, tokens: tuple[str, ...]) -> bool:
         return any(hmac.compare_digest(digest(t), self._admin) for t in tokens) if self._admin else False
 

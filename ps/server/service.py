@@ -272,11 +272,20 @@ class _Servicer:
         if len(req.jobs) > 1000:
             raise BadInput(f"a heartbeat names at most 1000 jobs, got {len(req.jobs)}")
         self._check_child(context, req.member, ROLE_NAME.get(req.role, "worker"))
+        checked = 0
         for job in req.jobs:  # every job it names that this tier can check (see ps.server.auth)
             if self.guard.knows(job):
                 self._check_job(context, job, ROLE_NAME.get(req.role, "worker") != "worker")
+                checked += 1
+        address = reachable_address(req.address, context.peer())
+        if (self.guard.enabled and not checked and relay_identity(context) is None
+                and not self.guard.is_admin(_tokens(context))):
+            # A heartbeat naming no job needs no token: over plaintext anyone could list an
+            # address of theirs as a relay child here, and `hps status` walking the tree sent
+            # the admin token there. A child's address comes only from a caller checked.
+            address = ""
         unknown = self.tier.heartbeat(check_member(req.member), list(req.jobs), ROLE_NAME.get(req.role, "worker"),
-                                      reachable_address(req.address, context.peer()))
+                                      address)
         return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)
 
     @_unary("Leave")

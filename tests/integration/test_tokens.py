@@ -160,6 +160,23 @@ def test_a_job_the_root_holds_no_token_for_is_the_admins_alone_at_its_relays_too
     boss.close()
 
 
+def test_a_heartbeat_without_credentials_lists_no_address_for_hps_status_to_visit(tree, tmp_path):
+    """A heartbeat naming no job needs no token. Over plaintext anyone could list an address of
+    theirs as a relay child of the root, and `hps status`, walking the tree, sent the admin token
+    there (security review). An unchecked caller's address is not recorded; a checked one's is."""
+    admin_file = tmp_path / "admin"
+    admin_file.write_text(ADMIN + "\n")
+    tree.add("root", "global", admin_token_file=str(admin_file))
+    root = tree.addr("root")
+    beat = pb.HeartbeatRequest(member="eu", role=pb.ROLE_ZONE, address="203.0.113.9:7000")
+    with Caller(root) as rpc:
+        rpc.call("Heartbeat", beat, 5)
+    assert not [c.address for c in fetch_status(root, token=ADMIN).children]
+    with Caller(root, token=ADMIN) as rpc:
+        rpc.call("Heartbeat", beat, 5)
+    assert [c.address for c in fetch_status(root, token=ADMIN).children] == ["203.0.113.9:7000"]
+
+
 def test_a_tier_without_an_admin_token_is_open_and_says_so(tree, caplog):
     root = tree.add("root", "global")
     assert "NO ADMIN TOKEN" in caplog.text
