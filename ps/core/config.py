@@ -338,7 +338,7 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     push_codec: str = "fp32"       # worker -> its tier
     delta_codec: str = "fp32"      # the root's published-view deltas (error kept at the root)
-    delta_log_length: int = 64
+    delta_log_length: int = 64     # deltas each tier keeps for its children (and at most 2 dense snapshots' bytes)
     damping: bool = False  # async/ssp/asynchronous outer: lr / (1 + staleness) at the root
     # Relays re-encode their children's sum with this codec and their own error-feedback
     # residual ("": the push codec); a tier's --up-codec overrides it for its own edge.

@@ -38,12 +38,17 @@ class DeltaEntry:
 
 
 class DeltaLog:
-    """The last ``capacity`` deltas of one lineage, contiguous by version."""
+    """The last ``capacity`` deltas of one lineage, contiguous by version, and at most
+    ``max_bytes`` of them (the newest is always kept): a child further behind takes a snapshot.
+    Counted alone, 64 dense fp32 deltas of a 100M-parameter model held 25.6 GB at the root and
+    again at every relay, for children that a 400 MB snapshot serves more cheaply anyway."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"delta log capacity must be >= 1, got {capacity}")
         self._entries: deque[DeltaEntry] = deque(maxlen=capacity)
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # the payload bytes held
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -60,11 +65,17 @@ class DeltaLog:
     def append(self, entry: DeltaEntry) -> None:
         if self._entries and entry.version != self._entries[-1].version + 1:
             # A gap means a new base (snapshot); the old entries no longer lead to it.
-            self._entries.clear()
+            self.clear()
+        if len(self._entries) == self._entries.maxlen:
+            self.nbytes -= self._entries.popleft().nbytes
         self._entries.append(entry)
+        self.nbytes += entry.nbytes
+        while self.max_bytes is not None and self.nbytes > self.max_bytes and len(self._entries) > 1:
+            self.nbytes -= self._entries.popleft().nbytes
 
     def clear(self) -> None:
         self._entries.clear()
+        self.nbytes = 0
 
     def since(self, version: int, upto: int) -> list[DeltaEntry] | None:
         """Deltas taking a view from ``version`` to ``upto``; None if the log cannot."""

@@ -90,7 +90,10 @@ class JobState:
 
     def __post_init__(self) -> None:
         self.view = self.view or View(self.layout, reuse=True)  # a tier's own replica
-        self.log = self.log or DeltaLog(self.config.delta_log_length)
+        # Bytes too: twice a dense snapshot's (a child further behind is served one more cheaply),
+        # and never under 64 MiB (a small model keeps its whole count).
+        self.log = self.log or DeltaLog(self.config.delta_log_length,
+                                        max_bytes=max(64 << 20, 2 * 4 * self.layout.numel))
         self.round = self.round or BspRound(round=0, numel=self.layout.numel)
         self.window = self.window or self.new_window()
 

@@ -482,3 +482,23 @@ def test_a_reply_whose_second_version_fails_keeps_the_first_and_says_which_held(
         apply_pull(view, layout, PullMeta(7, 0, 2, False, 7), reply, applied)
     assert view.version == 1 and _bits(view.values) == _bits(v1)
     assert [e.version for e in applied] == [1]
+
+
+def test_the_log_holds_at_most_its_bytes_and_always_the_newest():
+    """64 dense fp32 deltas of a 100M-parameter model held 25.6 GB at every tier: the log keeps
+    what fits its bytes (each entry here is 8), however many its count allows."""
+    log = DeltaLog(100, max_bytes=20)
+    for v in range(1, 6):
+        log.append(_entry(v))
+        assert log.nbytes == 8 * len(log) <= 20
+    assert len(log) == 2 and log.oldest_base == 3 and log.since(2, 5) is None
+    assert [e.version for e in log.since(3, 5)] == [4, 5]
+    tiny = DeltaLog(100, max_bytes=1)  # smaller than one entry: the newest stays
+    tiny.append(_entry(1))
+    assert len(tiny) == 1 and tiny.since(0, 1) is not None
+    capped = DeltaLog(2)  # the count's evictions keep the byte count right
+    for v in range(1, 5):
+        capped.append(_entry(v))
+    assert capped.nbytes == 16
+    capped.append(_entry(9))  # a gap: a new base
+    assert len(capped) == 1 and capped.nbytes == 8
