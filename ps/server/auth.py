@@ -27,7 +27,8 @@ without an admin token (``--admin-token-file``) accepts every call as before and
 loudly in its log and in ``hps status``: the same posture as ``--insecure``.
 
 Trust model. Relays are cluster infrastructure: they check their own children's tokens against
-the hash their parent sent when they registered for the job (``RegisterReply.token_sha256``),
+the hash their parent sent when they registered for the job (``RegisterReply.token_sha256``:
+b"" when the parent requires no token, ``ADMIN_ONLY`` for a job the root holds no token for),
 and call their parent with their own identity. Until tiers present certificates (the mutual-TLS
 half of issue 14) a parent cannot tell a relay from anyone else, so a relay proves its right
 to a job by presenting the token of that job that its parent accepted when it registered (the
@@ -36,7 +37,9 @@ admin's token for the admin calls it relays (create, list, end jobs), which the 
 Once certificates exist, ``relay_identity`` names the relay a verified certificate belongs to,
 and a parent lets a verified relay act in any job without a job token (its children were
 checked where they connected). A heartbeat naming no job is accepted without a token: it only
-says a relay is alive (``hps status`` walks it), and readiness must not wait for a first job.
+says a relay is alive, and readiness must not wait for a first job. The address it names is
+recorded as a relay child (which ``hps status`` walks, with the admin token) only from a caller
+this tier checked: a job's token, a verified relay certificate, or the admin's.
 """
 
 from __future__ import annotations
