@@ -81,8 +81,14 @@ class Launch:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+            # SIGTERM first: the launcher stops the tiers it started, recorded in its state file
+            # or not yet (a test that gave up before the state was written leaked them all).
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
         for t in self.state().get("tiers", {}).values():  # a killed launch leaves its tiers
             try:
                 os.kill(t["pid"], signal.SIGKILL)
