@@ -192,13 +192,7 @@ class Guard:
         if self._store is None:
             return
         self._store.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._store.with_name(f".{self._store.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({job: h.hex() for job, h in self._hashes.items()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._store)
+        write_secret(self._store, json.dumps({job: h.hex() for job, h in self._hashes.items()}))
 
     # -- checks ---------------------------------------------------------------------------------
     def is_admin(self, tokens: tuple[str, ...]) -> bool:
