@@ -12,7 +12,12 @@ This measures, on this machine, one thread each:
   (``pip install google-crc32c``; it is not a dependency of hps);
 - over one 400 MB float32 buffer and one 4 MB buffer (a frame's worth), and over the 400 MB
   buffer hashed as 100 independent 4 MB blocks (a digest per block, what "per block" needs);
-- GB/s (10^9 bytes per second) of the median of --runs timings. Nothing is asserted.
+- GB/s (10^9 bytes per second) of the median of --runs timings;
+- the view checksum as tiers compute it now (``ps.core.view``: an XXH3-64 digest per 64Ki-element
+  block, combined): a whole version, and a version that changed only one fragment of four (an
+  outer job with F=4) or 1% of the view (a fine-tune's trained keys), which a tier hashes
+  block by block (``View.rehash``; a replica the blocks its chunks covered), side by side.
+Nothing is asserted.
 
 Writes benchmarks/results/hashes.json.
 """
@@ -32,6 +37,9 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ps.core.view import KeySpec, Layout, View, checksum
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_GBPS = 5.0
@@ -64,6 +72,24 @@ def _gbps(fn: Callable[[], object], nbytes: int, runs: int) -> dict:
     med = statistics.median(times)
     return dict(gbps=nbytes / med / 1e9, median_s=med, runs=runs,
                 gbps_runs=[round(nbytes / t / 1e9, 3) for t in times])
+
+
+def _view_rows(big: np.ndarray, runs: int) -> dict:
+    """The view checksum of a whole version, and the rehash of a version that changed a part."""
+    n = big.size
+    quarter, percent = n // 4, n // 100
+    layout = Layout([KeySpec("fragment0", (quarter,)), KeySpec("rest", (n - quarter,))])
+    view = View(layout)
+    view.values = big.copy()
+    rows = {"whole version (ps.core.view.checksum)": _gbps(lambda: checksum(view.values), big.nbytes, runs),
+            "one fragment of four (View.rehash)": _gbps(lambda: view.rehash([(0, quarter)]), big.nbytes, runs),
+            "1% of the view (View.rehash)": _gbps(lambda: view.rehash([(0, percent)]), big.nbytes, runs),
+            "whole version, one XXH3-64 pass (before)": _gbps(lambda: xxhash.xxh3_64_intdigest(big), big.nbytes,
+                                                              runs)}
+    whole = rows["whole version (ps.core.view.checksum)"]["median_s"]
+    for r in rows.values():
+        r["vs_whole"] = r["median_s"] / whole
+    return rows
 
 
 def main() -> int:
@@ -100,10 +126,14 @@ def main() -> int:
         print(f"{name:34s}" + "".join(f"{r[c]['gbps']:24.2f}" for c in cols))
     for note in notes.values():
         print(note)
+    view_rows = _view_rows(big, args.runs)
+    print(f"\nthe view checksum per version ({args.mb} MB view, median of {args.runs}):")
+    for name, r in view_rows.items():
+        print(f"  {name:44s} {1e3 * r['median_s']:8.1f} ms   {r['vs_whole']:.3f}x the whole view's")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
-        benchmark="hashes", goal_gbps=GOAL_GBPS, block_bytes=BLOCK, rows=rows, notes=notes,
+        benchmark="hashes", goal_gbps=GOAL_GBPS, block_bytes=BLOCK, rows=rows, notes=notes, view_rows=view_rows,
         machine=dict(platform=platform.platform(), cores=os.cpu_count(), python=platform.python_version(),
                      numpy=np.__version__, xxhash=xxhash.VERSION, date=time.strftime("%Y-%m-%d")),
     ), indent=2) + "\n")

@@ -535,7 +535,7 @@ class ParameterClient:
                         raise Internal(f"{exc}; {bad_snapshots} snapshots in a row failed their checksum: "
                                        "memory or the network corrupts them, or this worker and its tiers "
                                        "run different hps releases (the view checksum changed from CRC-32 "
-                                       "to XXH3-64 on 2026-11-26)") from None
+                                       "to XXH3-64 on 2026-11-26, to per-block digests on 2026-11-28)") from None
                     time.sleep(0.2 * bad_snapshots)  # never a tight loop of multi-megabyte pulls
                 if time.monotonic() > deadline:  # bounded like every other way round this loop
                     raise TimedOut(f"version {min_version} did not arrive within the deadline: {exc}") from None

@@ -58,7 +58,7 @@ from ps.core.ranks import RankInfo
 from ps.core.sharding import ShardPlan
 from ps.core.tensors import Pieces, all_finite, assemble, split
 from ps.core.types import Ack, LogMessage, PushKey, PushMeta, StepInfo, TierStatus
-from ps.core.view import Layout, checksum
+from ps.core.view import Layout, checksum, normalized
 from ps.net.tls import TlsFiles
 from ps.net.wire import framed
 from ps.tiers import checkpoint
@@ -366,7 +366,7 @@ class Root(Durable, Pairing, Tier):
         js = RootJob(cfg, layout, created_at=self.clock(), params=params, above_inner=self.above_inner_loops,
                      optimizer=self._optimizer(cfg, params, layout),
                      wal=WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None)
-        view = params.copy() if view_values is None else np.array(view_values, np.float32)
+        view = normalized(params.copy() if view_values is None else np.array(view_values, np.float32))
         js.view.load_snapshot(self.epoch, version, view, checksum(view))
         js.reset_round(version, "job installed")
         if cfg.sharding is not None:
@@ -573,10 +573,11 @@ class Root(Durable, Pairing, Tier):
                                                                         check_finite=False)
         # The view is the root's own array (pulls are served from encoded chunks, checkpoints
         # copy it), so it is updated in place.
-        new = np.add(js.view.values, decoded, out=js.view.values)
-        crc = checksum(new)
+        np.add(js.view.values, decoded, out=js.view.values)
+        # Only the published keys' blocks can have changed (the rest added +0.0: ps.core.view).
+        crc = js.view.rehash(None if only is None else js.layout.spans(only))
         version = js.view.version + 1
-        js.view.version, js.view.checksum = version, crc
+        js.view.version = version
         js.view.clock_min = max(js.view.clock_min, clock_min)
         js.reported_floor = js.view.clock_min
         js.log.append(DeltaEntry(version, crc, tuple(chunks), js.view.clock_min, contributors))

@@ -15,7 +15,7 @@ from ps.core.codecs import get_codec
 from ps.core.deltas import DeltaEntry, DeltaLog
 from ps.core.errors import BadInput, Stale
 from ps.core.tensors import Assembler, Chunk, assemble, split
-from ps.core.view import KeySpec, Layout, View, checksum
+from ps.core.view import BLOCK, KeySpec, Layout, View, block_digests, blocks_of, checksum, normalized
 
 __all__: list[str] = []
 
@@ -48,7 +48,7 @@ def _ready_view(layout: Layout, epoch: int = 7, version: int = 3) -> View:
 
 
 def _state(view: View) -> tuple:
-    return view.epoch, view.version, view.checksum, _bits(view.values), view.values.dtype
+    return view.epoch, view.version, view.checksum, _bits(view.values), view.values.dtype, view.digests.tobytes()
 
 
 # ============================================================================ store: Layout
@@ -502,3 +502,70 @@ def test_the_log_holds_at_most_its_bytes_and_always_the_newest():
     assert capped.nbytes == 16
     capped.append(_entry(9))  # a gap: a new base
     assert len(capped) == 1 and capped.nbytes == 8
+
+
+# ============================================================================ block digests
+
+
+class _CountingHash:
+    """xxhash with its block hashes counted (what ps.core.view calls per block)."""
+
+    def __init__(self) -> None:
+        import xxhash
+        self.real, self.blocks = xxhash, 0
+
+    def xxh3_64_intdigest(self, data) -> int:
+        if len(data) == 4 * BLOCK:
+            self.blocks += 1
+        return self.real.xxh3_64_intdigest(data)
+
+
+def test_a_pulled_delta_hashes_only_the_blocks_its_chunks_cover(monkeypatch):
+    """A replica verifies a version by hashing the blocks the delta's chunks covered; the
+    checksum it reaches is the whole vector's, and a wrong one is still refused whole."""
+    layout = Layout([KeySpec("a", (2 * BLOCK,)), KeySpec("b", (2 * BLOCK,)), KeySpec("c", (2 * BLOCK,))])
+    base = normalized(_values(layout.numel, seed=5))
+    view = View(layout, reuse=True)
+    view.load_snapshot(epoch=3, version=0, values=base, crc=checksum(base))
+    d = np.zeros(layout.numel, np.float32)
+    d[2 * BLOCK:4 * BLOCK] = np.float32(0.5)
+    chunks = split(layout, d, get_codec("fp32"), only=frozenset({"b"}))
+    spy = _CountingHash()
+    monkeypatch.setattr("ps.core.view.xxhash", spy)
+
+    def pieces():
+        a = Assembler(layout, "delta", check_finite=False, lazy=True)
+        for c in chunks:
+            a.add(c)
+        return a.finish_pieces()
+
+    held = _state(view)
+    with pytest.raises(Stale, match="checksum"):
+        view.apply_delta(3, 1, pieces(), crc=checksum(base + d) ^ 1)
+    assert _state(view) == held
+    want = checksum(base + d)
+    spy.blocks = 0
+    view.apply_delta(3, 1, pieces(), crc=want)
+    assert spy.blocks == 2  # "b"'s two blocks, not all six
+    assert _bits(view.values) == _bits(base + d)
+    monkeypatch.undo()
+    assert view.checksum == checksum(view.values) and view.digests.tolist() == block_digests(view.values).tolist()
+
+
+def test_the_roots_rehash_of_what_it_changed_equals_the_whole_checksum():
+    layout = Layout([KeySpec("a", (BLOCK + 3,)), KeySpec("b", (5,)), KeySpec("c", (BLOCK,))])
+    v = normalized(_values(layout.numel, seed=2))
+    view = View(layout)
+    view.load_snapshot(epoch=1, version=0, values=v, crc=checksum(v))
+    start, stop = layout.spans(["b"])[0]
+    view.values[start:stop] += np.float32(1.0)
+    assert blocks_of(layout.spans(["b"]), layout.numel) == [1]
+    assert view.rehash(layout.spans(["b"])) == checksum(view.values)
+    view.values[0] += np.float32(1.0)
+    assert view.rehash() == checksum(view.values)
+
+
+def test_normalized_turns_negative_zero_into_positive_zero_and_nothing_else():
+    x = np.array([-0.0, 0.0, -1.5, 1e-45, -3.0e38], np.float32)
+    want = np.array([0.0, 0.0, -1.5, 1e-45, -3.0e38], np.float32)
+    assert _bits(normalized(x)) == _bits(want)
