@@ -319,7 +319,16 @@ class Root(Durable, Pairing, Tier):
         name = js.config.name
         await self._quiesce(js)
         version = js.view.version
-        self._checkpoint(js)
+        task = self._checkpoint(js)
+        if task is not None:
+            # Waited for: an ended job is not restored from its log (ps.tiers.durable), so the
+            # versions since its last checkpoint are on disk only once this one is.
+            try:
+                await task
+            except Exception as exc:
+                js.ending_task = None  # a retry of the end writes it again; rounds stay refused
+                raise Unavailable(f"job {short(name)} was not ended: its final checkpoint (version {version}) "
+                                  f"failed: {exc}; retry ending it (its rounds are refused meanwhile)") from exc
         js.abort(js.ending)
         del self.jobs[name]
         if js.wal is not None:
@@ -472,16 +481,32 @@ class Root(Durable, Pairing, Tier):
                                       f"({type(exc).__name__}); nothing was applied; retry")
                 self._refuse(js, agg, fut, exc)
                 return
-            self._publish(js, rec.clock_min, rec.contributors, step.skip, self._published_keys(js, step))
-            # With the version that applied their gradients: a sample counts as trained iff
-            # its gradient was applied (replayed from the log by ``_apply``).
-            self._trained(js, step.progress)
-            doubles = js.applied.add(js.view.version, keys)
-            if doubles:  # invariant 4 broken: loud, counted, never silent
-                js.stats.double_applied += doubles
-                log.critical("job %s: version %d applied %d worker push(es) an earlier version had "
-                             "applied already", js.config.name, js.view.version, doubles)
-            await self._after_version(js, rec)
+            try:
+                self._publish(js, rec.clock_min, rec.contributors, step.skip, self._published_keys(js, step))
+                # With the version that applied their gradients: a sample counts as trained iff
+                # its gradient was applied (replayed from the log by ``_apply``).
+                self._trained(js, step.progress)
+                doubles = js.applied.add(js.view.version, keys)
+                if doubles:  # invariant 4 broken: loud, counted, never silent
+                    js.stats.double_applied += doubles
+                    log.critical("job %s: version %d applied %d worker push(es) an earlier version had "
+                                 "applied already", js.config.name, js.view.version, doubles)
+                await self._after_version(js, rec)
+            except Exception as exc:
+                # Logged (and replicated) but not all done (out of memory while framing the delta,
+                # a bug): the parameters are one version past what the view or the books say, and
+                # an unanswered round would hold the job's window forever. Not served until a
+                # restart restores it from its checkpoint and log, which hold the version whole.
+                if self.jobs.get(js.config.name) is js:
+                    self.damaged[js.config.name] = (f"version {rec.version} was logged but publishing it failed "
+                                                    f"({type(exc).__name__}: {exc}); restart the root: it restores "
+                                                    "the job from its checkpoint and log")
+                    log.critical("job %s is not served: %s", js.config.name, self.damaged[js.config.name],
+                                 exc_info=True, extra=event("job.damaged", job=js.config.name, version=rec.version))
+                self._refuse(js, agg, fut, Unavailable(f"job {js.config.name}: version {rec.version} was logged "
+                                                       "but not published; the root must be restarted, which "
+                                                       "restores it; retry then"))
+                return
             if not fut.done():
                 fut.set_result(Ack(js.view.version, js.view.epoch, skipped=step.skip, pace=self._pace(js, keys, step)))
             if js.view.version % self.config.checkpoint_every == 0:
