@@ -72,16 +72,15 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def save_bytes(directory: str | Path, version: int, data: bytes, keep: int = 3) -> Path:
-    """``save`` of a checkpoint file's bytes (``to_bytes``), atomically. The first checkpoint
-    of a directory also makes the directory's own entry durable (a power cut could otherwise
-    lose the whole job directory, checkpoint and log, after its creation was acknowledged)."""
+    """``save`` of a checkpoint file's bytes (``to_bytes``), atomically. Each also makes the
+    directory's own entry durable (a power cut could otherwise lose the whole job directory,
+    checkpoint and log, after its creation was acknowledged): every time, not only for a
+    directory's first checkpoint, which a failed save may have left behind un-fsynced."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    first = not list_checkpoints(d)
     final = d / f"ckpt-{version:012d}.npz"
     write_atomic(final, data, tmp=d / f".ckpt-{version:012d}.npz.tmp")
-    if first:
-        fsync_dir(d.parent)
+    fsync_dir(d.parent)
     for old in list_checkpoints(d)[:-keep]:
         old.unlink(missing_ok=True)
     return final

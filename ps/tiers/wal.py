@@ -186,7 +186,9 @@ class WriteAheadLog:
         cuts = []
         flat: list[tuple[Entry, Path]] = []  # the accepted records, contiguous versions
         for i, ((first, path), scan) in enumerate(zip(found, scans)):
-            seg = _Segment(first, path, end=scan.end)
+            # Not known to be named durably: a crash may have come between creating the file and
+            # fsyncing its directory. The first append to it fsyncs the directory (once).
+            seg = _Segment(first, path, end=scan.end, named=False)
             if scan.entries and scan.entries[0].version != first:
                 raise self._corrupt(f"segment {path.name} is named for version {first} but its first "
                                     f"record is version {scan.entries[0].version}")

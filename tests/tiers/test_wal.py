@@ -546,3 +546,21 @@ def test_appends_in_a_thread_while_the_loop_rotates_and_drops(tmp_path):
     wal.close()
     got = _replay(tmp_path, after=dropped)
     assert [r.version for r in got] == list(range(dropped + 1, n + 1))
+
+
+def test_a_segment_found_at_recovery_has_its_directory_entry_made_durable_before_an_append_returns(
+        tmp_path, monkeypatch):
+    """A crash between creating a segment and fsyncing its directory leaves a file whose name
+    may not survive a power cut. Appended to after a restart, its records were acknowledged
+    while the name (and with it every record) could still vanish."""
+    import ps.tiers.wal as wal_module
+    _seg(tmp_path, 1).write_bytes(b"")  # created, never written: what such a crash leaves
+    calls = []
+    real = wal_module._fsync_dir
+    monkeypatch.setattr(wal_module, "_fsync_dir", lambda d: (calls.append(d), real(d)))
+    wal = WriteAheadLog(tmp_path)
+    wal.append(WalRecord(1, 1, 0, np.ones(3, np.float32)))
+    assert calls == [tmp_path]
+    wal.append(WalRecord(2, 1, 0, np.ones(3, np.float32)))
+    assert calls == [tmp_path]  # once per segment, not per record
+    wal.close()
