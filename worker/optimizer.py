@@ -555,10 +555,12 @@ class HpsOptimizer(torch.optim.Optimizer):
             # The batch still counts as consumed (as a skipped step on one device): its progress
             # goes with the next push that carries a gradient (a tier keeps the step
             # information of contributions only). Every key is absent from it: summed with a
-            # later gradient, it must not make a key that one lacks look present.
+            # later gradient, it must not make a key that one lacks look present, nor count as a
+            # push that carried buffers (summed with a step that carries none, the root took
+            # the absent buffer keys' zeros as their average).
             self._carried = info.progress
             sender.submit(None, self.clock, view.version, view.epoch, report,
-                          replace(info, progress=(), absent=tuple(range(len(self._keys)))))
+                          replace(info, progress=(), absent=tuple(range(len(self._keys))), buffers=0))
         elif skip:  # async: no floor; not pushed
             self._carried = info.progress  # (it holds what was carried before: ``_progress``)
         else:
@@ -592,9 +594,14 @@ class HpsOptimizer(torch.optim.Optimizer):
     def sync(self, timeout_s: float = 60.0) -> int:
         """Wait until every pushed gradient is applied, then load the newest parameters and
         buffers (the end of training in ssp/async); returns the version now held."""
+        deadline = time.monotonic() + timeout_s
         if self.sender is not None and not self.sender.drain(timeout_s):
             raise TimedOut(f"pushes still unacknowledged after {timeout_s:.0f}s")
-        self.client.pull(wait_s=0.0)
+        # At least the version that applied this worker's last push: a relay answers a push
+        # once its parent has applied it, which may be before it has pulled that version.
+        epoch, newest = self.sender.newest if self.sender is not None else (0, 0)
+        self.client.pull(min_version=newest if epoch == self.client.view.epoch else 0,
+                         wait_s=max(0.0, deadline - time.monotonic()))
         self._load_view(buffers=self.client.config.buffer_sync_every > 0)
         return self.version
 

@@ -59,6 +59,7 @@ class Sender:
             raise ValueError(f"a sender needs at least one push in flight, got {in_flight}")
         self.client = client
         self.applied: list[tuple[int, int, int]] = []  # (clock_lo, clock_hi, version), if record
+        self.newest: tuple[int, int] = (0, 0)  # (view epoch, version) of the newest acknowledged push
         self.bytes_up = 0
         self.pushes = 0
         self._record = record
@@ -149,6 +150,8 @@ class Sender:
                 with self._cv:
                     self.bytes_up += nbytes
                     self.pushes += 1
+                    if (epoch, version) > self.newest or epoch != self.newest[0]:
+                        self.newest = (epoch, version)
                     if self._record:
                         self.applied.append((clocks[0], clocks[1], version))
             except Stale as exc:

@@ -4,6 +4,7 @@ shared, AMP's GradScaler, a new run that does not silently resume an old job."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -12,6 +13,7 @@ import torch
 
 from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.errors import Conflict
+from tests.helpers import same_bits
 from worker import HpsOptimizer
 
 PER_WORKER = 8
@@ -371,3 +373,66 @@ def test_an_ssp_push_that_fails_in_the_background_is_raised_by_the_step_waiting_
                 model(torch.randn(8, 6)).pow(2).mean().backward()
                 opt.step()
         assert time.monotonic() - t0 < 20.0
+
+
+def test_an_ssp_step_skipped_on_a_buffer_sync_step_leaves_the_buffers_at_the_root(tree, monkeypatch):
+    """ssp, buffers synced every 2 steps: step 1 (a sync step) overflows while step 0's push is
+    still out, so the sender sums the skip with step 2, which carries no buffers. The sum said
+    "one push carried buffers" with every buffer key absent, and the root set BatchNorm's
+    running statistics to zeros."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    job = JobConfig(name="ssp-bn-skip", mode="ssp", staleness=4, buffer_sync_every=2,
+                    optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    model = _Norm(0)
+    with HpsOptimizer(model, zone, job, worker_id="w0", round_timeout_s=20.0) as opt:
+        push, first_out, release = opt.client.push, threading.Event(), threading.Event()
+
+        def held_first(*args, **kwargs):
+            if not first_out.is_set():
+                first_out.set()
+                assert release.wait(20.0)
+            return push(*args, **kwargs)
+        monkeypatch.setattr(opt.client, "push", held_first)
+        for s in range(3):
+            opt.zero_grad()
+            model(torch.randn(16, 4) + 2.0).pow(2).mean().backward()
+            if s == 1:
+                model.fc.weight.grad[0, 0] = float("nan")
+            opt.step()
+            if s == 0:
+                assert first_out.wait(10.0)
+        release.set()
+        opt.sync(timeout_s=20)
+        layout, values = opt.client.layout, opt.client.view.values
+        off = layout.offset("bn.running_var")
+        running_var = values[off:off + 4]
+        assert (running_var > 0).all(), f"the root's bn.running_var became {running_var}"
+
+
+def test_sync_loads_at_least_the_version_that_applied_the_last_push_through_a_lagging_zone(tree):
+    """A zone answers a push once the root applied it, and pulls that version a moment later.
+    ``sync()`` pulled without waiting, so it could load a view without the worker's own last
+    updates (a script that saves the model after ``sync()`` lost them)."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root")
+    relay = tree.tier("z")
+    real = relay.up.pull
+
+    async def lagging(*args, **kwargs):
+        out = await real(*args, **kwargs)
+        await asyncio.sleep(0.5)  # the zone's view trails the root's by half a second
+        return out
+    relay.up.pull = lagging
+    job = JobConfig(name="ssp-sync", mode="ssp", staleness=8, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    model = _mlp(0)
+    with HpsOptimizer(model, zone, job, worker_id="w0", round_timeout_s=20.0) as opt:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 6)).pow(2).mean().backward()
+            opt.step()
+        held = opt.sync(timeout_s=20)
+        # The root's parameters, bit for bit (a later version there may only raise the clock
+        # floor: it moves no parameter).
+        assert same_bits(opt.client.view.values, tree.view("root", "ssp-sync")[3])
+        assert held >= opt.sender.newest[1] >= 2
