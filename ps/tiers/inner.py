@@ -51,7 +51,7 @@ class InnerRoot(Root):
 
     @staticmethod
     def _published_keys(js: RootJob, step: StepInfo) -> frozenset[str] | None:
-        return None  # inner versions: every key trains every step
+        return js.unfrozen  # inner versions: every key but the frozen ones trains every step
 
     async def _after_version(self, js: RootJob, rec: WalRecord) -> None:
         await self.relay.after_inner_version(js, rec.contributors)

@@ -239,6 +239,7 @@ class RootJob(JobState):
     apply_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one version at a time
     last_checkpoint: tuple[float, float, int] | None = None  # (unix time, seconds, version)
     scratch: np.ndarray | None = None    # reused buffer for params - view
+    unfrozen: frozenset[str] | None = None  # the keys a delta may carry; None: all (no frozen key)
     loss_watch: LossWatch = field(default_factory=LossWatch)  # the loss-anomaly check, in-process
     ranks: RankBook = field(default_factory=RankBook)      # workers' stable ranks
     leases: LeaseBook = field(default_factory=LeaseBook)   # the dataset's shards: trained, leased

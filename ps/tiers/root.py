@@ -375,6 +375,8 @@ class Root(Durable, Pairing, Tier):
         js = RootJob(cfg, layout, created_at=self.clock(), params=params, above_inner=self.above_inner_loops,
                      optimizer=self._optimizer(cfg, params, layout),
                      wal=WriteAheadLog(self._job_dir(cfg.name)) if self.config.checkpoint_dir else None)
+        if any(s.kind == "frozen" for s in layout.specs):
+            js.unfrozen = frozenset(s.key for s in layout.specs if s.kind != "frozen")
         view = normalized(params.copy() if view_values is None else np.array(view_values, np.float32))
         js.view.load_snapshot(self.epoch, version, view, checksum(view))
         js.reset_round(version, "job installed")
@@ -593,14 +595,16 @@ class Root(Durable, Pairing, Tier):
         # Framed here, once (fp32 payloads are views of scratch until then: one copy, not two);
         # every pull of this version then sends these very frames. Scratch is free again.
         chunks = framed(split(js.layout, diff, codec, only=only, copy=False))
-        # A lossless codec decodes to exactly ``diff``: no need to decode what was just encoded.
-        decoded = diff if codec.lossless and only is None else assemble(js.layout, chunks, what="published delta",
-                                                                        check_finite=False)
         # The view is the root's own array (pulls are served from encoded chunks, checkpoints
-        # copy it), so it is updated in place.
-        np.add(js.view.values, decoded, out=js.view.values)
-        # Only the published keys' blocks can have changed (the rest added +0.0: ps.core.view).
-        crc = js.view.rehash(None if only is None else js.layout.spans(only))
+        # copy it), so it is updated in place. Only the published keys can change: elsewhere a
+        # replica adds +0.0, which leaves a view without -0.0 as it was (ps.core.view).
+        view, spans = js.view.values, None if only is None else js.layout.spans(only)
+        if codec.lossless:  # decodes to exactly ``diff``: no need to decode what was just encoded
+            for a, b in [(0, view.size)] if spans is None else spans:
+                np.add(view[a:b], diff[a:b], out=view[a:b])
+        else:
+            np.add(view, assemble(js.layout, chunks, what="published delta", check_finite=False), out=view)
+        crc = js.view.rehash(spans)
         version = js.view.version + 1
         js.view.version = version
         js.view.clock_min = max(js.view.clock_min, clock_min)
@@ -610,13 +614,15 @@ class Root(Durable, Pairing, Tier):
 
     @staticmethod
     def _published_keys(js: RootJob, step: StepInfo) -> frozenset[str] | None:
-        """The keys a version's delta carries: an outer job's fragment (its pseudo-gradient's
-        keys; the others did not move), else all. A dense int8 delta of the whole model for a
-        quarter of it measured 4x the WAN bytes with four fragments (benchmarks/wan_loss.py)."""
+        """The keys a version's delta carries (None: all): never a frozen key (fixed at creation:
+        its zeros in every delta were most of a fine-tune's bytes down, and every tier hashed
+        them), and of an outer job only its fragment (its pseudo-gradient's keys; the others did
+        not move). A dense int8 delta of the whole model for a quarter of it measured 4x the WAN
+        bytes with four fragments (benchmarks/wan_loss.py)."""
         if js.config.outer is None or not step.absent:
-            return None
+            return js.unfrozen
         absent = set(step.absent)
-        return frozenset(s.key for i, s in enumerate(js.layout.specs) if i not in absent)
+        return frozenset(s.key for i, s in enumerate(js.layout.specs) if i not in absent and s.kind != "frozen")
 
     @staticmethod
     def _delta_codec(cfg: JobConfig) -> str:
