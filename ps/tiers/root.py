@@ -319,16 +319,20 @@ class Root(Durable, Pairing, Tier):
         name = js.config.name
         await self._quiesce(js)
         version = js.view.version
-        task = self._checkpoint(js)
-        if task is not None:
-            # Waited for: an ended job is not restored from its log (ps.tiers.durable), so the
-            # versions since its last checkpoint are on disk only once this one is.
-            try:
+        # Waited for: an ended job is not restored from its log (ps.tiers.durable), so the
+        # versions since its last checkpoint are on disk only once this one is. A job damaged
+        # meanwhile (a round before the end failed past its log append) is not checkpointed: it
+        # stays, to be restored by a restart, rather than ended without its logged versions.
+        try:
+            if name in self.damaged:
+                raise Unavailable(f"it is not served: {self.damaged[name]}")
+            task = self._checkpoint(js)
+            if task is not None:
                 await task
-            except Exception as exc:
-                js.ending_task = None  # a retry of the end writes it again; rounds stay refused
-                raise Unavailable(f"job {short(name)} was not ended: its final checkpoint (version {version}) "
-                                  f"failed: {exc}; retry ending it (its rounds are refused meanwhile)") from exc
+        except Exception as exc:
+            js.ending_task = None  # a retry of the end writes it again; rounds stay refused
+            raise Unavailable(f"job {short(name)} was not ended: its final checkpoint (version {version}) "
+                              f"failed: {exc}; retry ending it (its rounds are refused meanwhile)") from exc
         js.abort(js.ending)
         del self.jobs[name]
         if js.wal is not None:
@@ -500,9 +504,10 @@ class Root(Durable, Pairing, Tier):
                 # an unanswered round would hold the job's window forever. Not served until a
                 # restart restores it from its checkpoint and log, which hold the version whole.
                 if self.jobs.get(js.config.name) is js:
-                    self.damaged[js.config.name] = (f"version {rec.version} was logged but publishing it failed "
-                                                    f"({type(exc).__name__}: {exc}); restart the root: it restores "
-                                                    "the job from its checkpoint and log")
+                    self.damaged[js.config.name] = (
+                        f"version {rec.version} was logged but publishing it failed ({type(exc).__name__}: {exc}); "
+                        + ("restart the root: it restores the job from its checkpoint and log" if js.wal is not None
+                           else f"restart this {self.role} tier (it keeps no log to restore the job from)"))
                     log.critical("job %s is not served: %s", js.config.name, self.damaged[js.config.name],
                                  exc_info=True, extra=event("job.damaged", job=js.config.name, version=rec.version))
                 self._refuse(js, agg, fut, Unavailable(f"job {js.config.name}: version {rec.version} was logged "

@@ -5,6 +5,7 @@ only by that one. A final checkpoint that fails leaves the job not ended, to be 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -93,3 +94,51 @@ def test_a_version_logged_but_not_published_is_refused_at_once_and_a_restart_res
     asyncio.run(first())
     version, values = asyncio.run(restarted())
     assert version == 2 and np.allclose(values, -0.02)  # sgd, lr 0.01: both versions, once each
+
+
+def test_an_end_that_waited_for_a_round_which_damaged_the_job_leaves_it_to_be_restored(tmp_path, monkeypatch):
+    """end_job waited for the round in progress; that round's version was logged but not
+    published (the job marked damaged), and the end then wrote ENDED without a checkpoint of
+    it: a restarted root skips an ended job's log, and the acknowledged-or-logged version was
+    gone. The end is now refused and the restart restores the job."""
+    layout = Layout([KeySpec("w", (3,))])
+    publish = Root._publish
+
+    def failing_after_one(self, js, *args, **kwargs):
+        if js.view.version == 1:
+            raise MemoryError("framing the delta (simulated)")
+        return publish(self, js, *args, **kwargs)
+
+    def push(root, seq):
+        meta = PushMeta("lm", "w0", seq=seq, base_version=seq - 1, incarnation=7)
+        return root.push(meta, split(layout, np.ones(3, np.float32), get_codec("fp32")), bytes(16))
+
+    async def first() -> None:
+        root = Root(ServerConfig(role="global", checkpoint_dir=str(tmp_path)))
+        await root.start()
+        await root.create_job(JobConfig(name="lm"), layout, np.zeros(3, np.float32))
+        await root.register("lm", "w0", "worker", "", last_seq=0, incarnation=7)
+        assert (await push(root, 1)).applied_version == 1
+        js = root.job("lm")
+        append = js.wal.append
+        js.wal.append = lambda rec: (time.sleep(0.5), append(rec))[1]  # the round is in its log append
+        monkeypatch.setattr(Root, "_publish", failing_after_one)
+        pushing = asyncio.ensure_future(push(root, 2))
+        await asyncio.sleep(0.2)
+        with pytest.raises(Unavailable, match="not ended"):
+            await asyncio.wait_for(root.end_job("lm", "done"), 10.0)
+        with pytest.raises(Unavailable):
+            await pushing
+        assert "lm" not in root.ended
+        await root.stop()
+
+    async def restarted() -> tuple[int, set]:
+        root = Root(ServerConfig(role="global", checkpoint_dir=str(tmp_path)))
+        await root.start()
+        out = root.job("lm").view.version, set(root.ended)
+        await root.stop()
+        return out
+
+    asyncio.run(first())
+    monkeypatch.setattr(Root, "_publish", publish)
+    assert asyncio.run(restarted()) == (2, set())
