@@ -450,3 +450,14 @@ def test_a_rolled_back_step_leaves_no_trace(cfg):
     assert a.tobytes() == b.tobytes()
     for (k, va), (_, vb) in zip(sorted(oa.state_dict().items()), sorted(ob.state_dict().items())):
         assert np.array_equal(va, vb), k
+
+
+@pytest.mark.parametrize("extra", [b"\x00", b"trailing bytes", "a second frame"])
+def test_zstd_payload_with_bytes_after_its_frame_is_bad_input(extra):
+    """Bytes after the frame were ignored: a payload longer than its frame was taken whole."""
+    codec = get_codec("fp32+zstd")
+    payload = codec.encode(np.arange(4, dtype=np.float32))
+    tail = payload if extra == "a second frame" else extra
+    assert codec.decode(payload, 4).tolist() == [0, 1, 2, 3]
+    with pytest.raises(BadInput, match="unused data"):
+        codec.decode(payload + tail, 4)

@@ -102,7 +102,8 @@ def unzstd(frame: memoryview | bytes, size: int, what: str) -> bytes:
         if declared != size:
             said = "does not declare its size" if declared == -1 else f"declares {declared} bytes"
             raise BadInput(f"{what} payload's zstd frame {said}; its element count needs {size}")
-        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
+        # allow_extra_data=False: bytes after the frame are refused, not ignored.
+        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise BadInput(f"{what} payload does not decompress: {exc}") from None
     if len(out) != size:
