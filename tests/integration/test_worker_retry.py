@@ -63,7 +63,7 @@ def test_snapshots_that_keep_failing_their_checksum_end_the_pull_with_a_sentence
     c.register()
     try:
         c.view.epoch = 0  # what a failed delta leaves: ask for a snapshot
-        monkeypatch.setattr(ps.core.view, "checksum", lambda values: 1)  # this worker computes another one
+        monkeypatch.setattr(ps.core.view, "combine", lambda digests: 1)  # this worker computes another one
         with caplog.at_level(logging.WARNING, logger="hps.worker"), \
                 pytest.raises(Internal, match="3 snapshots in a row failed their checksum"):
             c.pull()
