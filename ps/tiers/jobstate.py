@@ -77,9 +77,15 @@ class JobState:
     # what the root records as applied), and where each one is.
     sources: dict[int, list[PushKey]] = field(default_factory=dict)
     where: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    # SSP: the clock floor each member's pushes in an open or in-flight batch raise it to,
+    # (incarnation, floor) by member, taken into ``Member.floor`` only once that batch is
+    # applied: a batch that fails leaves the floors as they were, so no later batch claims
+    # clocks whose gradients were never applied (invariant 3).
+    floors: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
     inflight: int = 0                    # ssp/async: closed windows being applied / sent up
     timer: asyncio.TimerHandle | None = None
     reported_floor: int = 0              # the clock floor last sent up (relay) or stamped (root)
+    floor_sent: int = 0                  # the highest clock floor a relay has sent up (answered or not)
     pending: dict[tuple[str, int, int], asyncio.Future] = field(default_factory=dict)
     stats: JobStats = field(default_factory=JobStats)
     created_at: float = 0.0
@@ -157,13 +163,40 @@ class JobState:
         for k in keys:
             self.where[(k.member, k.incarnation, k.seq)] = self.serial
 
+    def note_floor(self, member: str, incarnation: int, floor: int) -> None:
+        """A push of ``member`` in the open batch raises its clock floor to ``floor`` once the
+        batch is applied."""
+        pending = self.floors.setdefault(self.serial, {})
+        held = pending.get(member)
+        pending[member] = (incarnation, max(floor, held[1] if held and held[0] == incarnation else 0))
+
+    def batch_floor(self, default: int) -> int:
+        """The clock floor the open batch stands for once applied: the slowest live member's,
+        counting what its pushes in the batch raise (``default`` without members)."""
+        pending = self.floors.get(self.serial, {})
+
+        def floor(m) -> int:
+            held = pending.get(m.id)
+            return max(m.floor, held[1]) if held and held[0] == m.incarnation else m.floor
+        return min((floor(m) for m in self.members), default=default)
+
     def close_batch(self) -> tuple[asyncio.Future, tuple[PushKey, ...]]:
         """Close the open batch: its future and the worker pushes it sums."""
         fut, serial = self.open_future(), self.serial
         keys = tuple(self.sources.get(serial, ()))
-        fut.add_done_callback(lambda _: self._forget_sources(serial))
+        floors = self.floors.pop(serial, {})
+        fut.add_done_callback(lambda f: self._batch_done(serial, f, floors))
         self.serial += 1
         return fut, keys
+
+    def _batch_done(self, serial: int, fut: asyncio.Future, floors: dict[str, tuple[int, int]]) -> None:
+        self._forget_sources(serial)
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        for member, (incarnation, floor) in floors.items():
+            m = self.members.find(member)
+            if m is not None and m.incarnation == incarnation:
+                m.floor = max(m.floor, floor)
 
     def _forget_sources(self, serial: int) -> None:
         for k in self.sources.pop(serial, ()):
@@ -181,6 +214,7 @@ class JobState:
         n = len(self.round.pushed if self.bsp else self.window.pushed)
         fut = self.futs.get(self.serial)
         self._forget_sources(self.serial)
+        self.floors.pop(self.serial, None)  # not applied: the floors its pushes raise are not either
         self.serial += 1
         if fut is not None and not fut.done():
             fut.set_exception(exc)

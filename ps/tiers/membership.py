@@ -122,7 +122,9 @@ class Membership:
             log.info("%s: %r in job %s is a new incarnation %#x (was %#x)", self.role, member, job,
                      incarnation, old.incarnation, extra=event("member.replaced", job=job, member=member))
         js.lost.pop(member, None)  # back: no longer lost
-        start_clock = js.view.clock_min  # a late joiner must not hold the others back (SSP)
+        # A late joiner must not hold the others back (SSP), nor lower a floor this tier sent up:
+        # its parent keeps each child's highest, so a joiner below it went unbounded above.
+        start_clock = max(js.view.clock_min, js.reported_floor, js.floor_sent)
         m = js.members.join(member, self.clock(), js.round.round, role, address, floor=start_clock,
                             incarnation=incarnation)
         js.joined = True

@@ -366,7 +366,7 @@ class Relay(ParentLink, Tier):
         # A push that names no worker push (a region's outer sync) is known above by this
         # relay's own key: asked about by it, as worker pushes are by theirs.
         own = (PushKey(self.member_id, self.epoch, seq, push_digest(frames)),) if agg.contributors and not keys else ()
-        js.reported_floor = max(js.reported_floor, floor)
+        js.floor_sent = max(js.floor_sent, floor)
         deadline = self.clock() + self.config.round_timeout_s
         delay = _BACKOFF_S[0]
         sent_via: int | None = None  # the parent link (switch count) of the last unanswered send
@@ -439,6 +439,8 @@ class Relay(ParentLink, Tier):
             await asyncio.sleep(delay)
             delay = min(delay * 2, _BACKOFF_S[1])
         self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
+        # Only now: a floor the parent refused was never raised there, and is sent again.
+        js.reported_floor = max(js.reported_floor, floor)
         js.stats.bytes_pushed_up += nbytes
         if enc.recording:
             enc.commit()

@@ -85,6 +85,7 @@ _RESOLVE_WAIT_S = 30.0
 # How long a pull from a caller ahead of this tier (same lineage) waits for the tier to catch up
 # even when the caller asked not to wait (an async worker): a tier a moment behind its parent.
 _AHEAD_WAIT_S = 2.0
+_FLOOR_RETRY_S = 1.0  # a refused window's clock floor is sent again this much later
 
 
 def new_epoch() -> int:
@@ -233,7 +234,7 @@ class Tier(Membership):
         js.add_sources(keys)
         intake.decoded_into_batch()
         member.pushes += 1
-        member.floor = max(member.floor, meta.clock_floor)
+        js.note_floor(member.id, member.incarnation, meta.clock_floor)  # once the batch is applied
         member.workers = meta.workers
         self._telemetry(js, meta)
         js.stats.pushes += 1
@@ -380,10 +381,11 @@ class Tier(Membership):
         if not js.round.complete(js.members):
             return
         agg = js.round.close()
+        floor = js.batch_floor(js.view.clock_min)
         fut, keys = js.close_batch()
         js.round = BspRound(round=agg.round + 1, numel=js.layout.numel)
         js.stats.rounds += 1
-        self._finish_checked(js, agg, keys, js.members.floor(js.view.clock_min), fut)
+        self._finish_checked(js, agg, keys, floor, fut)
 
     def in_flight_limit(self, js: JobState) -> int:
         """Closed windows of ``js`` that may be in flight at once at this tier: one (the root
@@ -409,22 +411,29 @@ class Tier(Membership):
             js.timer.cancel()
             js.timer = None
         agg = js.window.close(default_base=js.view.version)
+        floor = js.batch_floor(js.view.clock_min)
         fut, keys = js.close_batch()
         js.window = js.new_window()
         js.inflight += 1
         js.stats.rounds += 1
         fut.add_done_callback(lambda f: self._window_done(js, f))
-        self._finish_checked(js, agg, keys, js.members.floor(js.view.clock_min), fut)
+        self._finish_checked(js, agg, keys, floor, fut)
 
     def _window_done(self, js: JobState, fut: asyncio.Future) -> None:
         js.inflight = max(0, js.inflight - 1)
         self._maybe_flush(js)
         # A floor that rose while this window was on its way (a member expired meanwhile) was
         # not sent then: nothing else would send it, and the live workers waited for it until
-        # the round timeout. (After a refused window, not at once: a refusal that comes at
-        # once, a log that cannot be written, would make this a tight loop.)
+        # the round timeout. After a refused window, a moment later: a refusal that comes at
+        # once (a log that cannot be written) would make it a tight loop, and without it a
+        # refused floor-only window was never sent again (no pusher retries one).
         if not fut.cancelled() and fut.exception() is None:
             self._flush_floor(js)
+        elif not fut.cancelled():
+            def again() -> None:
+                if self.jobs.get(js.config.name) is js:  # still served here
+                    self._flush_floor(js)
+            asyncio.get_running_loop().call_later(_FLOOR_RETRY_S, again)
 
     def _flush_floor(self, js: JobState) -> None:
         """SSP: membership shrank and the clock floor rose; send the news up even with nothing
