@@ -311,7 +311,7 @@ class ParameterClient:
         if outcome == "applied":
             log.info("%s: push %d, whose answer was lost, was applied as version %d", self.worker_id,
                      seq, r.version)
-            return pb.PushAck(applied_version=r.version, view_epoch=r.view_epoch, duplicate=True)
+            return pb.PushAck(applied_version=r.version, view_epoch=r.view_epoch, duplicate=True, skipped=r.skipped)
         if outcome == "not_applied":
             return None
         # NotReady, not Unavailable: this tier answers (the push is in a batch above), so it is
@@ -646,7 +646,8 @@ class ParameterClient:
                 resend = self._unsure[1] == digest
                 applied = self._settle_unsure()
                 if applied is not None and resend:
-                    self._recorded(record, keep=True)
+                    self.last_skipped = applied.skipped  # its round skipped: nothing of it was applied
+                    self._recorded(record, keep=not applied.skipped)
                     return applied.applied_version, nbytes
                 if applied is not None:
                     seq = self.seq = seq + 1

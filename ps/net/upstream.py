@@ -224,13 +224,13 @@ class Upstream:
         return r.created, r.version, r.view_epoch
 
     async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float, moved: bool = False
-                      ) -> tuple[str, int, int]:
+                      ) -> tuple[str, int, int, bool]:
         """Ask the parent what became of these worker pushes (see ``Tier.resolve``); ``moved``:
         they went up through a parent this relay has left since."""
         r = await self._call("Resolve", pb.ResolveRequest(job=job, member=self.member, keys=keys_to_pb(keys),
                                                           wait_ms=int(wait_s * 1000), moved=moved),
                              timeout=wait_s + self.timeout_s, job=job)
-        return OUTCOME_NAME.get(r.outcome, "unknown"), r.version, r.view_epoch
+        return OUTCOME_NAME.get(r.outcome, "unknown"), r.version, r.view_epoch, r.skipped
 
     async def rank(self, job: str, member: str, incarnation: int, requested: int | None,
                    release: bool) -> RankInfo:

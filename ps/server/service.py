@@ -451,10 +451,10 @@ class _Servicer:
             raise BadInput(f"resolve names 1 to {1 << 20} pushes, got {len(req.keys)}")
         self._check_child(context, req.member, "worker")  # relays ask; a worker cert may not as one
         self._check_job(context, req.job, relay_role=True)
-        outcome, version, epoch = await self.tier.resolve(check_name(req.job), keys_from_pb(req.keys),
+        outcome, version, epoch, skipped = await self.tier.resolve(check_name(req.job), keys_from_pb(req.keys),
                                                           min(req.wait_ms, 60_000) / 1000.0,
                                                           asker=req.member if req.moved else "")
-        return pb.ResolveReply(outcome=OUTCOME[outcome], version=version, view_epoch=epoch)
+        return pb.ResolveReply(outcome=OUTCOME[outcome], version=version, view_epoch=epoch, skipped=skipped)
 
     @_unary("Rank")
     async def Rank(self, req: pb.RankRequest, context) -> pb.RankReply:

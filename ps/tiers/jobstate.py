@@ -270,6 +270,7 @@ class RootJob(JobState):
     optimizer: ServerOptimizer = None    # steps ``params`` in place
     wal: WriteAheadLog | None = None     # None: a root that keeps no checkpoints
     applied: AppliedBook = field(default_factory=AppliedBook)
+    skipped: set[int] = field(default_factory=set)  # versions the book holds that skipped their step (AMP)
     apply_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one version at a time
     last_checkpoint: tuple[float, float, int] | None = None  # (unix time, seconds, version)
     scratch: np.ndarray | None = None    # reused buffer for params - view

@@ -340,7 +340,7 @@ class OuterRelay(OuterSync, Relay):
         return await super().pull(job, member, view_epoch, since, min_version, wait_s, min_clock)
 
     async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float, asker: str = ""
-                      ) -> tuple[str, int, int]:
+                      ) -> tuple[str, int, int, bool]:
         if self.inner is not None and self._inner(job):
             return await self.inner.resolve(job, keys, wait_s, asker)
         return await super().resolve(job, keys, wait_s, asker)

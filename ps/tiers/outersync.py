@@ -243,7 +243,7 @@ class OuterSync:
         while True:
             try:
                 async with self._fwd_locks.setdefault(job, asyncio.Lock()):
-                    outcome, version, epoch = await self._resolve_here(ojs, keys, wait_s,
+                    outcome, version, epoch, _ = await self._resolve_here(ojs, keys, wait_s,
                                                                        moved=via != self.up.switches)
             except (UnknownJob, Conflict):
                 # Not settled: the next sync reuses the number, and the root's book decides (a

@@ -456,11 +456,11 @@ class Relay(ParentLink, Tier):
         job = js.config.name
         await self._job_for_register(job)  # a member of the new parent first: it asks on our behalf
         wait_s = self._resolve_wait_s(deadline - self.clock())
-        outcome, version, epoch = await self.up.resolve(job, keys, wait_s, moved=moved)
+        outcome, version, epoch, skipped = await self.up.resolve(job, keys, wait_s, moved=moved)
         if outcome == APPLIED:
             log.info("%s: round of %s sent through the %s parent was applied as version %d",
                      self.role, job, "previous" if moved else "restarted", version)
-            return Ack(version, epoch or js.view.epoch, duplicate=True)
+            return Ack(version, epoch or js.view.epoch, duplicate=True, skipped=skipped)
         if outcome == UNKNOWN:
             raise Unavailable(f"a push of job {job} sent through the previous parent is still in flight "
                               "above; asking again")
@@ -519,24 +519,25 @@ class Relay(ParentLink, Tier):
         super()._refuse(js, agg, fut, exc)
 
     async def _resolve_here(self, js: RelayJob, keys: tuple[PushKey, ...], wait_s: float, moved: bool = False
-                            ) -> tuple[str, int, int]:
+                            ) -> tuple[str, int, int, bool]:
         """Nothing in flight here holds these pushes: the parent (and above it the root) knows.
         An answer about the pushes of a forward given up on settles that forward (a forward is
         applied whole or not at all)."""
         job = js.config.name
         try:
-            outcome, version, epoch = await self.up.resolve(job, keys, wait_s, moved)
+            answer = await self.up.resolve(job, keys, wait_s, moved)
         except NotMember:  # the parent forgot us (it restarted): a member again, then ask
             self.attached.discard(job)
             await self._job_for_register(job)
-            outcome, version, epoch = await self.up.resolve(job, keys, wait_s, moved)
+            answer = await self.up.resolve(job, keys, wait_s, moved)
+        outcome, version = answer[0], answer[1]
         if outcome != UNKNOWN:
             for seq in self.unanswered.settled(job, keys, applied=outcome == APPLIED):
                 if outcome == APPLIED:
                     self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
                 log.warning("%s: round %d of %s, given up on with its outcome unknown, was %s", self.role,
                             seq, job, f"applied as version {version}" if outcome == APPLIED else "not applied")
-        return outcome, version, epoch
+        return answer
 
     async def _rank_here(self, js: RelayJob, member: str, incarnation: int, requested: int | None,
                          release: bool) -> RankInfo:

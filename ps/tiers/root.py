@@ -492,7 +492,7 @@ class Root(Durable, Pairing, Tier):
                 # With the version that applied their gradients: a sample counts as trained iff
                 # its gradient was applied (replayed from the log by ``_apply``).
                 self._trained(js, step.progress)
-                doubles = js.applied.add(js.view.version, keys)
+                doubles = self._record(js, js.view.version, keys, step.skip)
                 if doubles:  # invariant 4 broken: loud, counted, never silent
                     js.stats.double_applied += doubles
                     log.critical("job %s: version %d applied %d worker push(es) an earlier version had "
@@ -580,7 +580,7 @@ class Root(Durable, Pairing, Tier):
             js.optimizer.step(rec.grad, rec.scale, step, rec.contributors)
         self._publish(js, rec.clock_min, rec.contributors, step.skip, self._published_keys(js, step))
         js.leases.progress(step.progress, self.clock())
-        js.applied.add(rec.version, keys)
+        self._record(js, rec.version, keys, step.skip)
 
     def _publish(self, js: RootJob, clock_min: int, contributors: int, skip: bool = False,
                  only: frozenset[str] | None = None) -> None:
@@ -649,6 +649,17 @@ class Root(Durable, Pairing, Tier):
                                         loss=hit[0], loss_before=hit[1]))
         return True
 
+    @staticmethod
+    def _record(js: RootJob, version: int, keys: tuple[PushKey, ...], skip: bool) -> int:
+        """Record what ``version`` applied (``AppliedBook.add``), and whether it skipped its step:
+        a push settled later by Resolve, or answered from the record, says so as its ack did. Not
+        kept across a restart for the versions a checkpoint holds (those read as not skipped)."""
+        if skip:
+            js.skipped.add(version)
+        if js.skipped and min(js.skipped) <= version - js.applied.horizon:
+            js.skipped = {v for v in js.skipped if v > version - js.applied.horizon}
+        return js.applied.add(version, keys)
+
     def _applied_already(self, js: RootJob, book, meta: PushMeta, digest: bytes,
                          keys: tuple[PushKey, ...]) -> Ack | None:
         """A push whose worker pushes this root applied already -- a retry whose sender or relay
@@ -666,7 +677,7 @@ class Root(Durable, Pairing, Tier):
                            f"already (versions {sorted(v for v in found if v is not None)}) and some not: it "
                            "cannot be placed whole")
         version = found.pop()
-        ack = Ack(version, js.view.epoch, duplicate=True)
+        ack = Ack(version, js.view.epoch, duplicate=True, skipped=version in js.skipped)
         book.accept(meta.seq, digest)
         book.settle(meta.seq, ack)
         js.stats.duplicates += 1
@@ -676,21 +687,21 @@ class Root(Durable, Pairing, Tier):
 
     # -- resolve ---------------------------------------------------------------------------
     async def _resolve_here(self, js: RootJob, keys: tuple[PushKey, ...], wait_s: float
-                            ) -> tuple[str, int, int]:
+                            ) -> tuple[str, int, int, bool]:
         found = {js.applied.applied_at(k) for k in keys}
         if found == {None}:
-            return NOT_APPLIED, 0, 0
+            return NOT_APPLIED, 0, 0, False
         if None in found or len(found) > 1:
             log.warning("job %s: a push's worker gradients were applied in different versions %s (or some "
                         "never)", js.config.name, sorted(v for v in found if v is not None))
-            return UNKNOWN, 0, 0
+            return UNKNOWN, 0, 0, False
         version = found.pop()
         if js.applied.lookup(keys[0]) is None:  # applied before the horizon: never "not applied"
             log.warning("job %s: asked about %d push(es) (%s's number %d ...) applied before the versions "
                         "whose records the root keeps: answered as applied at or before version %d",
                         js.config.name, len(keys), keys[0].member, keys[0].seq, version,
                         extra=event("push.forgotten", job=js.config.name, member=keys[0].member, version=version))
-        return APPLIED, version, js.view.epoch
+        return APPLIED, version, js.view.epoch, version in js.skipped
 
     # -- ranks and leased data shards -------------------------------------------------------------
     async def _rank_here(self, js: RootJob, member: str, incarnation: int, requested: int | None,

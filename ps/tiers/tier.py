@@ -334,13 +334,13 @@ class Tier(Membership):
         None if it did not; Unavailable while that is not known."""
         js.stats.resolved += 1
         try:
-            outcome, version, epoch = await self.resolve(js.config.name, keys, _RESOLVE_WAIT_S)
+            outcome, version, epoch, skipped = await self.resolve(js.config.name, keys, _RESOLVE_WAIT_S)
         except (NotReady, NotPrimary) as exc:  # the parent restarted and knows nothing yet, or a standby
             # root answered (this tier's parent link fails over; the child's must not): not the pusher's doing
             raise Unavailable(f"cannot tell yet whether push {meta.seq} from {meta.sender!r} was applied "
                               f"({exc}); retry shortly") from None
         if outcome == APPLIED:
-            ack = Ack(version, epoch or js.view.epoch, duplicate=True)  # the root's lineage
+            ack = Ack(version, epoch or js.view.epoch, duplicate=True, skipped=skipped)  # the root's lineage
             book.accept(meta.seq, digest)
             book.settle(meta.seq, ack)
             return ack
@@ -484,9 +484,10 @@ class Tier(Membership):
 
     # -- resolve ---------------------------------------------------------------------------
     async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float, asker: str = ""
-                      ) -> tuple[str, int, int]:
-        """What became of these worker pushes: (APPLIED, version, epoch), (NOT_APPLIED, 0, 0) or
-        (UNKNOWN, 0, 0). Pushes still in a batch here are waited for (at most ``wait_s``).
+                      ) -> tuple[str, int, int, bool]:
+        """What became of these worker pushes: (APPLIED, version, epoch, skipped: whether that
+        version skipped its step), (NOT_APPLIED, 0, 0, False) or (UNKNOWN, 0, 0, False). Pushes
+        still in a batch here are waited for (at most ``wait_s``).
         ``asker``: a child that sent them through a tier it has left since (``_excuse_moved``)."""
         deadline = self.clock() + max(0.0, wait_s)
         while True:
@@ -497,7 +498,7 @@ class Tier(Membership):
                 break
             left = deadline - self.clock()
             if left <= 0:
-                answer = UNKNOWN, 0, 0
+                answer = UNKNOWN, 0, 0, False
                 break
             await asyncio.wait([asyncio.shield(f) for f in futs], timeout=left)
         if asker and answer[0] == UNKNOWN:
@@ -527,7 +528,7 @@ class Tier(Membership):
         self._progress(js)
 
     async def _resolve_here(self, js: JobState, keys: tuple[PushKey, ...], wait_s: float
-                            ) -> tuple[str, int, int]:
+                            ) -> tuple[str, int, int, bool]:
         """Nothing here holds the keys: the root answers from its record, a relay asks up."""
         raise NotImplementedError
 
