@@ -18,15 +18,43 @@ on the disk. A crash mid-write leaves only a ``.tmp`` file, which loading ignore
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import io
 import json
 import os
 import zipfile
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
-__all__ = ["save", "save_bytes", "to_bytes", "load_latest", "list_checkpoints", "write_atomic", "fsync_dir"]
+__all__ = ["save", "save_bytes", "to_bytes", "load_latest", "list_checkpoints", "write_atomic", "fsync_dir", "hold"]
+
+LOCK_FILE = ".lock"
+
+
+def hold(directory: str | Path) -> IO[str]:
+    """An exclusive lock on a root's checkpoint directory, held while the returned file is open
+    (the process's life at most: the kernel drops it at exit, kill -9 included). A second root on
+    the same directory -- left running by a launcher that crashed, a second pod on one volume --
+    would append to the same logs and overwrite the same checkpoints: it is refused at start,
+    with the holder's pid, as OSError(EBUSY)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / LOCK_FILE, "a+")  # held open for the root's life
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read(32).strip() or "unknown"
+        f.close()
+        raise OSError(errno.EBUSY, f"checkpoint directory {d} is in use by another root (pid {holder}); stop that "
+                      "one first, or give this one a --checkpoint-dir of its own") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

@@ -101,6 +101,8 @@ class Root(Durable, Pairing, Tier):
 
     def __init__(self, config: ServerConfig, **kw) -> None:
         super().__init__(config, **kw)
+        # One root per checkpoint directory: refused before anything in it is read or written.
+        self._dir_lock = checkpoint.hold(config.checkpoint_dir) if config.checkpoint_dir else None
         warm_up()  # here, not on the event loop at the first job: a stall a standby would read as death
         self._ckpt_tasks: set[asyncio.Task] = set()
         self.declared: dict[str, JobConfig] = {}   # configured, waiting for parameters
@@ -760,6 +762,9 @@ class Root(Durable, Pairing, Tier):
             if js.wal is not None:
                 js.wal.close()
         await super().stop()
+        if self._dir_lock is not None:
+            self._dir_lock.close()  # another root may take the directory now
+            self._dir_lock = None
 
 
 def _describe(cfg: JobConfig) -> str:

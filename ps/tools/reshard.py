@@ -18,6 +18,7 @@ so the job's workers keep their token; where the old shards hold no hash or diff
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -64,6 +65,18 @@ def _restored(job_dir: Path) -> tuple[dict[str, np.ndarray], dict]:
 
 def reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
                  weights: tuple[float, ...] | None = None, block_elems: int | None = None) -> Resharded:
+    """Reshard (see the module), holding every source's and target's checkpoint directory the
+    way a root holds it (``checkpoint.hold``): refused while a root serves any of them."""
+    with contextlib.ExitStack() as held:
+        if job and targets:
+            dirs = [find_job_dir(s, job).parent for s in sources] + [Path(t) for t in targets]
+            for d in {d.resolve(): d for d in dirs}.values():
+                held.enter_context(checkpoint.hold(d))
+        return _reshard_dirs(sources, targets, job, weights, block_elems)
+
+
+def _reshard_dirs(sources: list[str | Path], targets: list[str | Path], job: str,
+                  weights: tuple[float, ...] | None, block_elems: int | None) -> Resharded:
     if not job:
         raise BadInput("name the job (--job)")
     if not targets:

@@ -130,6 +130,7 @@ def _check_resumes(tree, clients, break_disk, mend_disk, ckpt: str) -> None:
     from ps.core.config import ServerConfig
     from ps.tiers.root import Root
 
+    tree.stop("root")  # one root per directory (checkpoint.hold)
     again = Root(ServerConfig(role="global", checkpoint_dir=ckpt))
     js = again.jobs["j"]
     assert (js.view.version, js.view.checksum) == (version, crc)
@@ -348,6 +349,7 @@ def test_nothing_of_a_job_is_acknowledged_before_its_first_checkpoint_is_on_disk
     w.register()
     w.pull()
     assert w.push(_grad(0, 0), clock=0)[0] == 1
+    tree.stop("root")  # one root per directory (checkpoint.hold)
     again = Root(ServerConfig(role="global", checkpoint_dir=str(ckpt)))
     assert again.jobs["j"].view.version == 1 and "j" not in again.damaged
     np.testing.assert_array_equal(again.jobs["j"].params, _expected(1, 1))
