@@ -23,6 +23,7 @@ log = logging.getLogger("hps.tier")
 
 MAX_CHILDREN = 4096  # relay children listed (by heartbeat) at most: a tree has tens
 _REPLACED_KEPT = 8  # incarnations remembered per member id, to catch two processes sharing one
+MAX_REPLACED_IDS = 4096  # member ids whose replaced incarnations are remembered (newest replaced first)
 
 
 class Membership:
@@ -116,6 +117,9 @@ class Membership:
             kept = self.replaced.setdefault(member, [])
             kept.append(old.incarnation)
             del kept[:-_REPLACED_KEPT]
+            self.replaced.move_to_end(member)
+            while len(self.replaced) > MAX_REPLACED_IDS:
+                self.replaced.popitem(last=False)
             js.members.leave(member)
             js.stats.members_replaced += 1
             self._drop_member(js, member, "was replaced by a new incarnation (it restarted)")

@@ -46,10 +46,11 @@ import logging
 import math
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import replace
 
 from ps.core.config import ServerConfig, check_member
-from ps.core.consistency import Aggregate, BspRound
+from ps.core.consistency import MAX_CONTRIBUTORS, Aggregate, BspRound
 from ps.core.errors import (
     BadInput,
     Conflict,
@@ -107,7 +108,9 @@ class Tier(Membership):
         self.children: dict[str, tuple[str, str, float]] = {}  # relay id -> (role, address, seen)
         self.ended: dict[str, int] = {}  # job -> its last version
         self.budget = ByteBudget(config.push_budget_mb << 20, f"this {config.role} tier")
-        self.replaced: dict[str, list[int]] = {}  # member id -> incarnations replaced (newest last)
+        # member id -> incarnations replaced (newest last); the ids least recently replaced go
+        # past MAX_REPLACED_IDS (a caller registering ever new ids grew it without bound)
+        self.replaced: OrderedDict[str, list[int]] = OrderedDict()
         self._tasks: list[asyncio.Task] = []
 
     # -- lookups ---------------------------------------------------------------------------
@@ -140,6 +143,12 @@ class Tier(Membership):
                             "was replaced by a newer one, or never registered); register again")
         if meta.sources and member.role == "worker":
             raise BadInput("a worker's push names no sources: it is its own")
+        # ``workers`` scales every update (``Membership.workers``): a worker is one, a relay at
+        # most what a batch may sum. 2**32-1 from one member made every later update ~0.
+        if meta.workers != 1 and member.role == "worker":
+            raise BadInput(f"a worker's push counts {meta.workers} live workers; a worker is 1")
+        if meta.workers > MAX_CONTRIBUTORS:
+            raise BadInput(f"a push counts {meta.workers} live workers below its sender; at most {MAX_CONTRIBUTORS}")
         for k in meta.sources:  # worker push keys, as the root's log records them
             check_member(k.member)
             if len(k.digest) != 16:

@@ -95,6 +95,10 @@ def test_each_bad_push_is_refused_with_a_sentence_and_changes_nothing(setup):
                                grpc.StatusCode.ABORTED, "epoch"),
         "not a member": (encode_push(PushMeta("j", "ghost", 1, 0, w.view.epoch, 1, 0, 0, incarnation=5), _chunks()),
                          grpc.StatusCode.FAILED_PRECONDITION, "register"),
+        # Every update is scaled by the live workers below: one worker claiming 2**32-1 made
+        # them all ~0, silently.
+        "a worker counting many workers": (encode_push(replace(_meta(w), workers=2**32 - 1), _chunks()),
+                                           grpc.StatusCode.INVALID_ARGUMENT, "a worker is 1"),
         # A streamed push (backward overlap) says its step information in a tail frame.
         "tail naming a key the job lacks": (
             with_end([encode_push_head(_meta(w)), *chunk_frames(_chunks()),
