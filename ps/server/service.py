@@ -239,8 +239,8 @@ class _Servicer:
 
     @_unary("Register")
     async def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
-        if req.role not in ROLE_NAME:
-            raise BadInput(f"register needs a role, got enum value {req.role}")
+        if req.role not in ROLE_NAME or ROLE_NAME[req.role] == "global":
+            raise BadInput(f"a member registers as a worker, zone or regional master, not enum value {req.role}")
         self._check_child(context, req.member, ROLE_NAME[req.role])
         relay_role = ROLE_NAME[req.role] != "worker"
         attached = False
@@ -271,21 +271,27 @@ class _Servicer:
     async def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         if len(req.jobs) > 1000:
             raise BadInput(f"a heartbeat names at most 1000 jobs, got {len(req.jobs)}")
+        if ROLE_NAME.get(req.role) == "global":
+            raise BadInput("a child heartbeats as a worker, zone or regional master, not as a global root")
         self._check_child(context, req.member, ROLE_NAME.get(req.role, "worker"))
-        checked = 0
+        checked: list[str] = []
         for job in req.jobs:  # every job it names that this tier can check (see ps.server.auth)
             if self.guard.knows(job):
                 self._check_job(context, job, ROLE_NAME.get(req.role, "worker") != "worker")
-                checked += 1
+                checked.append(job)
+        trusted = (not self.guard.enabled or relay_identity(context) is not None
+                   or self.guard.is_admin(_tokens(context)))
+        # A job this tier cannot check the caller's token for (the root holds no token for it:
+        # the admin's alone) is not kept alive by an unchecked caller: a token-less heartbeat
+        # naming a dead member kept it in the round until the round timeout.
+        jobs = list(req.jobs) if trusted else checked
         address = reachable_address(req.address, context.peer())
-        if (self.guard.enabled and not checked and relay_identity(context) is None
-                and not self.guard.is_admin(_tokens(context))):
+        if not trusted and not checked:
             # A heartbeat naming no job needs no token: over plaintext anyone could list an
             # address of theirs as a relay child here, and `hps status` walking the tree sent
             # the admin token there. A child's address comes only from a caller checked.
             address = ""
-        unknown = self.tier.heartbeat(check_member(req.member), list(req.jobs), ROLE_NAME.get(req.role, "worker"),
-                                      address)
+        unknown = self.tier.heartbeat(check_member(req.member), jobs, ROLE_NAME.get(req.role, "worker"), address)
         return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)
 
     @_unary("Leave")

@@ -140,8 +140,10 @@ def walk(address: str, depth: int = 0, seen: set | None = None, token: str | Non
         yield depth, address, exc, lost
         return
     yield depth, address, st, lost
+    # Relays only: a worker's registration names any address it likes, and walking it sent the
+    # admin token there (a job token's holder could collect it).
     children = ({m.address for m in st.children} |
-                {m.address for j in st.jobs for m in j.members if m.address})
+                {m.address for j in st.jobs for m in j.members if m.address and m.role != "worker"})
     dropped = {m.address: m for j in st.jobs for m in j.lost
                if m.address and m.role != "worker" and m.address not in children}
     for child in sorted(children | set(dropped)):

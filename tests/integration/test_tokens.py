@@ -177,6 +177,58 @@ def test_a_heartbeat_without_credentials_lists_no_address_for_hps_status_to_visi
     assert [c.address for c in fetch_status(root, token=ADMIN).children] == ["203.0.113.9:7000"]
 
 
+def test_a_workers_registered_address_is_not_visited_by_hps_status_and_no_child_is_a_global_root(tree, tmp_path):
+    """A job token's holder registered as a worker with an address of theirs; `hps status`,
+    walking every member's address, called it with the admin token. Only relays' addresses are
+    walked now, and a member claiming the global role is refused."""
+    from ps.tools.status import walk
+    admin_file = tmp_path / "admin"
+    admin_file.write_text(ADMIN + "\n")
+    tree.add("root", "global", admin_token_file=str(admin_file))
+    root = tree.addr("root")
+    w = ParameterClient(root, job="walk", worker_id="w0", token=ADMIN)
+    try:
+        w.create_job(_job("walk"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        reg = pb.RegisterRequest(job="walk", member="collector", role=pb.ROLE_WORKER, address="203.0.113.9:7000",
+                                 incarnation=9)
+        with Caller(root, token=w.minted) as rpc:
+            rpc.call("Register", reg, 5)
+            with pytest.raises(HpsError, match="not enum value"):
+                rpc.call("Register", pb.RegisterRequest(job="walk", member="g", role=pb.ROLE_GLOBAL,
+                                                        address="203.0.113.9:7001", incarnation=9), 5)
+        visited = [address for _, address, _, _ in walk(root, token=ADMIN)]
+    finally:
+        w.close()
+    assert visited == [root]
+
+
+def test_a_heartbeat_without_a_token_keeps_no_member_of_an_admin_only_job_alive(tree, tmp_path):
+    """The root cannot check a job token for a job it holds no token hash for; a token-less
+    heartbeat naming it and one of its members kept that member alive (a dead one held its BSP
+    round until the round timeout) and said whether it was a member."""
+    admin_file = tmp_path / "admin"
+    admin_file.write_text(ADMIN + "\n")
+    tree.add("root", "global", admin_token_file=str(admin_file))
+    root = tree.addr("root")
+    maker = ParameterClient(root, "old", "w-maker", timeout_s=10, retry_s=5, token=ADMIN)
+    maker.create_job(_job("old"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    maker.close()
+    tree.lt.call(lambda: tree.tier("root").tokens.set_hash("old", b""))  # as restored without one
+    boss = ParameterClient(root, "old", "w-admin", timeout_s=10, retry_s=5, token=ADMIN)
+    try:
+        boss.register()
+        seen = lambda: tree.lt.call(lambda: tree.tier("root").jobs["old"].members.find("w-dead").last_seen)  # noqa: E731
+        reg = pb.RegisterRequest(job="old", member="w-dead", role=pb.ROLE_WORKER, incarnation=5)
+        with Caller(root, token=ADMIN) as rpc:
+            rpc.call("Register", reg, 5)
+        before = seen()
+        with Caller(root) as rpc:
+            rpc.call("Heartbeat", pb.HeartbeatRequest(member="w-dead", jobs=["old"], role=pb.ROLE_WORKER), 5)
+        assert seen() == before
+    finally:
+        boss.close()
+
+
 def test_a_tier_without_an_admin_token_is_open_and_says_so(tree, caplog):
     root = tree.add("root", "global")
     assert "NO ADMIN TOKEN" in caplog.text
