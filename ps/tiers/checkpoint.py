@@ -34,12 +34,14 @@ __all__ = ["save", "save_bytes", "to_bytes", "load_latest", "list_checkpoints", 
 LOCK_FILE = ".lock"
 
 
-def hold(directory: str | Path) -> IO[str]:
+def hold(directory: str | Path, holder: str = "root", advice: str = "give this one a --checkpoint-dir of its own"
+         ) -> IO[str]:
     """An exclusive lock on a root's checkpoint directory, held while the returned file is open
     (the process's life at most: the kernel drops it at exit, kill -9 included). A second root on
     the same directory -- left running by a launcher that crashed, a second pod on one volume --
     would append to the same logs and overwrite the same checkpoints: it is refused at start,
-    with the holder's pid, as OSError(EBUSY)."""
+    with the holder's pid, as OSError(EBUSY). (``hps launch`` and ``hps demo`` hold their log
+    directory the same way: ``holder`` and ``advice`` word the refusal.)"""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     f = open(d / LOCK_FILE, "a+")  # held open for the root's life
@@ -47,10 +49,10 @@ def hold(directory: str | Path) -> IO[str]:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        holder = f.read(32).strip() or "unknown"
+        pid = f.read(32).strip() or "unknown"
         f.close()
-        raise OSError(errno.EBUSY, f"checkpoint directory {d} is in use by another root (pid {holder}); stop that "
-                      "one first, or give this one a --checkpoint-dir of its own") from None
+        raise OSError(errno.EBUSY, f"{d} is in use by another {holder} (pid {pid}); stop that one first, or "
+                      f"{advice}") from None
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
     f.flush()

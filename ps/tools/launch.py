@@ -62,11 +62,13 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import IO
 
 import yaml
 
 from ps.core.config import MAX_SHARDS
 from ps.core.errors import BadInput
+from ps.tiers import checkpoint
 from ps.tools.localsecrets import LocalSecrets
 from ps.tools.wanem import Link
 
@@ -242,6 +244,8 @@ class Cluster:
     shard_groups: dict[str, list[str]] = field(default_factory=dict)
     weights: dict[str, tuple[float, ...]] = field(default_factory=dict)  # the same names -> the root's weights
     standbys: dict[str, str] = field(default_factory=dict)  # a root shard -> its standby's tier
+    lock: IO[str] | None = None  # LOGDIR/.lock, held while this cluster runs (checkpoint.hold)
+    ready_timeout_s: float = 60.0  # how long a tier may take to print its ready line (a root restores first)
 
     @classmethod
     def start(cls, topo: dict, logdir: str | Path, extra_root_args: list[str] = (),
@@ -254,6 +258,10 @@ class Cluster:
         --insecure, as tests of other things do."""
         c = cls(Path(logdir), env={**(MALLOC_ENV if tune_malloc else {}), **_inherited(os.environ), **(env or {})})
         c.logdir.mkdir(parents=True, exist_ok=True)
+        c.ready_timeout_s = timeout_s
+        # Before any log, secret or state file in it is touched: a second `hps launch` or
+        # `hps demo` on one log directory replaced the first one's admin token and logs under it.
+        c.lock = checkpoint.hold(c.logdir, "hps launch or hps demo", "give this one a --logdir of its own")
         if secure:
             c.secrets = LocalSecrets.create(c.logdir / "secrets", topo)
         host = topo.get("host", "127.0.0.1")
@@ -433,12 +441,12 @@ class Cluster:
                            extra_env={"OMP_NUM_THREADS": "1"})
         self.tiers[name] = tier
         if wait:
-            self._wait_line(tier, 60.0)  # children need the parent's port
+            self._wait_line(tier, self.ready_timeout_s)  # children need the parent's port
         return tier
 
-    def _wait_all(self, tiers: list[TierProcess], timeout_s: float = 60.0) -> None:
+    def _wait_all(self, tiers: list[TierProcess], timeout_s: float | None = None) -> None:
         """Until every one of ``tiers`` (started together) serves, ``timeout_s`` in all."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (self.ready_timeout_s if timeout_s is None else timeout_s)
         for t in tiers:
             self._wait_line(t, max(1.0, deadline - time.monotonic()))
 
@@ -499,7 +507,7 @@ class Cluster:
     def restart(self, name: str, signum: int = signal.SIGKILL) -> TierProcess:
         """Stop one tier (SIGKILL by default, if still running) and start it again on the same port."""
         tier = self.respawn(name, signum)
-        self._wait_line(tier, 60.0, tier.ready_offset)
+        self._wait_line(tier, self.ready_timeout_s, tier.ready_offset)
         return tier
 
     def respawn(self, name: str, signum: int = signal.SIGKILL) -> TierProcess:
@@ -541,6 +549,9 @@ class Cluster:
             self._kill(t, signal.SIGTERM, grace_s)
         for t in self.links.values():
             self._kill(t, signal.SIGTERM, grace_s)
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
 
     def __enter__(self) -> Cluster:
         return self
