@@ -167,12 +167,13 @@ def _launch(args) -> int:
 
     from ps.core.errors import BadInput
     from ps.tools.launch import Cluster, load_topology
-    from ps.tools.localsecrets import write_client_env
+    from ps.tools.localsecrets import CLIENT_ENV, write_client_env
     from ps.tools.supervise import RestartPolicy, Supervisor
 
     try:
         policy = RestartPolicy(first_s=float(args.restart_backoff_s), max_s=float(args.restart_backoff_max_s),
-                               max_restarts=int(args.max_restarts), window_s=float(args.restart_window_s))
+                               max_restarts=int(args.max_restarts), window_s=float(args.restart_window_s),
+                               ready_timeout_s=float(args.ready_timeout_s))
         topo = load_topology(args.topology)
     except (BadInput, ValueError) as exc:
         print(f"hps launch: {exc}", file=sys.stderr)
@@ -189,7 +190,7 @@ def _launch(args) -> int:
     try:
         # stops what it started if this raises
         cluster = Cluster.start(topo, args.logdir, env={"HPS_LOG_FORMAT": args.log_format},
-                                secure=not args.insecure)
+                                secure=not args.insecure, timeout_s=policy.ready_timeout_s)
     except _Stop:
         return 0
     except BadInput as exc:
@@ -217,6 +218,9 @@ def _launch(args) -> int:
                   f"`set -a; . {env_file}; set +a` (HPS_TLS_*, HPS_ADMIN_TOKEN_FILE), or "
                   f"`hps status --launch-dir {cluster.logdir}`")
         else:
+            # A secure run's file, left in this log directory, pointed `hps status --launch-dir`
+            # and a client that sourced it at TLS this plaintext cluster does not speak.
+            (cluster.logdir / CLIENT_ENV).unlink(missing_ok=True)
             print("INSECURE: plaintext, no client certificates, no tokens (--insecure)")
         print(f"cluster up; a tier that dies is restarted (at most {policy.max_restarts} times in "
               f"{policy.window_s:.0f}s); state in {cluster.logdir / 'launch.json'}; Ctrl-C stops it", flush=True)
@@ -539,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--restart-backoff-s", action=_EnvDefault, default="1.0",
                    help="delay before the first restart; doubles per recent restart")
     s.add_argument("--restart-backoff-max-s", action=_EnvDefault, default="30", help="longest restart delay")
+    s.add_argument("--ready-timeout-s", action=_EnvDefault, default="300",
+                   help="how long a tier may take to print its ready line, at start and after a restart (a "
+                   "root restores every job's checkpoint and log first)")
     s.add_argument("--log-format", action=_EnvDefault, default="text", choices=["text", "json"],
                    help="json: one JSON object per line (ts, level, logger, message, tier, region/zone, "
                    "name, and event, job, version where known) for a log pipeline; also given to every tier")
