@@ -75,6 +75,8 @@ def find_job_dir(path: str | Path, job: str = "") -> Path:
     if checkpoint.list_checkpoints(p) and not job:
         return p
     if job:
+        if checkpoint.list_checkpoints(p) and _job_name(p) == job:
+            return p  # the job's own directory (a shard's, as `hps checkpoint export` takes them too)
         if not checkpoint.list_checkpoints(p / job):
             raise BadInput(f"{p / job} holds no checkpoint (ckpt-*.npz)")
         return p / job

@@ -225,7 +225,15 @@ def test_resharding_3_to_4_between_runs_carries_parameters_and_optimizer_state(r
          *[str(tmp_path / f"s3-{i}") for i in range(3)], "--out", str(tmp_path / "m.pt"),
          "--optimizer-out", str(tmp_path / "o.pt")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "at version 6" in out.stdout, out.stderr
+    # The shards' job directories, as the help allows, export the same (it looked for s3-0/j/j).
+    out = subprocess.run(
+        [sys.executable, "-m", "ps.tools.cli", "checkpoint", "export",
+         *[str(tmp_path / f"s3-{i}" / "j") for i in range(3)], "--out", str(tmp_path / "m-dirs.pt")],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "at version 6" in out.stdout, out.stderr
     model = torch.load(tmp_path / "m.pt")
+    assert all(torch.equal(a, b) for a, b in zip(model.values(), torch.load(tmp_path / "m-dirs.pt").values(),
+                                                 strict=True))
     assert list(model) == [s.key for s in LAYOUT]
     assert np.array_equal(np.concatenate([t.numpy().ravel() for t in model.values()]), ref[6])
     params = [torch.nn.Parameter(t.clone()) for t in model.values()]
