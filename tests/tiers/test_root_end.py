@@ -51,12 +51,28 @@ def test_an_end_whose_final_checkpoint_fails_is_refused_and_a_retry_keeps_every_
     assert any("000004" in name for name in ckpts), ckpts  # what the ended job keeps has version 4
 
 
+LAYOUT = Layout([KeySpec("w", (3,))])
+
+
+async def _started(tmp_path) -> Root:
+    """A root on ``tmp_path`` with job lm (sgd, lr 0.01) and its member w0."""
+    root = Root(ServerConfig(role="global", checkpoint_dir=str(tmp_path)))
+    await root.start()
+    await root.create_job(JobConfig(name="lm"), LAYOUT, np.zeros(3, np.float32))
+    await root.register("lm", "w0", "worker", "", last_seq=0, incarnation=7)
+    return root
+
+
+def _push(root: Root, seq: int):
+    meta = PushMeta("lm", "w0", seq=seq, base_version=seq - 1, incarnation=7)
+    return root.push(meta, split(LAYOUT, np.ones(3, np.float32), get_codec("fp32")), bytes(16))
+
+
 def test_a_version_logged_but_not_published_is_refused_at_once_and_a_restart_restores_it(tmp_path, monkeypatch):
     """An exception after the log append (out of memory while framing the delta) left the
     round unanswered: the push waited forever and the job's window stayed full, with the
     parameters one version past the view. Now the job is marked damaged and refused at once,
     and a restarted root serves the version its log holds."""
-    layout = Layout([KeySpec("w", (3,))])
     publish, failed = Root._publish, []
 
     def failing_once(self, js, *args, **kwargs):
@@ -66,21 +82,14 @@ def test_a_version_logged_but_not_published_is_refused_at_once_and_a_restart_res
         return publish(self, js, *args, **kwargs)
     monkeypatch.setattr(Root, "_publish", failing_once)
 
-    def push(root, seq):
-        meta = PushMeta("lm", "w0", seq=seq, base_version=seq - 1, incarnation=7)
-        return root.push(meta, split(layout, np.ones(3, np.float32), get_codec("fp32")), bytes(16))
-
     async def first() -> None:
-        root = Root(ServerConfig(role="global", checkpoint_dir=str(tmp_path)))
-        await root.start()
-        await root.create_job(JobConfig(name="lm"), layout, np.zeros(3, np.float32))
-        await root.register("lm", "w0", "worker", "", last_seq=0, incarnation=7)
-        assert (await push(root, 1)).applied_version == 1
+        root = await _started(tmp_path)
+        assert (await _push(root, 1)).applied_version == 1
         with pytest.raises(Unavailable, match="logged but not published"):
-            await asyncio.wait_for(push(root, 2), 10.0)
+            await asyncio.wait_for(_push(root, 2), 10.0)
         assert "lm" in root.damaged
         with pytest.raises(Unavailable, match="not served"):
-            await asyncio.wait_for(push(root, 2), 10.0)
+            await asyncio.wait_for(_push(root, 2), 10.0)
         await root.stop()
 
     async def restarted() -> tuple[int, np.ndarray]:
@@ -101,7 +110,6 @@ def test_an_end_that_waited_for_a_round_which_damaged_the_job_leaves_it_to_be_re
     published (the job marked damaged), and the end then wrote ENDED without a checkpoint of
     it: a restarted root skips an ended job's log, and the acknowledged-or-logged version was
     gone. The end is now refused and the restart restores the job."""
-    layout = Layout([KeySpec("w", (3,))])
     publish = Root._publish
 
     def failing_after_one(self, js, *args, **kwargs):
@@ -109,21 +117,14 @@ def test_an_end_that_waited_for_a_round_which_damaged_the_job_leaves_it_to_be_re
             raise MemoryError("framing the delta (simulated)")
         return publish(self, js, *args, **kwargs)
 
-    def push(root, seq):
-        meta = PushMeta("lm", "w0", seq=seq, base_version=seq - 1, incarnation=7)
-        return root.push(meta, split(layout, np.ones(3, np.float32), get_codec("fp32")), bytes(16))
-
     async def first() -> None:
-        root = Root(ServerConfig(role="global", checkpoint_dir=str(tmp_path)))
-        await root.start()
-        await root.create_job(JobConfig(name="lm"), layout, np.zeros(3, np.float32))
-        await root.register("lm", "w0", "worker", "", last_seq=0, incarnation=7)
-        assert (await push(root, 1)).applied_version == 1
+        root = await _started(tmp_path)
+        assert (await _push(root, 1)).applied_version == 1
         js = root.job("lm")
         append = js.wal.append
         js.wal.append = lambda rec: (time.sleep(0.5), append(rec))[1]  # the round is in its log append
         monkeypatch.setattr(Root, "_publish", failing_after_one)
-        pushing = asyncio.ensure_future(push(root, 2))
+        pushing = asyncio.ensure_future(_push(root, 2))
         await asyncio.sleep(0.2)
         with pytest.raises(Unavailable, match="not ended"):
             await asyncio.wait_for(root.end_job("lm", "done"), 10.0)
