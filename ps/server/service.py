@@ -240,7 +240,7 @@ class _Servicer:
     @_unary("Register")
     async def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
         if req.role not in ROLE_NAME or ROLE_NAME[req.role] == "global":
-            raise BadInput(f"a member registers as a worker, zone or regional master, not enum value {req.role}")
+            raise BadInput(f"register needs the role of a worker, zone or regional master, not enum value {req.role}")
         self._check_child(context, req.member, ROLE_NAME[req.role])
         relay_role = ROLE_NAME[req.role] != "worker"
         attached = False
@@ -272,7 +272,7 @@ class _Servicer:
         if len(req.jobs) > 1000:
             raise BadInput(f"a heartbeat names at most 1000 jobs, got {len(req.jobs)}")
         if ROLE_NAME.get(req.role) == "global":
-            raise BadInput("a child heartbeats as a worker, zone or regional master, not as a global root")
+            raise BadInput("a heartbeat needs the role of a worker, zone or regional master, not a global root's")
         self._check_child(context, req.member, ROLE_NAME.get(req.role, "worker"))
         checked: list[str] = []
         for job in req.jobs:  # every job it names that this tier can check (see ps.server.auth)
