@@ -270,7 +270,9 @@ def _status(args) -> int:
     except ValueError as exc:
         print(f"hps status: {exc}", file=sys.stderr)
         return 2
-    return print_tree(address, sys.stdout, token) or rc
+    # A sharded root's shards (";"-separated, as HPS_ADDRESS names them): a tree each.
+    trees = [print_tree(a, sys.stdout, token) for a in address.split(";") if a]
+    return max(trees, default=0) or rc
 
 
 _OPTION = re.compile(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*\s*=)")  # a comma that starts the next KEY=

@@ -58,7 +58,7 @@ def _alive(pid: int) -> bool:
 
 def print_launch(launch_dir: str | Path, out) -> tuple[int, str]:
     """Print the supervision state of ``hps launch``; returns (1 if a tier is not serving or the
-    launch is gone, else 0; the root's address)."""
+    launch is gone, else 0; the root's address, or its shards' joined by ";")."""
     try:
         st = read_state(launch_dir)
     except (OSError, ValueError) as exc:
@@ -82,27 +82,29 @@ def print_launch(launch_dir: str | Path, out) -> tuple[int, str]:
         rc = rc or int(t["state"] != "up")
         if t["role"] == "global":
             roots.append(t["address"])
-    return rc, _primary(roots)
+    return rc, ";".join(_primaries(roots))
 
 
-def _primary(roots: list[str]) -> str:
-    """Of a launch's global tiers (the root, then its standby, or shards), the one to walk the
-    tree from: the primary of a pair (after a takeover, the standby listed second), else the
-    first. Asked with the admin's token, if the environment names one."""
+def _primaries(roots: list[str]) -> list[str]:
+    """Of a launch's global tiers (the root, then its standby, or shards, each perhaps with a
+    standby), the ones to walk the tree from: each primary (after a takeover, the standby
+    listed second; every shard of a sharded root: each has a tree of its own), else the first.
+    Asked with the admin's token, if the environment names one."""
     if len(roots) < 2:
-        return roots[0] if roots else ""
+        return roots
     try:
         from ps.tools.jobctl import admin_token
         token = admin_token()
     except (OSError, ValueError):
         token = None
+    found = []
     for address in roots:
         try:
             if fetch_status(address, 2.0, token).root_state == "primary":
-                return address
+                found.append(address)
         except Exception:  # (down, refused): another may answer
             continue
-    return roots[0]
+    return found or roots[:1]
 
 
 def fetch_status(address: str, timeout_s: float = 5.0, token: str | None = None) -> TierStatus:

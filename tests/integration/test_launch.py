@@ -276,6 +276,11 @@ def test_a_sharded_root_trains_a_job_that_names_no_sharding_and_a_killed_shard_c
     assert f"root root is 2 shards; its workers: HPS_ADDRESS='{roots}' HPS_SHARD_WEIGHTS=2,1" in lc.text()
     assert (f"zone eu-a is 2 relays, one per shard; its workers: HPS_ADDRESS='{address}' "
             "HPS_SHARD_WEIGHTS=2,1") in lc.text(), lc.text()
+    # `hps status --launch-dir` walks every shard's tree, not shard 0's alone.
+    r = lc.status()
+    assert r.returncode == 0 and all(f"{role} {name}-{i} @" in r.stdout for i in range(2)
+                                     for role, name in (("global", "root"), ("regional", "eu"), ("zone", "eu-a"))), \
+        r.stdout
     monkeypatch.setenv("HPS_SHARD_WEIGHTS", "2,1")
     env = read_client_env(lc.dir)
     tls = TlsFiles(env["HPS_TLS_CERT"], env["HPS_TLS_KEY"], env["HPS_TLS_CA"])
