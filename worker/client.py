@@ -294,6 +294,8 @@ class ParameterClient:
         if applied is not None:
             with self._push_lock:
                 self.acked_seq = max(self.acked_seq, seq)
+        # What its encode took of the residual stays taken only if something of it was applied.
+        self.encoder.settle(applied is not None and not applied.skipped)
         return applied
 
     def _resolve_push(self, seq: int, digest: bytes, moved: bool = True) -> Any | None:
@@ -600,6 +602,13 @@ class ParameterClient:
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
         if self._go_home.is_set() and not pipelined:
             self._move_home()
+        # A push given up on unanswered holds the next number (``_unsure``): the root says what
+        # became of it before this one encodes, so that one not applied gives back what it took
+        # of the residual (``Encoder.settle``) and this encode starts from there.
+        settled: tuple[Any, int, bytes] | None = None
+        if not pipelined and self._unsure is not None and self._unsure[0] == self.acked_seq + 1:
+            unsure_seq, unsure_digest = self._unsure[:2]
+            settled = (self._settle_unsure(), unsure_seq, unsure_digest)
         # A skipped step (step.skip: AMP found an overflow here) carries no gradient: encoding
         # zeros would send what the residual owes earlier steps in a round that is skipped.
         record = bool(contributors) and not pipelined and not step.skip and not self.encoder.lossless
@@ -609,6 +618,8 @@ class ParameterClient:
             # Pipelined, each push in flight holds its own number.
             if pipelined:
                 seq = self._issued = max(self._issued, self.acked_seq) + 1
+            elif settled is not None and settled[0] is not None:
+                seq = settled[1]  # applied: this push is either that one again or takes the next number
             else:
                 seq = self.acked_seq + 1
             self.seq = seq
@@ -639,27 +650,28 @@ class ParameterClient:
         try:
             nbytes = payload_bytes(chunks)
             digest = push_digest(frames)
-            if not pipelined and self._unsure is not None and self._unsure[0] == seq:
-                # The number of a push whose answer never came: the root says what became of it
-                # (at any tier: a resend through another would be placed there as new). Applied,
-                # a resend gets that version, and another body takes the next number.
-                resend = self._unsure[1] == digest
-                applied = self._settle_unsure()
-                if applied is not None and resend:
+            if settled is not None and settled[0] is not None:
+                # The number of a push whose answer never came, and the root applied it (asked at
+                # any tier: a resend through another would be placed there as new). This very
+                # push again gets that version; another body takes the next number.
+                applied = settled[0]
+                if settled[2] == digest:
                     self.last_skipped = applied.skipped  # its round skipped: nothing of it was applied
                     self._recorded(record, keep=not applied.skipped)
                     return applied.applied_version, nbytes
-                if applied is not None:
-                    seq = self.seq = seq + 1
-                    frames = encode_push(replace(meta, seq=seq), chunks)
-                    digest = push_digest(frames)
+                seq = self.seq = seq + 1
+                frames = encode_push(replace(meta, seq=seq), chunks)
+                digest = push_digest(frames)
             sending = True
             result = self._deliver(seq, lambda: iter(frames), lambda: digest, contributors, lambda: nbytes)
         except (Stale, BadInput, Conflict):  # not applied, and it will not be
             self._recorded(record, keep=False)
             raise
         except BaseException:  # sent and unanswered, it may still be applied; never sent, it will not be
-            self._recorded(record, keep=sending)
+            if record and sending and self._unsure is not None and self._unsure[0] == seq:
+                self.encoder.set_aside()  # until the next push asks the root (``_settle_unsure``)
+            else:
+                self._recorded(record, keep=sending)
             raise
         self._recorded(record, keep=not self.last_skipped)
         return result

@@ -73,9 +73,10 @@ class Sent:
 
     def finish(self, step: StepInfo, report: tuple[float, int, float]) -> tuple[int, int]:
         """Send the tail and wait for the answer (``StreamedPush.finish``), then end the
-        encoder's recording as ``ParameterClient.push`` does: kept if the push was applied (or
-        may yet be: sent, unanswered), taken back if not (its round skipped, for any worker's
-        overflow, or the push refused), so the residual still owes what it carried."""
+        encoder's recording as ``ParameterClient.push`` does: kept if the push was applied, set
+        aside if it was sent and went unanswered (the next push asks the root), taken back if not
+        (its round skipped, for any worker's overflow, or the push refused), so the residual
+        still owes what it carried."""
         encoder = self.client.encoder
         try:
             result = self.stream.finish(step, report)
@@ -83,9 +84,13 @@ class Sent:
             if encoder.recording:
                 encoder.roll_back()
             raise
-        except BaseException:
+        except BaseException:  # sent and unanswered (it may still be applied), or never sent whole
             if encoder.recording:
-                encoder.commit()
+                unsure = self.client._unsure
+                if unsure is not None and unsure[0] == self.stream.meta.seq:
+                    encoder.set_aside()  # until the next push asks the root what became of it
+                else:
+                    encoder.commit()
             raise
         if encoder.recording:
             if self.overflow or self.client.last_skipped:

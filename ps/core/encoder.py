@@ -120,6 +120,8 @@ class Encoder:
         self._lock = threading.Lock()
         # begin(): each chunk's state as it was before its first encode since, for roll_back().
         self._undo: dict[str, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] | None = None
+        # set_aside(): the undo of a push sent and unanswered, until settle() says its fate.
+        self._aside: dict[str, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] | None = None
 
     @classmethod
     def for_job(cls, cfg: JobConfig, codec: str | None = None, seed: str | int = 0,
@@ -149,15 +151,35 @@ class Encoder:
     def roll_back(self) -> None:
         """Undo every encode since ``begin`` (a push that was not sent whole)."""
         with self._lock:
-            for name, (r, u, q) in (self._undo or {}).items():
-                for store, value in ((self.ef.residuals, r), (self.velocity, u), (self.warm, q)):
-                    if value is None:
-                        store.pop(name, None)
-                    else:
-                        store[name] = value
+            self._restore(self._undo or {})
             self._undo = None
 
+    def set_aside(self) -> None:
+        """End the recording without deciding: the push was sent and went unanswered, so the
+        root may or may not have applied it. Its encodes stand until ``settle`` says which; the
+        next encode before that keeps them (it builds on them: taking them back is no longer
+        possible), as ``reset`` and ``load_state_dict`` drop them."""
+        with self._lock:
+            self._aside, self._undo = self._undo, None
+
+    def settle(self, applied: bool) -> None:
+        """The push set aside was applied (keep its encodes) or not (take them back: the
+        residual still owes what it carried to earlier, acknowledged steps)."""
+        with self._lock:
+            aside, self._aside = self._aside, None
+            if not applied and aside:
+                self._restore(aside)
+
+    def _restore(self, undo: dict) -> None:
+        for name, (r, u, q) in undo.items():
+            for store, value in ((self.ef.residuals, r), (self.velocity, u), (self.warm, q)):
+                if value is None:
+                    store.pop(name, None)
+                else:
+                    store[name] = value
+
     def _remember(self, name: str) -> None:
+        self._aside = None  # an encode builds on what a push set aside did: it stands
         if self._undo is not None and name not in self._undo:
             def kept(t: torch.Tensor | None) -> torch.Tensor | None:
                 return None if t is None else t.clone()
@@ -229,6 +251,7 @@ class Encoder:
             self.velocity.clear()
             self.warm.clear()
             self._undo = None if self._undo is None else {}
+            self._aside = None
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Residuals by chunk ("key@offset") and, with momentum correction, velocities
@@ -252,6 +275,7 @@ class Encoder:
                     out[k[len(prefix):]] = torch.from_numpy(a.reshape(-1) if flat else a)
             return out
 
+        self._aside = None  # (it undid encodes of residuals that are gone now)
         self.ef.load_state_dict({k: v for k, v in state.items() if not k.startswith(_STATE_PREFIXES)})
         self.velocity = arrays("velocity:", flat=True)
         self.warm = arrays("powersgd_q:", flat=False)

@@ -417,3 +417,45 @@ def test_an_encoders_roll_back_puts_every_chunk_state_back_exactly(codec, kw):
     kept = enc.state_dict()
     enc.roll_back()  # nothing begun: nothing undone
     assert all(np.array_equal(enc.state_dict()[k], kept[k]) for k in kept)
+
+
+def test_an_encode_set_aside_is_taken_back_only_if_settled_as_not_applied_and_not_built_on():
+    """A push sent and unanswered: its encodes stand until the root says (``settle``); one
+    not applied gives back what it took of the residual. An encode in between builds on them,
+    and a reset replaces them: neither can be taken back after."""
+    layout = Layout([KeySpec("a", (64, 32))])
+    rng = np.random.default_rng(1)
+
+    def grad() -> np.ndarray:
+        return rng.standard_normal(layout.numel).astype(np.float32)
+
+    def state(e: Encoder) -> dict:
+        return {k: v.copy() for k, v in e.state_dict().items()}
+
+    def same(x: dict, y: dict) -> bool:
+        return x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+    enc = Encoder("topk", topk=0.05, seed="w0")
+    enc.split(layout, grad())
+    before = state(enc)
+    for applied in (True, False):
+        enc.begin()
+        enc.split(layout, grad())
+        sent = state(enc)
+        enc.set_aside()
+        assert not enc.recording and same(state(enc), sent)
+        enc.settle(applied)
+        assert same(state(enc), sent if applied else before)
+        before = state(enc)
+    enc.begin()
+    enc.split(layout, grad())
+    enc.set_aside()
+    enc.split(layout, grad())  # built on it
+    built = state(enc)
+    enc.settle(False)
+    assert same(state(enc), built)
+    enc.begin()
+    enc.split(layout, grad())
+    enc.set_aside()
+    enc.reset()
+    enc.settle(False)
+    assert state(enc) == {}

@@ -102,6 +102,43 @@ def test_a_push_interrupted_after_it_was_sent_is_settled_before_its_number_goes_
         c.close()
 
 
+def test_a_push_given_up_on_and_not_applied_gives_back_what_it_took_of_the_residual(tree):
+    """bsp, top-k with error feedback. a's push went unanswered (interrupted before it reached
+    the tier) and was kept as if applied: what it took of the residual, owed to earlier,
+    acknowledged steps, was gone once the root said it was never applied. Now the encode waits
+    for the next push to ask the root, which takes it back; that push encodes from there."""
+    a, b = _clients(tree.add("root", "global"), "ab", push_codec="topk", topk=0.25)
+    done = _round([lambda: a.push(_grad(1), clock=0), lambda: b.push(_grad(2), clock=0)])
+    assert done[0][0] == done[1][0] == 1, done
+    for c in (a, b):
+        c.pull(min_version=1)
+    owed = a.encoder.state_dict()
+    assert max(np.abs(v).max() for v in owed.values()) > 0
+    call = a._call
+
+    def unsent(name, request, timeout=None):
+        if name == "Push":
+            raise KeyboardInterrupt  # before it left: the tiers never saw it
+        return call(name, request, timeout)
+    a._call = unsent
+    with pytest.raises(KeyboardInterrupt):
+        a.push(_grad(3), clock=1)
+    a._call = call
+    assert a._unsure is not None and a._unsure[0] == 2
+    # What a's next push must encode from: the residual as the lost push found it.
+    from ps.core.encoder import Encoder
+    ref = Encoder.for_job(a.config, seed=a.worker_id, worker=True)
+    ref.load_state_dict(owed)
+    ref.split(LAYOUT, _grad(4), step=1, copy=False)
+    done = _round([lambda: a.push(_grad(4), clock=1), lambda: b.push(_grad(5), clock=1)])
+    assert done[0][0] == done[1][0] == 2 and a._unsure is None, done
+    want = ref.state_dict()
+    got = a.encoder.state_dict()
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    for c in (a, b):
+        c.close()
+
+
 def test_the_last_pushes_of_an_async_run_failing_is_said_by_drain_not_swallowed(tree):
     """The background sender kept a push's error for the next ``submit``; at the end of a run
     there is none, and ``drain`` (``HpsOptimizer.sync``) returned as if every push had been
