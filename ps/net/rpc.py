@@ -314,6 +314,34 @@ class Caller:
         self.close()
 
 
+class Outgoing:
+    """A client-streamed call being written (``AsyncCaller.open``); gRPC errors become hps ones.
+    A call cancelled is never taken for a whole one: the server sees no end of its stream."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    async def write(self, frame: bytes) -> None:
+        try:
+            await self._call.write(frame)
+        except grpc.RpcError as err:  # the server answered already (a refusal): its status
+            raise error_from(err) from None
+
+    async def finish(self) -> Any:
+        try:
+            await self._call.done_writing()
+            return await self._call
+        except grpc.RpcError as err:
+            raise error_from(err) from None
+
+    async def ended(self) -> None:
+        """Return once the call has ended (the server answered: a refusal, before the end)."""
+        await self._call.code()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class AsyncCaller:
     """``Caller`` for grpc.aio: a relay's calls to its parent."""
 
@@ -344,6 +372,11 @@ class AsyncCaller:
                                                                  metadata=bearer(tokens))]
         except grpc.RpcError as err:
             raise error_from(err) from None
+
+    async def open(self, name: str, timeout: float, tokens: Iterable[str] = ()) -> Outgoing:
+        """A client-streamed call written frame by frame as the frames come (a relay passing a
+        child's stream on): ``write`` each, then ``finish`` for the reply, or ``cancel``."""
+        return Outgoing((await self._stubs())[name](timeout=timeout, metadata=bearer(tokens)))
 
     async def close(self) -> None:
         for ch in self._ch.retired + [self._ch.channel]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -167,18 +168,24 @@ class Upstream:
             else:
                 reply = await self._rpc.call(name, request, timeout or self.timeout_s, tokens)
         except HpsError as exc:
-            if isinstance(exc, NotPrimary):  # it answered: reachable, but not the root to write to
-                if self.refused_since is None:
-                    self.refused_since = asyncio.get_running_loop().time()
-            elif isinstance(exc, (Unavailable, TimedOut)):
-                self.reachable = False
-                self.failures += 1
-                self.hard_failure = cannot_connect(exc)
+            self._failed(exc)
             raise
+        self._answered(name)
+        return reply
+
+    def _failed(self, exc: HpsError) -> None:
+        if isinstance(exc, NotPrimary):  # it answered: reachable, but not the root to write to
+            if self.refused_since is None:
+                self.refused_since = asyncio.get_running_loop().time()
+        elif isinstance(exc, (Unavailable, TimedOut)):
+            self.reachable = False
+            self.failures += 1
+            self.hard_failure = cannot_connect(exc)
+
+    def _answered(self, name: str) -> None:
         self.reachable = True
         if name in _WRITES:
             self.refused_since = None
-        return reply
 
     async def register(self, job: str, last_seq: int) -> Registration:
         tokens = self._tokens(job)
@@ -221,6 +228,44 @@ class Upstream:
         r = await self._call("CreateJob", iter(encode_create_job(cfg, layout, chunks, job_token)))
         if r.job_token:  # the servicer hands it to the caller that created the job
             self.minted[cfg if isinstance(cfg, str) else cfg.name] = r.job_token
+        return r.created, r.version, r.view_epoch
+
+    async def create_job_through(self, name: str, frames: AsyncIterator[bytes],
+                                 timeout: float | None = None) -> tuple[bool, int, int]:
+        """A CreateJob's frames as a child sent them, each written up as ``frames`` yields it (one
+        frame held at a time). ``frames`` raising cancels the call, so the parent creates
+        nothing. The parent's refusal (at the first frame: the caller's credentials) ends it at
+        once, even while the next frame is still awaited: a stranger's values are not waited for."""
+        tokens = self._tokens(None)
+        try:
+            call = await self._rpc.open("CreateJob", timeout or self.timeout_s, tokens)
+            ended = asyncio.ensure_future(call.ended())
+            try:
+                while True:
+                    nxt = asyncio.ensure_future(anext(frames))
+                    await asyncio.wait((nxt, ended), return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():  # answered before the end: the answer is a refusal
+                        nxt.cancel()
+                        await asyncio.wait((nxt,))
+                        break
+                    try:
+                        frame = nxt.result()
+                    except StopAsyncIteration:
+                        break
+                    await call.write(frame)
+                r = await call.finish()
+            except BaseException:
+                call.cancel()
+                raise
+            finally:
+                ended.cancel()
+                await frames.aclose()  # type: ignore[attr-defined]
+        except HpsError as exc:
+            self._failed(exc)
+            raise
+        self._answered("CreateJob")
+        if r.job_token:  # the servicer hands it to the caller that created the job
+            self.minted[name] = r.job_token
         return r.created, r.version, r.view_epoch
 
     async def resolve(self, job: str, keys: tuple[PushKey, ...], wait_s: float, moved: bool = False

@@ -401,6 +401,23 @@ class _Servicer:
             self.guard.set_hash(name, h)
             return token
 
+    async def _create_through(self, name: str, head: bytes, reader: BodyReader, request_iterator,
+                              timeout: float | None) -> tuple[bool, int, int]:
+        """A relay's CreateJob: the frames go up to its parent as they arrive (cut through), so
+        the root checks the caller's credentials and the configuration before the values are
+        read, and this tier never holds them: a stranger's create costs it one frame, and a
+        100M-parameter job's initial values need no memory here. Each frame is checked as it
+        passes (``reader``); one that is malformed, or a stream cut before its end marker,
+        cancels the call above, where nothing is created (a partial create is never a whole).
+        The call above gets what is left of the caller's deadline."""
+        async def frames():
+            yield head
+            async for data in request_iterator:
+                reader.feed(data)
+                yield data
+            reader.finish()
+        return await self.tier.create_job_through(name, frames(), timeout)  # type: ignore[attr-defined]
+
     @_streamed("CreateJob")
     async def CreateJob(self, request_iterator, context) -> pb.CreateJobReply:
         reserved = 0
@@ -418,6 +435,11 @@ class _Servicer:
                     adopted = adopted_token(h)
                     self._check_adopted(name, cfg, adopted)
                     self.tier.check_create(cfg, layout)  # refusals before any value is read
+                    if self.relay:  # passed on frame by frame: nothing of it is held here
+                        created, version, epoch = await self._create_through(name, data, reader, request_iterator,
+                                                                             context.time_remaining())
+                        return pb.CreateJobReply(created=created, version=version, view_epoch=epoch,
+                                                 job_token=await self._job_token(context, name, adopted))
                     if layout is not None:
                         self.tier.budget.reserve(4 * layout.numel)  # refused: nothing to give back
                         reserved = 4 * layout.numel
@@ -430,10 +452,7 @@ class _Servicer:
             reader.finish()
             cfg, layout = head
             vals = values.finish(require_all=True) if values is not None else None
-            if self.relay:  # a sharded job's token from its shard 0, for this relay's root shard
-                created, version, epoch = await self.tier.create_job(cfg, layout, vals, job_token=adopted)
-            else:
-                created, version, epoch = await self.tier.create_job(cfg, layout, vals)
+            created, version, epoch = await self.tier.create_job(cfg, layout, vals)
             return pb.CreateJobReply(created=created, version=version, view_epoch=epoch,
                                      job_token=await self._job_token(context, name, adopted))
         finally:

@@ -578,6 +578,11 @@ class Relay(ParentLink, Tier):
         relay's root shard to take on)."""
         return await self.up.create_job(cfg, layout, values, job_token)
 
+    async def create_job_through(self, name: str, frames: AsyncIterator[bytes],
+                                 timeout: float | None = None) -> tuple[bool, int, int]:
+        """A CreateJob's frames, passed on to the root as they arrive (the servicer checks each)."""
+        return await self.up.create_job_through(name, frames, timeout)
+
     async def list_jobs(self) -> list[dict]:
         return await self.up.list_jobs()
 
