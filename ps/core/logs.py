@@ -46,7 +46,7 @@ EVENTS = frozenset({
     "root.primary", "root.promoted", "root.deposed", "standby.following", "standby.synced", "standby.in_sync",
     "standby.kept",
     "outer.started", "outer.sync_failed", "outer.sync_postponed", "outer.sync_unsettled", "outer.steps_lost",
-    "outer.dropped", "outer.steps_per_sync",
+    "outer.dropped", "outer.steps_per_sync", "outer.restarted",
 })
 
 # What every LogRecord has; anything else on a record came with ``extra=``.

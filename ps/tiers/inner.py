@@ -56,6 +56,14 @@ class InnerRoot(Root):
     async def _after_version(self, js: RootJob, rec: WalRecord) -> None:
         await self.relay.after_inner_version(js, rec.contributors)
 
+    def _damaged(self, js: RootJob, why: str, version: int, exc_info: bool = False) -> None:
+        super()._damaged(js, why, version, exc_info)
+        self.relay.inner_damaged(js.config.name)  # no log to restore it from: a new lineage
+
+    def _recovery(self, js: RootJob) -> str:
+        return (f"this {self.role} tier starts the job's inner loop again from the outer view at once (the inner "
+                "steps since its last sync are lost, and counted)")
+
     def _trained(self, js: RootJob, progress: tuple[tuple[int, int, int], ...]) -> None:
         self.relay.trained(js.config.name, progress)  # to the root with the syncs that carry it
 

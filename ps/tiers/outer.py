@@ -52,6 +52,9 @@ region's time between syncs. A region answers a lease with where it trained the 
 The inner state is in memory only. A restarted region starts a new lineage from the outer view;
 the inner steps its old lineage held beyond its last sync are counted (``inner_steps_lost``,
 ``hps_outer_inner_steps_lost_total``) and logged as soon as a child pulls with the old lineage.
+An inner job that fails part-way through a version (``InnerRoot._damaged``: a root would wait
+for a restart to restore it from its log) starts a new lineage the same way at once
+(``_restart_inner``), its lost steps counted there.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from typing import TYPE_CHECKING
 
 from ps.core.config import JobConfig, ServerConfig
 from ps.core.encoder import Encoder
-from ps.core.errors import HpsError, NotReady, short
+from ps.core.errors import HpsError, NotReady, Stale, short
 from ps.core.intake import PushIntake
 from ps.core.leases import GRANTED, WAIT, Dataset, Grant
 from ps.core.logs import event
@@ -287,6 +290,49 @@ class OuterRelay(OuterSync, Relay):
         log.warning("%s: job %s: joined the root's rounds again at outer version %d; %d inner step(s) "
                     "not synced before every member left were dropped", self.role, name, ojs.view.version,
                     lost, extra=event("outer.dropped", job=name, steps=lost))
+
+    def inner_damaged(self, job: str) -> None:
+        """The inner root serves ``job`` no more (a version failed part-way: ``Root._damaged``);
+        start its inner loop again from the outer view, in the background (``_restart_inner``)."""
+        task = asyncio.create_task(self._restart_inner(job), name=f"outer-restart-{job}")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _restart_inner(self, job: str) -> None:
+        """A new lineage of ``job``'s inner loop from the outer view, in place of one that failed
+        part-way through a version: what a restart of this tier does, without the restart (its
+        other jobs go on). It kept no log to restore the old one from, and until this it was
+        served by nobody. A sync in flight lands first (the outer view then holds it); the inner
+        steps since the last sync are lost, counted (``inner_steps_lost``) and logged. Pushes
+        waiting in its rounds are refused as Stale; its children are unknown to the new job, so
+        they register again and take a snapshot of the new lineage."""
+        st = self.outer.get(job)
+        if st is not None and st.inflight is not None:
+            await asyncio.wait([st.inflight])  # retried within the round timeout, then settled
+        inner, ojs = self.inner, self.jobs.get(job)
+        if inner is None or not isinstance(ojs, RelayJob):
+            return
+        async with self._inner_locks.setdefault(job, asyncio.Lock()):
+            old = inner.jobs.get(job)
+            if old is None or job not in inner.damaged or self.outer.get(job) is not st:
+                return  # dropped or ended meanwhile
+            lost = st.drop_unsent() if st is not None else 0
+            del inner.jobs[job]
+            why = inner.damaged.pop(job)
+            self.outer.pop(job, None)
+            old.abort(f"job {job}'s inner loop at this {self.role} tier failed and starts again from the "
+                      "outer view", Stale)
+        try:
+            await self._ensure_inner(ojs)  # (a child registering meanwhile made it already: the same)
+        except HpsError as exc:  # no outer view yet: the next child to register makes it
+            log.warning("%s: job %s: its inner loop could not start again yet (%s); the next child to "
+                        "register starts it", self.role, job, exc)
+        ijs = inner.jobs.get(job)
+        if ijs is not None:
+            ijs.stats.inner_steps_lost += old.stats.inner_steps_lost + lost
+        log.warning("%s: job %s: its inner loop failed (%s) and started again from outer version %d; %d inner "
+                    "step(s) since the last sync were lost", self.role, job, why, ojs.view.version, lost,
+                    extra=event("outer.restarted", job=job, version=ojs.view.version, steps=lost))
 
     def note_old_lineage(self, job: str, view_epoch: int, since: int) -> None:
         """A child pulled holding ``since`` of another lineage: if it is one this process never

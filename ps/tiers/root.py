@@ -471,12 +471,8 @@ class Root(Durable, Pairing, Tier):
                     # until a restart restores it from the disk (as a mismatch, ``_roll_back``).
                     # (Unless this root follows another primary now: the job is not this one.)
                     if self.jobs.get(js.config.name) is js:
-                        self.damaged[js.config.name] = (f"rolling back version {rec.version} failed ({failed}); "
-                                                        "restart the root: it restores the job from its checkpoint "
-                                                        "and log")
-                        log.critical("job %s is not served: %s", js.config.name, self.damaged[js.config.name],
-                                     exc_info=True, extra=event("job.damaged", job=js.config.name,
-                                                                version=rec.version))
+                        self._damaged(js, f"rolling back version {rec.version} failed ({failed})", rec.version,
+                                      exc_info=True)
                 if isinstance(exc, WalWriteError):
                     js.stats.durable_failures += 1
                     log.error("job %s: %s; refusing the round until a write succeeds", js.config.name, exc,
@@ -506,15 +502,10 @@ class Root(Durable, Pairing, Tier):
                 # an unanswered round would hold the job's window forever. Not served until a
                 # restart restores it from its checkpoint and log, which hold the version whole.
                 if self.jobs.get(js.config.name) is js:
-                    self.damaged[js.config.name] = (
-                        f"version {rec.version} was logged but publishing it failed ({type(exc).__name__}: {exc}); "
-                        + ("restart the root: it restores the job from its checkpoint and log" if js.wal is not None
-                           else f"restart this {self.role} tier (it keeps no log to restore the job from)"))
-                    log.critical("job %s is not served: %s", js.config.name, self.damaged[js.config.name],
-                                 exc_info=True, extra=event("job.damaged", job=js.config.name, version=rec.version))
+                    self._damaged(js, f"version {rec.version} was logged but publishing it failed "
+                                      f"({type(exc).__name__}: {exc})", rec.version, exc_info=True)
                 self._refuse(js, agg, fut, Unavailable(f"job {js.config.name}: version {rec.version} was logged "
-                                                       "but not published; the root must be restarted, which "
-                                                       "restores it; retry then"))
+                                                       f"but not published; {self._recovery(js)}; retry then"))
                 return
             if not fut.done():
                 fut.set_result(Ack(js.view.version, js.view.epoch, skipped=step.skip, pace=self._pace(js, keys, step)))
@@ -565,15 +556,26 @@ class Root(Durable, Pairing, Tier):
             # matched neither; a retry of the refused push could then apply its gradient twice.
             # Not served until a restart, which restores the job from what the disk holds.
             got = None if fresh is None else (fresh.view.version, hex(fresh.view.checksum))
-            self.damaged[js.config.name] = (f"rolling back to its published version {js.view.version} from "
-                                            f"disk gave {got}; restart the root: it restores the job from its "
-                                            "checkpoint and log")
-            log.critical("job %s is not served: %s", js.config.name, self.damaged[js.config.name],
-                         extra=event("job.damaged", job=js.config.name, version=js.view.version))
+            self._damaged(js, f"rolling back to its published version {js.view.version} from disk gave {got}",
+                          js.view.version)
             return
         js.params, js.optimizer, js.scratch = fresh.params, fresh.optimizer, None
         log.warning("job %s: rolled back to version %d from its checkpoint and log", js.config.name,
                     js.view.version)
+
+    def _damaged(self, js: RootJob, why: str, version: int, exc_info: bool = False) -> None:
+        """Serve ``js`` no more: its state matches neither its view nor its log. Every call about
+        it is refused with ``why`` and what brings it back (``_recovery``)."""
+        name = js.config.name
+        self.damaged[name] = f"{why}; {self._recovery(js)}"
+        log.critical("job %s is not served: %s", name, self.damaged[name], exc_info=exc_info,
+                     extra=event("job.damaged", job=name, version=version))
+
+    def _recovery(self, js: RootJob) -> str:
+        """What serves a damaged job again."""
+        if js.wal is not None:
+            return "restart the root: it restores the job from its checkpoint and log"
+        return f"restart this {self.role} tier (it keeps no log to restore the job from)"
 
     def _apply(self, js: RootJob, rec: WalRecord) -> None:
         """Replay one logged version (restore): the same arithmetic as when it was made."""

@@ -1079,3 +1079,49 @@ def test_a_sync_applied_whose_outer_version_is_slow_to_arrive_is_not_counted_fai
         eu.up.pull = pull
         blocked.clear()
         ones.close()
+
+
+def test_a_regions_inner_loop_that_fails_part_way_starts_again_from_the_outer_view(tree, caplog):
+    """The region's inner root keeps no log: a version that failed part-way (here the step
+    after publishing it) left the job refusing every call until the regional master was
+    restarted by hand. Now it starts again from the outer view at once: the worker trains on
+    after one refused step, and the inner steps since the last sync are counted lost."""
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    ones = _Ones([tree.add("eu-a", "zone", parent="eu")], "dmg", round_timeout_s=20)
+    (w,) = ones.clients
+    eu = tree.tier("eu")
+    after = eu.after_inner_version
+    fail = threading.Event()
+
+    async def failing(ijs, contributors):
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("injected: the version's sync bookkeeping failed")
+        await after(ijs, contributors)
+
+    eu.after_inner_version = failing
+    try:
+        for _ in range(3):  # H = 2: one sync landed, one inner step since
+            ones.step(w)
+        wait_for(lambda: tree.lt.call(lambda: eu.inner.jobs["dmg"].stats.outer_syncs) == 1, "the first sync")
+        old = tree.lt.call(lambda: eu.inner.jobs["dmg"])
+        fail.set()
+        with pytest.raises(HpsError):
+            ones.step(w)  # applied, then failed before it was acknowledged: refused, not served
+        wait_for(lambda: tree.lt.call(lambda: eu.inner.jobs.get("dmg") not in (None, old)), "a new inner lineage")
+        assert tree.lt.call(lambda: "dmg" not in eu.inner.damaged)
+        new = tree.lt.call(lambda: eu.inner.jobs["dmg"])
+        # lost: the acknowledged step since the sync (the refused one's worker was told)
+        assert new.view.epoch != old.view.epoch and new.stats.inner_steps_lost == 1, new.stats
+        assert "outer.restarted" in [getattr(r, "event", None) for r in caplog.records]
+        w.pull()  # the new lineage: a snapshot of the outer view
+        outer = tree.view("root", "dmg")
+        assert same_bits(w.view.values, outer[3])
+        for _ in range(4):  # and training goes on: two more syncs land
+            ones.step(w)
+        wait_for(lambda: tree.view("root", "dmg")[1] >= outer[1] + 2, "two more syncs at the root")
+        assert tree.lt.call(lambda: tree.tier("root").jobs["dmg"].stats.double_applied) == 0
+    finally:
+        eu.after_inner_version = after
+        ones.close()
