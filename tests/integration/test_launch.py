@@ -165,9 +165,15 @@ def test_a_restarted_root_restores_its_jobs_and_a_clean_stop_exits_0(tmp_path, l
 def test_a_closed_terminal_sighup_stops_launch_and_every_tier(tmp_path, launches):
     """The tiers run in sessions of their own (no terminal's signals reach them): a launcher
     that died of SIGHUP's default action left every one of them running, unsupervised."""
+    stale = tmp_path / "logs" / "client.env"  # a secure launch's, left in the same directory
+    stale.parent.mkdir()
+    stale.write_text("HPS_TLS_CA=/nowhere/ca.pem\n")
     lc = Launch(tmp_path, "--insecure")
     launches(lc)
     pids = [t["pid"] for t in lc.wait(_up, "every tier up")["tiers"].values()]
+    # It pointed `hps status --launch-dir` and clients at TLS this cluster does not speak.
+    lc.wait(lambda st: "cluster up" in lc.text(), "the launcher's last line")
+    assert not stale.exists(), lc.text()
     assert lc.stop(signal.SIGHUP) == 0, lc.text()
     for pid in pids:  # stopped and reaped by the launcher: none is left
         with pytest.raises(ProcessLookupError):
@@ -200,6 +206,24 @@ def test_a_tier_that_cannot_start_exits_3(tmp_path, launches):
         launches(lc)
         assert lc.proc.wait(timeout=120) == 3
     assert "a tier could not be started" in lc.text()
+
+
+def test_a_tier_not_ready_within_the_ready_timeout_exits_3_and_leaves_nothing_running(tmp_path, launches):
+    """``--ready-timeout-s``: how long a tier may take to say it serves (a root restoring a
+    large checkpoint may need more than the default). Past it the launch stops what it
+    started and exits 3, naming the tier."""
+    lc = Launch(tmp_path, "--insecure", "--ready-timeout-s", "0.01")
+    launches(lc)
+    assert lc.proc.wait(timeout=120) == 3, lc.text()
+    assert "tier root did not report ready within" in lc.text(), lc.text()
+    left = []
+    for p in Path("/proc").iterdir():  # a tier of this launch names its directory on its command line
+        try:
+            if p.name.isdigit() and str(lc.dir).encode() in (p / "cmdline").read_bytes():
+                left.append(p.name)
+        except OSError:  # (gone meanwhile)
+            pass
+    assert not left, left
 
 
 def _json_lines(path: Path) -> list[dict]:
