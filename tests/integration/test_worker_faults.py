@@ -139,6 +139,45 @@ def test_a_push_given_up_on_and_not_applied_gives_back_what_it_took_of_the_resid
         c.close()
 
 
+def test_a_push_given_up_on_whose_round_was_skipped_gives_back_what_it_took_too(tree):
+    """The same, but a's push did reach the root, in a round that b's AMP overflow skipped:
+    the root answers the question "applied, in a skipped round" (``ResolveReply.skipped``),
+    and nothing of it was applied, so its encode is taken back as well."""
+    a, b = _clients(tree.add("root", "global"), "ab", push_codec="topk", topk=0.25)
+    done = _round([lambda: a.push(_grad(1), clock=0), lambda: b.push(_grad(2), clock=0)])
+    assert done[0][0] == done[1][0] == 1, done
+    for c in (a, b):
+        c.pull(min_version=1)
+    owed = a.encoder.state_dict()
+    call, sent = a._call, threading.Event()
+
+    def interrupted(name, request, timeout=None):
+        if name != "Push" or sent.is_set():
+            return call(name, request, timeout)
+        sent.set()
+        threading.Thread(target=call, args=(name, request, timeout), daemon=True).start()
+        wait_for(lambda: tree.lt.call(lambda: "a" in tree.tier("root").jobs["j"].round.pushed), "a's push placed")
+        raise KeyboardInterrupt
+    a._call = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        a.push(_grad(3), clock=1)
+    a._call = call
+    assert b.push(np.zeros(LAYOUT.numel, np.float32), clock=1, step=StepInfo(skip=True))[0] == 2
+    assert b.last_skipped
+    for c in (a, b):
+        c.pull(min_version=2)
+    from ps.core.encoder import Encoder
+    ref = Encoder.for_job(a.config, seed=a.worker_id, worker=True)
+    ref.load_state_dict(owed)
+    ref.split(LAYOUT, _grad(4), step=2, copy=False)
+    done = _round([lambda: a.push(_grad(4), clock=2), lambda: b.push(_grad(5), clock=2)])
+    assert done[0][0] == done[1][0] == 3 and a.acked_seq == 3, done  # the skipped push spent its number
+    want, got = ref.state_dict(), a.encoder.state_dict()
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    for c in (a, b):
+        c.close()
+
+
 def test_the_last_pushes_of_an_async_run_failing_is_said_by_drain_not_swallowed(tree):
     """The background sender kept a push's error for the next ``submit``; at the end of a run
     there is none, and ``drain`` (``HpsOptimizer.sync``) returned as if every push had been
