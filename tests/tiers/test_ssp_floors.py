@@ -129,3 +129,43 @@ def test_a_worker_joining_through_a_zone_starts_at_the_floor_the_zone_sent_up(tr
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_zones_floor_the_root_refused_is_sent_again(tree):
+    """A zone counts a floor as reported only once the root acknowledged it: counted when sent,
+    a floor the root refused was never sent again (nothing above it had changed), and the root
+    kept the workers at the old floor until a push brought it. Here c never pushes and leaves
+    the zone; the root refuses the zone's floor-only push once, and the zone sends it again."""
+    from ps.core.errors import BadInput
+    from tests.helpers import wait_for
+    from worker.client import ParameterClient
+    tree.add("root", "global", flush_ms=0)
+    zone = tree.add("z", "zone", parent="root", flush_ms=0)
+    job = JobConfig(name="fl", mode="ssp", staleness=0, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    cs = [ParameterClient(zone, job="fl", worker_id=w) for w in "abc"]
+    cs[0].create_job(job, LAYOUT, np.zeros(3, np.float32))
+    for c in cs:
+        c.register()
+    root = tree.tier("root")
+    apply, refused = root._apply_durably, []
+
+    async def refusing_a_floor(js, agg, rec, keys, step, fut):
+        if not refused and not agg.contributors:  # the floor-only version the zone's news makes
+            refused.append(agg.clock_max)
+            root._refuse(js, agg, fut, BadInput("refused by the test: nothing was applied"))
+            return
+        await apply(js, agg, rec, keys, step, fut)
+
+    root._apply_durably = refusing_a_floor
+    try:
+        for c in cs[:2]:
+            c.pull(wait_s=5.0)
+            c.push(np.ones(3, np.float32), 0)
+        assert tree.lt.call(lambda: root.jobs["fl"].view.clock_min) == 0  # c holds the floor
+        cs[2].close()  # leaves: the zone's floor is 1
+        wait_for(lambda: tree.lt.call(lambda: root.jobs["fl"].view.clock_min) == 1, "the root's floor at 1", 10)
+        assert refused
+    finally:
+        root._apply_durably = apply
+        for c in cs[:2]:
+            c.close()
