@@ -24,6 +24,7 @@ tokens of the call a server is handling, so a relay forwarding it upward can pre
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -34,7 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from ps.core.config import address_list
-from ps.core.errors import ERRORS, HpsError, NotReady, Stale, Unavailable
+from ps.core.errors import ERRORS, HpsError, Internal, NotReady, Stale, Unavailable
 from ps.net.tls import ClientTls, TlsFiles, client_options
 from ps.net.wire import RELAY_READY, stubs
 
@@ -324,8 +325,11 @@ class Outgoing:
     async def write(self, frame: bytes) -> None:
         try:
             await self._call.write(frame)
-        except grpc.RpcError as err:  # the server answered already (a refusal): its status
-            raise error_from(err) from None
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            # The server answered already (a refusal; grpc.aio raises InvalidStateError for a
+            # write to a call that has ended): its status, not this write's error.
+            await self.finish()
+            raise Internal("the parent answered a client-streamed call before its end") from None
 
     async def finish(self) -> Any:
         try:

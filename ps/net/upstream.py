@@ -71,6 +71,25 @@ __all__ = ["Upstream"]
 _WRITES = frozenset({"Register", "Push", "Resolve", "Rank", "Lease", "CreateJob", "EndJob"})
 
 
+# A child's frame still being read when the parent answers a CreateJob: waited for this long at
+# most before the read is cancelled. Letting it arrive keeps the child's stream whole for the
+# servicer to drain, so a grpc.aio child hears the refusal's status (cut off mid-write, those
+# got INTERNAL: ``ps.server.service._Stream.drain``).
+_READ_ON_S = 5.0
+
+
+async def _settle_read(read: asyncio.Future) -> None:
+    """Let ``read`` (the child's next frame) finish within ``_READ_ON_S``, else cancel it; its
+    outcome is retrieved either way (dropped: the call it was for has ended)."""
+    if not read.done():
+        await asyncio.wait((read,), timeout=_READ_ON_S)
+    if not read.done():
+        read.cancel()
+        await asyncio.wait((read,))
+    if not read.cancelled():
+        read.exception()
+
+
 class Upstream:
     def __init__(self, address: str, member: str, role: str, incarnation: int, own_address: str = "",
                  timeout_s: float = 10.0, tls: TlsFiles | None = None) -> None:
@@ -233,32 +252,38 @@ class Upstream:
     async def create_job_through(self, name: str, frames: AsyncIterator[bytes],
                                  timeout: float | None = None) -> tuple[bool, int, int]:
         """A CreateJob's frames as a child sent them, each written up as ``frames`` yields it (one
-        frame held at a time). ``frames`` raising cancels the call, so the parent creates
-        nothing. The parent's refusal (at the first frame: the caller's credentials) ends it at
-        once, even while the next frame is still awaited: a stranger's values are not waited for."""
+        frame held at a time; ``timeout``: what is left of the child's deadline). ``frames``
+        raising cancels the call, so the parent creates nothing. The parent's refusal (at the
+        first frame: the caller's credentials) ends it before the next write, and a frame still
+        being read from the child is waited for at most ``_READ_ON_S``: a stranger's values are
+        not waited for without end."""
         tokens = self._tokens(None)
+        nxt: asyncio.Future | None = None
         try:
-            call = await self._rpc.open("CreateJob", timeout or self.timeout_s, tokens)
+            call = await self._rpc.open("CreateJob", self.timeout_s if timeout is None else timeout, tokens)
             ended = asyncio.ensure_future(call.ended())
             try:
                 while True:
                     nxt = asyncio.ensure_future(anext(frames))
                     await asyncio.wait((nxt, ended), return_when=asyncio.FIRST_COMPLETED)
-                    if not nxt.done():  # answered before the end: the answer is a refusal
-                        nxt.cancel()
-                        await asyncio.wait((nxt,))
+                    if ended.done():  # answered before the end: the answer is a refusal
                         break
+                    read, nxt = nxt, None
                     try:
-                        frame = nxt.result()
+                        frame = read.result()
                     except StopAsyncIteration:
                         break
                     await call.write(frame)
                 r = await call.finish()
-            except BaseException:
+            except BaseException as exc:
                 call.cancel()
+                if nxt is not None and isinstance(exc, asyncio.CancelledError):
+                    nxt.cancel()  # this call itself is cancelled (the child went, the tier stops)
                 raise
             finally:
                 ended.cancel()
+                if nxt is not None:
+                    await _settle_read(nxt)
                 await frames.aclose()  # type: ignore[attr-defined]
         except HpsError as exc:
             self._failed(exc)

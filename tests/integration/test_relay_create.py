@@ -64,6 +64,24 @@ def test_a_strangers_create_is_refused_by_the_root_before_its_values_are_sent(tr
     assert "intruded" not in tree.lt.call(lambda: dict(tree.tier("root").jobs))
 
 
+def test_a_strangers_create_sent_whole_through_two_relays_is_refused_with_the_roots_status(tree, tmp_path):
+    """Frames sent at once, through a zone under a regional master: each relay writes the next
+    frame after the root's refusal has come (a write to an ended call) and the zone's own call
+    up is a grpc.aio sender; the caller must still hear the root's UNAUTHENTICATED, not an
+    INTERNAL from a relay."""
+    admin = tmp_path / "admin"
+    admin.write_text(ADMIN + "\n")
+    tree.add("root", "global", admin_token_file=str(admin))
+    tree.add("eu", "regional", parent="root", admin_token_file=str(admin))
+    zone = tree.add("eu-a", "zone", parent="eu", admin_token_file=str(admin))
+    frames = _frames("intruded", np.zeros(BIG.numel, np.float32))
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as err:
+            stubs(grpc.insecure_channel(zone))["CreateJob"](iter(frames), timeout=20)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+    assert "intruded" not in tree.lt.call(lambda: dict(tree.tier("root").jobs))
+
+
 @pytest.mark.parametrize("cut", ["no end marker", "a bad end marker"])
 def test_a_create_cut_short_at_a_zone_creates_nothing_at_the_root(tree, cut):
     """A partial create is never taken for a whole one: the root sees the call above cancelled,

@@ -34,3 +34,43 @@ def test_an_hps_peers_answer_keeps_its_error_and_grpcs_own_internal_is_a_broken_
     assert isinstance(broken, Unavailable) and "outcome is unknown" in str(broken)
     # any other INTERNAL without a trailer (a server that could not parse the request) stays final
     assert type(error_from(_Failed(grpc.StatusCode.INTERNAL, "Exception deserializing request!"))) is Internal
+
+
+def test_a_client_streamed_write_after_the_servers_answer_raises_that_answer():
+    """``Outgoing`` (a relay passing a child's CreateJob on): the server refused at the first
+    frame, without reading the rest. grpc.aio raises InvalidStateError for a write to an ended
+    call, which the relay reported as its own bug (INTERNAL) instead of the parent's answer."""
+    import asyncio
+
+    from ps.core.errors import Unauthenticated
+    from ps.net.rpc import AsyncCaller
+    from ps.net.wire import SERVICE
+
+    async def refuse(request_iterator, context):
+        async for _ in request_iterator:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no token (refused by the test)")
+
+    async def run() -> list[str]:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+            "CreateJob": grpc.stream_unary_rpc_method_handler(refuse)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        rpc = AsyncCaller(f"127.0.0.1:{port}")
+        said = []
+        try:
+            call = await rpc.open("CreateJob", 10.0)
+            await call.write(b"first")
+            await asyncio.wait_for(call.ended(), 10)  # answered
+            for _ in range(2):
+                try:
+                    await call.write(b"next")
+                except Unauthenticated as exc:
+                    said.append(str(exc))
+        finally:
+            await rpc.close()
+            await server.stop(0)
+        return said
+
+    said = asyncio.run(run())
+    assert len(said) == 2 and all("no token" in s for s in said), said
