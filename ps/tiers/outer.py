@@ -226,8 +226,8 @@ class OuterRelay(OuterSync, Relay):
         for i in range(st.plan.fragments + 1):
             await asyncio.wait([sync])
             ijs = self.inner.jobs.get(job) if self.inner is not None else None
-            if ijs is None or st.inflight is not sync:
-                break
+            if ijs is None or st.inflight is not sync or self.outer.get(job) is not st:
+                break  # (not st: the job's inner loop started again, ``_restart_inner``)
             async with ijs.apply_lock:
                 if st.inflight is not sync or not st.detached:
                     break  # merged, or a child came back: its next inner version merges it
@@ -302,13 +302,21 @@ class OuterRelay(OuterSync, Relay):
         """A new lineage of ``job``'s inner loop from the outer view, in place of one that failed
         part-way through a version: what a restart of this tier does, without the restart (its
         other jobs go on). It kept no log to restore the old one from, and until this it was
-        served by nobody. A sync in flight lands first (the outer view then holds it); the inner
-        steps since the last sync are lost, counted (``inner_steps_lost``) and logged. Pushes
-        waiting in its rounds are refused as Stale; its children are unknown to the new job, so
-        they register again and take a snapshot of the new lineage."""
+        served by nobody. A sync in flight lands first, however long the root takes to say what
+        became of it (the outer view then holds it, or its steps are lost with the rest); the
+        inner steps since the last sync are lost, counted (``inner_steps_lost``) and logged.
+        Pushes waiting in its rounds are refused as Stale; its children are unknown to the new
+        job, so they register again and take a snapshot of the new lineage."""
+        try:
+            await self._start_inner_again(job)
+        except Exception:  # (a background task: said, never silent)
+            log.exception("%s: job %s: starting its inner loop again failed; the next child to register "
+                          "starts it", self.role, job)
+
+    async def _start_inner_again(self, job: str) -> None:
         st = self.outer.get(job)
         if st is not None and st.inflight is not None:
-            await asyncio.wait([st.inflight])  # retried within the round timeout, then settled
+            await asyncio.wait([st.inflight])
         inner, ojs = self.inner, self.jobs.get(job)
         if inner is None or not isinstance(ojs, RelayJob):
             return
@@ -316,10 +324,19 @@ class OuterRelay(OuterSync, Relay):
             old = inner.jobs.get(job)
             if old is None or job not in inner.damaged or self.outer.get(job) is not st:
                 return  # dropped or ended meanwhile
-            lost = st.drop_unsent() if st is not None else 0
+            lost = 0
+            if st is not None:
+                task, p = st.inflight, st.pending
+                st.inflight, st.pending = None, None  # settled here: nothing merges it any more
+                if task is not None and p is not None and (task.cancelled() or task.exception() is not None):
+                    if p.rejoined:  # in neither view (as ``_merge`` counts it)
+                        lost += max(p.steps, p.fragment_steps)
+                    else:  # its steps were to go with the next sync
+                        st.unsent[p.fragment] += p.fragment_steps
+                lost += st.drop_unsent()
             del inner.jobs[job]
             why = inner.damaged.pop(job)
-            self.outer.pop(job, None)
+            self.outer.pop(job, None)  # (a leave still running with it stops: ``_leave_after``)
             old.abort(f"job {job}'s inner loop at this {self.role} tier failed and starts again from the "
                       "outer view", Stale)
         try:

@@ -111,8 +111,8 @@ class OuterSync:
         with the job's ``sync_wait_s``, at most that long (``_wait_sync``)."""
         name = ijs.config.name
         st = self.outer.get(name)
-        if st is None or self.inner is None:
-            return
+        if st is None or self.inner is None or self.inner.jobs.get(name) is not ijs:
+            return  # (not ijs: a lineage that failed and started again, ``OuterRelay._restart_inner``)
         if contributors:
             st.workers = contributors
             ijs.stats.inner_steps_since_sync += 1

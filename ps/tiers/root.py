@@ -48,7 +48,7 @@ from ps.core.codecs import get_codec
 from ps.core.config import JobConfig, ServerConfig, check_name
 from ps.core.consistency import Aggregate, Gradient
 from ps.core.deltas import DeltaEntry
-from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Unavailable, UnknownJob, short
+from ps.core.errors import BadInput, Conflict, Exhausted, HpsError, Stale, Unavailable, UnknownJob, short
 from ps.core.exactly_once import decode_applied, encode_applied
 from ps.core.leases import Dataset, Grant, check_epoch
 from ps.core.logs import event
@@ -445,6 +445,15 @@ class Root(Durable, Pairing, Tier):
         async with js.apply_lock:
             if js.ending:  # end_job took the lock before this round: the job's last version is out
                 self._refuse(js, agg, fut, UnknownJob(js.ending))
+                return
+            try:
+                # Asked again under the lock: the version that held it may have left the job
+                # damaged, or (a region's inner job) replaced by a new lineage meanwhile.
+                if self.job(js.config.name) is not js:
+                    raise Stale(f"job {short(js.config.name)} started again here (a new lineage) while this "
+                                "round waited; nothing of it was applied: pull and compute again")
+            except HpsError as exc:
+                self._refuse(js, agg, fut, exc)
                 return
             if js.wal is None:  # no log to roll back from: keep an in-memory copy of this step's start
                 js.optimizer.save_point()
