@@ -38,6 +38,26 @@ def _residual(c: ParameterClient) -> np.ndarray:
     return np.concatenate([np.asarray(v, np.float32).ravel() for k, v in sorted(c.encoder.state_dict().items())])
 
 
+def _interrupted_once_placed(tree, c: ParameterClient, grad: np.ndarray, clock: int) -> None:
+    """``c.push`` interrupted (Ctrl-C) while its round waits, once the root has placed it."""
+    call, sent = c._call, threading.Event()
+
+    def interrupted(name, request, timeout=None):
+        if name != "Push" or sent.is_set():
+            return call(name, request, timeout)
+        sent.set()
+        threading.Thread(target=call, args=(name, request, timeout), daemon=True).start()
+        wait_for(lambda: tree.lt.call(lambda: c.worker_id in tree.tier("root").jobs["j"].round.pushed),
+                 "the push placed")
+        raise KeyboardInterrupt
+    c._call = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            c.push(grad, clock=clock)
+    finally:
+        c._call = call
+
+
 def _round(pushes) -> dict:
     """Run ``pushes`` (callables) at once, as one bsp round's workers; what each returned or raised."""
     out: dict = {}
@@ -79,18 +99,7 @@ def test_a_push_interrupted_after_it_was_sent_is_settled_before_its_number_goes_
     another body (Conflict) for good once the first was applied. Now an interrupted send is
     unsure: the next push asks the root, which applied it, and takes the next number."""
     a, b = _clients(tree.add("root", "global"), "ab")
-    call, sent = a._call, threading.Event()
-
-    def interrupted(name, request, timeout=None):
-        if name != "Push" or sent.is_set():
-            return call(name, request, timeout)
-        sent.set()
-        threading.Thread(target=call, args=(name, request, timeout), daemon=True).start()
-        wait_for(lambda: tree.lt.call(lambda: "a" in tree.tier("root").jobs["j"].round.pushed), "a's push placed")
-        raise KeyboardInterrupt
-    a._call = interrupted
-    with pytest.raises(KeyboardInterrupt):
-        a.push(_grad(1), clock=0)
+    _interrupted_once_placed(tree, a, _grad(1), clock=0)
     assert a._unsure is not None and a._unsure[0] == 1
     assert b.push(_grad(2), clock=0)[0] == 1  # the round, with a's interrupted push, is applied
     for c in (a, b):
@@ -149,19 +158,7 @@ def test_a_push_given_up_on_whose_round_was_skipped_gives_back_what_it_took_too(
     for c in (a, b):
         c.pull(min_version=1)
     owed = a.encoder.state_dict()
-    call, sent = a._call, threading.Event()
-
-    def interrupted(name, request, timeout=None):
-        if name != "Push" or sent.is_set():
-            return call(name, request, timeout)
-        sent.set()
-        threading.Thread(target=call, args=(name, request, timeout), daemon=True).start()
-        wait_for(lambda: tree.lt.call(lambda: "a" in tree.tier("root").jobs["j"].round.pushed), "a's push placed")
-        raise KeyboardInterrupt
-    a._call = interrupted
-    with pytest.raises(KeyboardInterrupt):
-        a.push(_grad(3), clock=1)
-    a._call = call
+    _interrupted_once_placed(tree, a, _grad(3), clock=1)
     assert b.push(np.zeros(LAYOUT.numel, np.float32), clock=1, step=StepInfo(skip=True))[0] == 2
     assert b.last_skipped
     for c in (a, b):
