@@ -58,6 +58,25 @@ def _interrupted_once_placed(tree, c: ParameterClient, grad: np.ndarray, clock: 
         c._call = call
 
 
+def _topk_after_a_round(tree) -> tuple[ParameterClient, ParameterClient, dict]:
+    """Workers a and b of a top-k job after one applied round, and what a's residual owes."""
+    a, b = _clients(tree.add("root", "global"), "ab", push_codec="topk", topk=0.25)
+    done = _round([lambda: a.push(_grad(1), clock=0), lambda: b.push(_grad(2), clock=0)])
+    assert done[0][0] == done[1][0] == 1, done
+    for c in (a, b):
+        c.pull(min_version=1)
+    return a, b, a.encoder.state_dict()
+
+
+def _encoded_from(c: ParameterClient, owed: dict, grad: np.ndarray, step: int) -> dict:
+    """The encoder state ``c``'s encode of ``grad`` leaves when its residual owes ``owed``."""
+    from ps.core.encoder import Encoder
+    ref = Encoder.for_job(c.config, seed=c.worker_id, worker=True)
+    ref.load_state_dict(owed)
+    ref.split(LAYOUT, grad, step=step, copy=False)
+    return ref.state_dict()
+
+
 def _round(pushes) -> dict:
     """Run ``pushes`` (callables) at once, as one bsp round's workers; what each returned or raised."""
     out: dict = {}
@@ -116,12 +135,7 @@ def test_a_push_given_up_on_and_not_applied_gives_back_what_it_took_of_the_resid
     the tier) and was kept as if applied: what it took of the residual, owed to earlier,
     acknowledged steps, was gone once the root said it was never applied. Now the encode waits
     for the next push to ask the root, which takes it back; that push encodes from there."""
-    a, b = _clients(tree.add("root", "global"), "ab", push_codec="topk", topk=0.25)
-    done = _round([lambda: a.push(_grad(1), clock=0), lambda: b.push(_grad(2), clock=0)])
-    assert done[0][0] == done[1][0] == 1, done
-    for c in (a, b):
-        c.pull(min_version=1)
-    owed = a.encoder.state_dict()
+    a, b, owed = _topk_after_a_round(tree)
     assert max(np.abs(v).max() for v in owed.values()) > 0
     call = a._call
 
@@ -135,13 +149,9 @@ def test_a_push_given_up_on_and_not_applied_gives_back_what_it_took_of_the_resid
     a._call = call
     assert a._unsure is not None and a._unsure[0] == 2
     # What a's next push must encode from: the residual as the lost push found it.
-    from ps.core.encoder import Encoder
-    ref = Encoder.for_job(a.config, seed=a.worker_id, worker=True)
-    ref.load_state_dict(owed)
-    ref.split(LAYOUT, _grad(4), step=1, copy=False)
+    want = _encoded_from(a, owed, _grad(4), step=1)
     done = _round([lambda: a.push(_grad(4), clock=1), lambda: b.push(_grad(5), clock=1)])
     assert done[0][0] == done[1][0] == 2 and a._unsure is None, done
-    want = ref.state_dict()
     got = a.encoder.state_dict()
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
     for c in (a, b):
@@ -152,24 +162,16 @@ def test_a_push_given_up_on_whose_round_was_skipped_gives_back_what_it_took_too(
     """The same, but a's push did reach the root, in a round that b's AMP overflow skipped:
     the root answers the question "applied, in a skipped round" (``ResolveReply.skipped``),
     and nothing of it was applied, so its encode is taken back as well."""
-    a, b = _clients(tree.add("root", "global"), "ab", push_codec="topk", topk=0.25)
-    done = _round([lambda: a.push(_grad(1), clock=0), lambda: b.push(_grad(2), clock=0)])
-    assert done[0][0] == done[1][0] == 1, done
-    for c in (a, b):
-        c.pull(min_version=1)
-    owed = a.encoder.state_dict()
+    a, b, owed = _topk_after_a_round(tree)
     _interrupted_once_placed(tree, a, _grad(3), clock=1)
     assert b.push(np.zeros(LAYOUT.numel, np.float32), clock=1, step=StepInfo(skip=True))[0] == 2
     assert b.last_skipped
     for c in (a, b):
         c.pull(min_version=2)
-    from ps.core.encoder import Encoder
-    ref = Encoder.for_job(a.config, seed=a.worker_id, worker=True)
-    ref.load_state_dict(owed)
-    ref.split(LAYOUT, _grad(4), step=2, copy=False)
+    want = _encoded_from(a, owed, _grad(4), step=2)
     done = _round([lambda: a.push(_grad(4), clock=2), lambda: b.push(_grad(5), clock=2)])
     assert done[0][0] == done[1][0] == 3 and a.acked_seq == 3, done  # the skipped push spent its number
-    want, got = ref.state_dict(), a.encoder.state_dict()
+    got = a.encoder.state_dict()
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
     for c in (a, b):
         c.close()
