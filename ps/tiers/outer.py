@@ -105,6 +105,11 @@ def _inner_root_class() -> type[InnerRoot]:
     return InnerRoot
 
 
+# Syncs a restart of a failed inner job waits out before it starts the job again (a leave sends
+# at most one per fragment after the one in flight).
+_RESTART_TRIES = 64
+
+
 class OuterRelay(OuterSync, Relay):
     """A relay that runs the inner loop of the outer jobs whose ``inner_tier`` is its role."""
 
@@ -226,8 +231,9 @@ class OuterRelay(OuterSync, Relay):
         for i in range(st.plan.fragments + 1):
             await asyncio.wait([sync])
             ijs = self.inner.jobs.get(job) if self.inner is not None else None
-            if ijs is None or st.inflight is not sync or self.outer.get(job) is not st:
-                break  # (not st: the job's inner loop started again, ``_restart_inner``)
+            if (ijs is None or st.inflight is not sync or self.outer.get(job) is not st
+                    or job in self.inner.damaged):
+                break  # (damaged, or not st: the job's inner loop starts again, ``_restart_inner``)
             async with ijs.apply_lock:
                 if st.inflight is not sync or not st.detached:
                     break  # merged, or a child came back: its next inner version merges it
@@ -314,42 +320,57 @@ class OuterRelay(OuterSync, Relay):
                           "starts it", self.role, job)
 
     async def _start_inner_again(self, job: str) -> None:
-        st = self.outer.get(job)
-        if st is not None and st.inflight is not None:
-            await asyncio.wait([st.inflight])
-        inner, ojs = self.inner, self.jobs.get(job)
-        if inner is None or not isinstance(ojs, RelayJob):
+        inner = self.inner
+        lock = self._inner_locks.setdefault(job, asyncio.Lock())
+        for _ in range(_RESTART_TRIES):  # a sync that lands may be followed by another (a leave's)
+            st = self.outer.get(job)
+            if st is not None and st.inflight is not None and not st.inflight.done():
+                await asyncio.wait([st.inflight])
+                continue
+            async with lock:
+                if self.outer.get(job) is not st or (st is not None and st.inflight is not None
+                                                     and not st.inflight.done()):
+                    continue  # moved on while the lock was awaited: look again
+                ojs = self.jobs.get(job)
+                old = inner.jobs.get(job) if inner is not None else None
+                if inner is None or old is None or job not in inner.damaged or not isinstance(ojs, RelayJob):
+                    return  # dropped or ended meanwhile
+                lost, detached = 0, st is not None and st.detached
+                if st is not None:
+                    task, p = st.inflight, st.pending
+                    st.inflight, st.pending = None, None  # settled here: nothing merges it any more
+                    if task is not None and p is not None and (task.cancelled() or task.exception() is not None):
+                        if p.rejoined:  # in neither view (as ``_merge`` counts it)
+                            lost += max(p.steps, p.fragment_steps)
+                        else:  # its steps were to go with the next sync
+                            st.unsent[p.fragment] += p.fragment_steps
+                    lost += st.drop_unsent()
+                del inner.jobs[job]
+                why = inner.damaged.pop(job)
+                self.outer.pop(job, None)  # (a leave still running with it stops: ``_leave_after``)
+                old.abort(f"job {job}'s inner loop at this {self.role} tier failed and starts again from the "
+                          "outer view", Stale)
+            break
+        else:
+            log.error("%s: job %s: its inner loop failed and could not start again: its syncs kept coming; "
+                      "restart this tier", self.role, job)
             return
-        async with self._inner_locks.setdefault(job, asyncio.Lock()):
-            old = inner.jobs.get(job)
-            if old is None or job not in inner.damaged or self.outer.get(job) is not st:
-                return  # dropped or ended meanwhile
-            lost = 0
-            if st is not None:
-                task, p = st.inflight, st.pending
-                st.inflight, st.pending = None, None  # settled here: nothing merges it any more
-                if task is not None and p is not None and (task.cancelled() or task.exception() is not None):
-                    if p.rejoined:  # in neither view (as ``_merge`` counts it)
-                        lost += max(p.steps, p.fragment_steps)
-                    else:  # its steps were to go with the next sync
-                        st.unsent[p.fragment] += p.fragment_steps
-                lost += st.drop_unsent()
-            del inner.jobs[job]
-            why = inner.damaged.pop(job)
-            self.outer.pop(job, None)  # (a leave still running with it stops: ``_leave_after``)
-            old.abort(f"job {job}'s inner loop at this {self.role} tier failed and starts again from the "
-                      "outer view", Stale)
         try:
             await self._ensure_inner(ojs)  # (a child registering meanwhile made it already: the same)
         except HpsError as exc:  # no outer view yet: the next child to register makes it
             log.warning("%s: job %s: its inner loop could not start again yet (%s); the next child to "
                         "register starts it", self.role, job, exc)
-        ijs = inner.jobs.get(job)
+        ijs, new = inner.jobs.get(job), self.outer.get(job)
         if ijs is not None:
             ijs.stats.inner_steps_lost += old.stats.inner_steps_lost + lost
         log.warning("%s: job %s: its inner loop failed (%s) and started again from outer version %d; %d inner "
                     "step(s) since the last sync were lost", self.role, job, why, ojs.view.version, lost,
                     extra=event("outer.restarted", job=job, version=ojs.view.version, steps=lost))
+        if detached and new is not None and ijs is not None and len(ijs.members) == 0:
+            # Every child had left: the new lineage has none either, so it leaves the root's
+            # rounds as the old one was leaving them (a child coming back rejoins: ``_rejoin``).
+            new.detached = True
+            await self._leave_root(job, new)
 
     def note_old_lineage(self, job: str, view_epoch: int, since: int) -> None:
         """A child pulled holding ``since`` of another lineage: if it is one this process never

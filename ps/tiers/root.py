@@ -448,7 +448,9 @@ class Root(Durable, Pairing, Tier):
                 return
             try:
                 # Asked again under the lock: the version that held it may have left the job
-                # damaged, or (a region's inner job) replaced by a new lineage meanwhile.
+                # damaged, or (a region's inner job) replaced by a new lineage meanwhile, and
+                # this root may have been fenced (a standby took over) while the round waited.
+                self.writable()
                 if self.job(js.config.name) is not js:
                     raise Stale(f"job {short(js.config.name)} started again here (a new lineage) while this "
                                 "round waited; nothing of it was applied: pull and compute again")
