@@ -404,9 +404,10 @@ class _Servicer:
     async def _create_through(self, name: str, head: bytes, reader: BodyReader, request_iterator,
                               timeout: float | None) -> tuple[bool, int, int]:
         """A relay's CreateJob: the frames go up to its parent as they arrive (cut through), so
-        the root checks the caller's credentials and the configuration before the values are
-        read, and this tier never holds them: a stranger's create costs it one frame, and a
-        100M-parameter job's initial values need no memory here. Each frame is checked as it
+        the root checks the caller's credentials and the configuration at the first frame, and
+        this tier never holds more than a frame or two: a stranger's create reserves nothing
+        here, and a 100M-parameter job's initial values need no memory here (a refused stream's
+        rest is still read and dropped, as every refused stream is). Each frame is checked as it
         passes (``reader``); one that is malformed, or a stream cut before its end marker,
         cancels the call above, where nothing is created (a partial create is never a whole).
         The call above gets what is left of the caller's deadline."""
