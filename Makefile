@@ -60,7 +60,7 @@ tools: $(STAMP)
 
 # Two pytest processes (pytest-xdist): the suite waits on timeouts and child processes about half
 # the time, so two fill both cores (measured when it was smaller: 12.1-12.5 min against 17.7-18.2
-# in one process; 18-20 min now). Three made it no faster on 2 cores, and flakier (2026-11-28).
+# in one process; 17-20 min now). Three made it no faster on 2 cores, and flakier (2026-11-28).
 # TEST_WORKERS=1 runs it in one; --durations names the slowest tests in every log.
 TEST_WORKERS ?= 2
 
