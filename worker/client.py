@@ -20,7 +20,10 @@ background thread heart-beats; transient faults are retried with backoff and log
 Each client is one incarnation (a random id it registers with): a restarted process is a new
 incarnation of its worker id, so none of its pushes is ever taken for the old one's. A retry
 resends the very same bytes (same sequence number and digest), so a tier that already applied
-it answers with the recorded acknowledgement. Faults a tier's restart causes (unavailable,
+it answers with the recorded acknowledgement. A push given up on unanswered (retries spent,
+Ctrl-C) is asked after at the root by the next push; if the script sends the same gradient
+again (same clocks, same view), that push is answered with the first one's version even when
+a lossy codec would encode it to other bytes the second time. Faults a tier's restart causes (unavailable,
 "register again", "budget full, retry") are retried, so the training loop does not see them:
 by default for as long as the tier would hold a silent worker (its member timeout, announced
 at registration) but at least ``RETRY_FLOOR_S`` (60 s), or for an explicit ``retry_s``. Each
@@ -56,7 +59,7 @@ import torch
 
 from ps.core.codecs import get_codec
 from ps.core.config import JobConfig
-from ps.core.encoder import Encoder
+from ps.core.encoder import Encoder, input_print
 from ps.core.errors import (
     BadInput,
     Conflict,
@@ -162,6 +165,9 @@ class ParameterClient:
         self._issued = 0            # pipelined pushes: the highest sequence number sent
         # (seq, digest, tier switch count when sent) of a push whose answer never came
         self._unsure: tuple[int, bytes, int] | None = None
+        # and, when its codec is lossy, what it was made from (``input_print``): sent again, the
+        # same gradient encodes to other bytes, so it is known by this instead
+        self._unsure_input: bytes | None = None
         self._push_lock = threading.Lock()  # async: several pushes in flight (worker.sender)
         self.bytes_up = 0
         self.bytes_down = 0
@@ -290,7 +296,7 @@ class ParameterClient:
         seq, digest, sent_via = self._unsure
         applied = self._retrying("resolving an unanswered push",
                                  lambda: self._resolve_push(seq, digest, moved=sent_via != self._rpc.switches))
-        self._unsure = None
+        self._unsure = self._unsure_input = None
         if applied is not None:
             with self._push_lock:
                 self.acked_seq = max(self.acked_seq, seq)
@@ -605,10 +611,10 @@ class ParameterClient:
         # A push given up on unanswered holds the next number (``_unsure``): the root says what
         # became of it before this one encodes, so that one not applied gives back what it took
         # of the residual (``Encoder.settle``) and this encode starts from there.
-        settled: tuple[Any, int, bytes] | None = None
+        settled: tuple[Any, int, bytes, bytes | None] | None = None
         if not pipelined and self._unsure is not None and self._unsure[0] == self.acked_seq + 1:
-            unsure_seq, unsure_digest = self._unsure[:2]
-            settled = (self._settle_unsure(), unsure_seq, unsure_digest)
+            (unsure_seq, unsure_digest), unsure_input = self._unsure[:2], self._unsure_input
+            settled = (self._settle_unsure(), unsure_seq, unsure_digest, unsure_input)
         # A skipped step (step.skip: AMP found an overflow here) carries no gradient: encoding
         # zeros would send what the residual owes earlier steps in a round that is skipped.
         record = bool(contributors) and not pipelined and not step.skip and not self.encoder.lossless
@@ -654,10 +660,14 @@ class ParameterClient:
                 # The number of a push whose answer never came, and the root applied it (asked at
                 # any tier: a resend through another would be placed there as new). This very
                 # push again gets that version; another body takes the next number.
+                # A lossy codec encodes the same gradient to other bytes the second time (the
+                # residual moved on): that push is known by what it was made from. Its encode
+                # here is taken back (nothing is sent); the first one's stands or went back with
+                # the settle.
                 applied = settled[0]
-                if settled[2] == digest:
+                if settled[2] == digest or (settled[3] is not None and settled[3] == self._input_print(grad, meta)):
                     self.last_skipped = applied.skipped  # its round skipped: nothing of it was applied
-                    self._recorded(record, keep=not applied.skipped)
+                    self._recorded(record, keep=False)
                     return applied.applied_version, nbytes
                 seq = self.seq = seq + 1
                 frames = encode_push(replace(meta, seq=seq), chunks)
@@ -670,11 +680,23 @@ class ParameterClient:
         except BaseException:  # sent and unanswered, it may still be applied; never sent, it will not be
             if record and sending and self._unsure is not None and self._unsure[0] == seq:
                 self.encoder.set_aside()  # until the next push asks the root (``_settle_unsure``)
+                try:
+                    self._unsure_input = self._input_print(grad, meta)
+                except Exception:  # (out of memory copying it to the host): known by its bytes only
+                    log.warning("%s: push %d went unanswered; sending the same gradient again may apply it "
+                                "twice (its fingerprint failed)", self.worker_id, seq, exc_info=True)
             else:
                 self._recorded(record, keep=sending)
             raise
         self._recorded(record, keep=not self.last_skipped)
         return result
+
+    @staticmethod
+    def _input_print(grad: np.ndarray | torch.Tensor, meta: PushMeta) -> bytes:
+        """What push ``meta`` was made from (``input_print``), its sequence number and telemetry
+        aside: a push sent again after its answer was lost has the same."""
+        return input_print(grad, meta.base_version, meta.view_epoch, meta.contributors, meta.clock_min, meta.clock_max,
+                           meta.step.absent)
 
     def _recorded(self, record: bool, keep: bool) -> None:
         """End the encoder's recording of a push (if ``record``): keep what its encode did to the
@@ -741,13 +763,14 @@ class ParameterClient:
                     exc, (TimedOut, Unavailable, Exhausted, NotReady))):
                 try:
                     self._unsure = (seq, digest(), sent_via[-1] if sent_via else self._rpc.switches)
+                    self._unsure_input = None  # (``push`` gives it, for a lossy codec)
                 except BadInput:  # never completed, so never applied
                     pass
             raise
         with self._push_lock:
             self.acked_seq = max(self.acked_seq, seq)
             if self._unsure is not None and self._unsure[0] <= self.acked_seq:
-                self._unsure = None
+                self._unsure = self._unsure_input = None
             self.bytes_up += nbytes()
             self.last_skipped = reply.skipped
         return reply.applied_version, nbytes()

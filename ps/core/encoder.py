@@ -25,6 +25,7 @@ import zlib
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import xxhash
 
 from ps.core.codecs import Codec, get_codec
 from ps.core.codecs._host import is_tensor
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # the lossy codecs' state is torch's; imported where it is us
     from ps.core.codecs.powersgd import PowerSGD
     from ps.core.codecs.topk import TopK
 
-__all__ = ["Encoder", "row_sparse_keys"]
+__all__ = ["Encoder", "row_sparse_keys", "input_print"]
 
 _PROBE_ROWS = 64  # rows sampled to rule out a row-sparse gradient cheaply
 _STATE_PREFIXES = ("velocity:", "powersgd_q:")  # state_dict entries that are not residuals
@@ -279,3 +280,24 @@ class Encoder:
         self.ef.load_state_dict({k: v for k, v in state.items() if not k.startswith(_STATE_PREFIXES)})
         self.velocity = arrays("velocity:", flat=True)
         self.warm = arrays("powersgd_q:", flat=False)
+
+
+def input_print(grad: np.ndarray | torch.Tensor, *fields: object) -> bytes:
+    """What a push was made from: its gradient's bits (dtype and shape too) and ``fields``
+    (its clocks, base version, ...), hashed (XXH3-128). A lossy encode of the same gradient
+    differs from one push to the next (the residual moved), so a push sent again after its
+    answer was lost is recognised by this, not by its bytes. Costs a copy of a device tensor
+    to the host: asked for only on a fault's path."""
+    if is_tensor(grad):
+        import torch  # loaded already: grad is a tensor
+
+        t = cast("torch.Tensor", grad).detach()
+        head = repr((str(t.dtype).removeprefix("torch."), tuple(t.shape), fields))  # as numpy names it
+        data = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    else:
+        a = np.ascontiguousarray(grad)
+        head = repr((str(a.dtype), tuple(a.shape), fields))
+        data = a.reshape(-1).view(np.uint8)
+    h = xxhash.xxh3_128(head.encode())
+    h.update(memoryview(data))
+    return h.digest()

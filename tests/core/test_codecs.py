@@ -15,7 +15,7 @@ from hypothesis.extra.numpy import arrays
 
 from ps.core.codecs import CODEC_NAMES, ErrorFeedback, dgc_density, get_codec
 from ps.core.codecs.topk import SMALL, select
-from ps.core.encoder import Encoder, row_sparse_keys
+from ps.core.encoder import Encoder, input_print, row_sparse_keys
 from ps.core.errors import BadInput
 from ps.core.tensors import assemble
 from ps.core.view import KeySpec, Layout
@@ -417,6 +417,21 @@ def test_an_encoders_roll_back_puts_every_chunk_state_back_exactly(codec, kw):
     kept = enc.state_dict()
     enc.roll_back()  # nothing begun: nothing undone
     assert all(np.array_equal(enc.state_dict()[k], kept[k]) for k in kept)
+
+
+def test_a_pushs_input_print_is_its_gradients_bits_and_fields_on_either_side_of_torch():
+    """What a push sent again after a lost answer is known by (a lossy encode of it differs):
+    the same bits, dtype, shape and fields print the same, from numpy or torch; a change of a
+    bit (-0.0 for 0.0), of the dtype, the shape or a field does not."""
+    g = np.random.default_rng(2).standard_normal(12).astype(np.float32)
+    p = input_print(g, 3, 0, 1)
+    assert p == input_print(g.copy(), 3, 0, 1) == input_print(torch.from_numpy(g.copy()), 3, 0, 1)
+    z = np.zeros(12, np.float32)
+    others = [input_print(g, 4, 0, 1), input_print(g, 3, 0), input_print(g.reshape(3, 4), 3, 0, 1),
+              input_print(g.astype(np.float64), 3, 0, 1), input_print(torch.from_numpy(g).to(torch.bfloat16), 3, 0, 1),
+              input_print(np.where(np.arange(12) == 5, np.nextafter(g, np.inf), g), 3, 0, 1),
+              input_print(z, 3, 0, 1), input_print(-z, 3, 0, 1)]
+    assert len({p, *others}) == 1 + len(others)
 
 
 def test_an_encode_set_aside_is_taken_back_only_if_settled_as_not_applied_and_not_built_on():

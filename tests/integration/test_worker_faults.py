@@ -5,6 +5,7 @@ interrupted after it was sent, and the last pushes of an ssp/async run failing."
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -77,8 +78,9 @@ def _encoded_from(c: ParameterClient, owed: dict, grad: np.ndarray, step: int) -
     return ref.state_dict()
 
 
-def _round(pushes) -> dict:
-    """Run ``pushes`` (callables) at once, as one bsp round's workers; what each returned or raised."""
+def _round(pushes, wait_s: float = 60) -> dict:
+    """Run ``pushes`` (callables) at once, as one bsp round's workers; what each returned or
+    raised (none: still running after ``wait_s``)."""
     out: dict = {}
 
     def run(i, fn):
@@ -88,7 +90,8 @@ def _round(pushes) -> dict:
             out[i] = exc
     ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(pushes)]
     [t.start() for t in ts]
-    [t.join(60) for t in ts]
+    deadline = time.monotonic() + wait_s
+    [t.join(max(0.0, deadline - time.monotonic())) for t in ts]
     return out
 
 
@@ -173,6 +176,34 @@ def test_a_push_given_up_on_whose_round_was_skipped_gives_back_what_it_took_too(
     assert done[0][0] == done[1][0] == 3 and a.acked_seq == 3, done  # the skipped push spent its number
     got = a.encoder.state_dict()
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    for c in (a, b):
+        c.close()
+
+
+def test_a_lossy_push_sent_again_after_its_answer_was_lost_is_applied_once(tree):
+    """bsp, top-k. a's push was placed and applied, but a was interrupted before the answer
+    came; its script calls push again with the same gradient (a retry loop around the step).
+    A lossless push is known by its bytes; a lossy one encoded again is other bytes (its residual
+    moved on), so it took the next number and was applied a second time: in bsp it waited for a
+    round no other worker joined. Now it is known by what it was made from and answered with the
+    first one's version; its second encode is taken back, and the residual holds one encode."""
+    a, b, owed = _topk_after_a_round(tree)
+    g = _grad(3)
+    want = _encoded_from(a, owed, g, step=1)
+    _interrupted_once_placed(tree, a, g, clock=1)
+    assert b.push(_grad(4), clock=1)[0] == 2
+    again = _round([lambda: a.push(g, clock=1)], wait_s=10)  # (on the code before, it waited for a round 3)
+    if not again:
+        b.push(_grad(5), clock=2)  # let it end, then fail
+    assert again[0][0] == 2 and a.acked_seq == 2 and a._unsure is None, again
+    got = a.encoder.state_dict()
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    # A new gradient on the same view is a new push: it takes the next number.
+    for c in (a, b):
+        c.pull(min_version=2)
+    done = _round([lambda: a.push(_grad(6), clock=2), lambda: b.push(_grad(7), clock=2)])
+    assert done[0][0] == done[1][0] == 3 and a.acked_seq == 3, done
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
     for c in (a, b):
         c.close()
 
