@@ -168,6 +168,9 @@ class ParameterClient:
         # and, when its codec is lossy, what it was made from (``input_print``): sent again, the
         # same gradient encodes to other bytes, so it is known by this instead
         self._unsure_input: bytes | None = None
+        # A streamed push interrupted while on its way (``worker.overlap.Sent``): what ends its
+        # encoder recording once its delivery ends; the next push calls it first.
+        self._pending: Callable[[], None] | None = None
         self._push_lock = threading.Lock()  # async: several pushes in flight (worker.sender)
         self.bytes_up = 0
         self.bytes_down = 0
@@ -287,6 +290,13 @@ class ParameterClient:
         new = self._rpc.switch()
         log.warning("%s: tier %s is gone (%s); switching to %s", self.worker_id, old, str(why)[:160], new,
                     extra=event("worker.switched", job=self.job, member=self.worker_id, tier=new))
+
+    def _land_pending(self) -> None:
+        """Wait for a streamed push interrupted on its way (``_pending``) to be answered or given
+        up on, and settle its encode by that; a push may not take its number while it is out."""
+        if self._pending is not None:
+            self._pending()  # (interrupted again: it stays pending)
+            self._pending = None
 
     def _settle_unsure(self) -> Any | None:
         """What became of the push given up on unanswered (``_unsure``): its reply (a PushAck)
@@ -606,6 +616,8 @@ class ParameterClient:
         finite = torch.isfinite(grad).all() if isinstance(grad, torch.Tensor) else np.isfinite(grad).all()
         if contributors and not finite:
             raise BadInput("the gradient holds NaN/Inf values; not pushed (check the loss scale)")
+        if not pipelined:
+            self._land_pending()
         if self._go_home.is_set() and not pipelined:
             self._move_home()
         # A push given up on unanswered holds the next number (``_unsure``): the root says what

@@ -75,29 +75,47 @@ class Sent:
         """Send the tail and wait for the answer (``StreamedPush.finish``), then end the
         encoder's recording as ``ParameterClient.push`` does: kept if the push was applied, set
         aside if it was sent and went unanswered (the next push asks the root), taken back if not
-        (its round skipped, for any worker's overflow, or the push refused), so the residual
-        still owes what it carried."""
-        encoder = self.client.encoder
+        (its round skipped, for any worker's overflow, or the push refused, or it was cut), so
+        the residual still owes what it carried.
+
+        Interrupted (Ctrl-C) while the push is on its way, it is delivered all the same (its RPC
+        thread goes on): what its encode did is decided once that ends, before the next push
+        (``ParameterClient._land_pending``), not guessed now: its round may still be skipped."""
         try:
             result = self.stream.finish(step, report)
-        except (Stale, BadInput, Conflict, RuntimeError):  # not applied, and it will not be
-            if encoder.recording:
-                encoder.roll_back()
+        except BaseException as exc:
+            if self.stream.delivering:
+                self.client._pending = self._landed
+            elif self.stream.sent_whole:  # (it ended meanwhile: its own outcome, not the interrupt's)
+                self._landed()
+            else:
+                self._end(exc)
             raise
-        except BaseException:  # sent and unanswered (it may still be applied), or never sent whole
-            if encoder.recording:
-                unsure = self.client._unsure
-                if unsure is not None and unsure[0] == self.stream.meta.seq:
-                    encoder.set_aside()  # until the next push asks the root what became of it
-                else:
-                    encoder.commit()
-            raise
-        if encoder.recording:
+        self._end(None)
+        return result
+
+    def _landed(self) -> None:
+        """End the recording by what became of the push's delivery (waited for)."""
+        _, error = self.stream.outcome()
+        self._end(error)
+
+    def _end(self, error: BaseException | None) -> None:
+        encoder = self.client.encoder
+        if not encoder.recording:
+            return
+        if error is None:  # answered: applied, or placed in a round that was skipped
             if self.overflow or self.client.last_skipped:
                 encoder.roll_back()
             else:
                 encoder.commit()
-        return result
+        elif isinstance(error, (Stale, BadInput, Conflict, RuntimeError)) or self.stream.aborted:
+            encoder.roll_back()  # not applied, and it will not be (refused, or cut before its end)
+        else:  # sent and unanswered: it may still be applied
+            unsure = self.client._unsure
+            if unsure is not None and unsure[0] == self.stream.meta.seq:
+                encoder.set_aside()  # until the next push asks the root what became of it
+            else:
+                encoder.commit()
 
     def abort(self) -> None:
         """Cut the push (nothing of it applied) and take its encode back."""
@@ -211,6 +229,7 @@ class Overlap:
                     part.zero_()
                     self.overflow = True
         if self.stream is None:
+            self.client._land_pending()  # a push interrupted on its way: its recording ends first
             self.client.encoder.begin()  # a cut push puts the residuals back as they were
             self.stream = StreamedPush.open(self.client, self.clock())
         # copy=False: fp32 chunks are views of the flat buffer, framed by add() at once.

@@ -62,6 +62,7 @@ class StreamedPush:
     @classmethod
     def open(cls, client: ParameterClient, clock: int) -> StreamedPush:
         """Open a push of this worker's gradient at ``clock``, computed on the view it holds."""
+        client._land_pending()  # a push interrupted on its way: its outcome first
         if client._go_home.is_set():
             client._move_home()
         if client._unsure is not None and client._unsure[0] == client.acked_seq + 1:
@@ -76,6 +77,22 @@ class StreamedPush:
     @property
     def aborted(self) -> bool:
         return self._state == "aborted"
+
+    @property
+    def sent_whole(self) -> bool:
+        """Its end marker was added: the RPC's thread delivers it whole, whatever the caller does."""
+        return self._state == "done"
+
+    @property
+    def delivering(self) -> bool:
+        """Sent whole and not answered yet (its RPC thread still runs)."""
+        return self.sent_whole and self._thread.is_alive()
+
+    def outcome(self) -> tuple[tuple[int, int] | None, BaseException | None]:
+        """Wait for the RPC's thread (bounded: the delivery's retry window, the frames' round
+        timeout), then (its reply, its error): one of them is set."""
+        self._wait()
+        return self._reply, self._error
 
     def add(self, chunks: list[Chunk]) -> int:
         """Send ``chunks`` next (encoded by the client's encoder); returns their payload bytes."""
@@ -107,7 +124,7 @@ class StreamedPush:
             self._frames = whole
             self._state = "done"
             self._cv.notify_all()
-        self._thread.join()
+        self._wait()  # (interrupted, with Ctrl-C: the push goes on being delivered; see ``Sent``)
         if self._error is not None:
             raise self._error
         assert self._reply is not None
@@ -120,6 +137,9 @@ class StreamedPush:
             if self._state == "open":
                 self._state = "aborted"
                 self._cv.notify_all()
+
+    def _wait(self) -> None:
+        self._thread.join()
 
     # -- the RPC's side ---------------------------------------------------------------------
     def _run(self) -> None:

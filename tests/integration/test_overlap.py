@@ -16,6 +16,7 @@ from ps.core.config import JobConfig, OptimizerConfig
 from tests.helpers import mlp_batches, mlp_loss, small_mlp, train_mlp, wait_for
 from tests.integration.test_bsp_equivalence import PER_WORKER, STEPS, WORKERS, _reference
 from worker import HpsOptimizer
+from worker.streamed import StreamedPush
 
 TINY_BUCKETS = 0.0005  # MB: ~500 bytes, so the small MLP's 4 keys fall into 2 buckets
 
@@ -156,6 +157,56 @@ def test_a_round_skipped_for_another_workers_overflow_leaves_the_error_feedback_
                 t.join(60)
             assert len(results) == 2 and results[0].applied == (s == 0), results
             results.clear()
+        after = _residuals(opts[0])
+        assert after.keys() == before.keys() and all((after[k] == before[k]).all() for k in before)
+    finally:
+        for o in opts:
+            o.close()
+
+
+def test_a_streamed_push_interrupted_on_its_way_is_settled_by_what_became_of_it(tree, monkeypatch):
+    """Ctrl-C in w0's step() while its streamed push waits for its round: the push goes on being
+    delivered by its RPC thread, and w1's overflow then skips the round. Nothing said yet that
+    the push was unsure, so its encode was kept at the interrupt and what it took of w0's top-k
+    residual was lost. Now it is decided once the delivery ends, before the next push: taken
+    back, as for any push whose round was skipped."""
+    models = [small_mlp(), small_mlp()]
+    root = tree.add("root", "global")
+    job = JobConfig(name="ef3", push_codec="topk", topk=0.1, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    x, y = mlp_batches(2, 8)
+    opts = [HpsOptimizer(models[0], root, job, worker_id="w0", overlap=True, bucket_mb=TINY_BUCKETS),
+            HpsOptimizer(models[1], root, job, worker_id="w1")]
+    results: dict = {}
+
+    def step(i: int) -> None:
+        opts[i].zero_grad()
+        mlp_loss(models[i], x[0], y[0]).backward()
+        results[i] = opts[i].step()
+
+    try:
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+        assert results[0].applied and results[1].applied, results
+        before = _residuals(opts[0])
+        assert before and any(v.any() for v in before.values())  # top-k left something unsent
+        wait = StreamedPush._wait
+
+        def interrupted(self) -> None:
+            monkeypatch.setattr(StreamedPush, "_wait", wait)
+            wait_for(lambda: tree.lt.call(lambda: "w0" in tree.tier("root").jobs["ef3"].round.pushed),
+                     "w0's push placed in its round")
+            raise KeyboardInterrupt
+        monkeypatch.setattr(StreamedPush, "_wait", interrupted)
+        opts[0].zero_grad()
+        mlp_loss(models[0], x[1], y[1]).backward()
+        with pytest.raises(KeyboardInterrupt):
+            opts[0].step()
+        opts[1].zero_grad()
+        (mlp_loss(models[1], x[1], y[1]) * float("inf")).backward()
+        assert not opts[1].step().applied  # the round, with w0's push in it, was skipped
+        opts[0].client._land_pending()  # what w0's next push does first
+        assert opts[0].client.acked_seq == 2 and opts[0].client.last_skipped
         after = _residuals(opts[0])
         assert after.keys() == before.keys() and all((after[k] == before[k]).all() for k in before)
     finally:
