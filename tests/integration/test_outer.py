@@ -1125,3 +1125,60 @@ def test_a_regions_inner_loop_that_fails_part_way_starts_again_from_the_outer_vi
     finally:
         eu.after_inner_version = after
         ones.close()
+
+
+@pytest.mark.parametrize("lands", [True, False], ids=["sync-lands", "sync-fails"])
+def test_a_failed_inner_loop_starts_again_only_once_its_sync_in_flight_has_landed(tree, lands):
+    """The inner job fails part-way while a sync is on its way up. The new lineage starts from
+    the outer view, so it must wait for that sync: landed, its steps are in the outer view and
+    not lost; failed, they are in neither view and are counted lost with the step since.
+    Exact arithmetic (``_Ones``): the new lineage's values are the outer view's."""
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    ones = _Ones([tree.add("eu-a", "zone", parent="eu")], "dmg2", round_timeout_s=20)
+    (w,) = ones.clients
+    eu = tree.tier("eu")
+    after, round_trip = eu.after_inner_version, eu._round_trip
+    fail, gate = threading.Event(), threading.Event()
+
+    async def failing(ijs, contributors):
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("injected: the version's sync bookkeeping failed")
+        await after(ijs, contributors)
+
+    async def gated(ojs, agg):  # the first sync is held until the gate opens
+        while not gate.is_set():
+            await asyncio.sleep(0.02)
+        if not lands:
+            raise RuntimeError("injected: the sync failed")
+        return await round_trip(ojs, agg)
+
+    eu.after_inner_version, eu._round_trip = failing, gated
+    try:
+        for _ in range(3):  # H = 2: the sync of steps 1-2 is held; step 3 is acknowledged
+            ones.step(w)
+        old = tree.lt.call(lambda: eu.inner.jobs["dmg2"])
+        assert tree.lt.call(lambda: eu.outer["dmg2"].inflight is not None)
+        fail.set()
+        with pytest.raises(HpsError):
+            ones.step(w)  # applied, then failed before it was acknowledged
+        time.sleep(1.0)
+        assert tree.lt.call(lambda: eu.inner.jobs.get("dmg2")) is old  # it waits for the sync
+        eu._round_trip = round_trip
+        gate.set()
+        wait_for(lambda: tree.lt.call(lambda: eu.inner.jobs.get("dmg2") not in (None, old)), "a new inner lineage")
+        new = tree.lt.call(lambda: eu.inner.jobs["dmg2"])
+        assert new.stats.inner_steps_lost == (1 if lands else 3), new.stats
+        outer = tree.view("root", "dmg2")
+        assert (outer[1], outer[3].tolist()) == ((1, _full(-2).tolist()) if lands else (0, [0.0] * 4))
+        # the new lineage, once the zone has it: a snapshot of the outer view
+        wait_for(lambda: w.pull() >= 0 and same_bits(w.view.values, outer[3]), "the outer view at the worker")
+        for _ in range(2):  # and training goes on: the next sync lands
+            ones.step(w)
+        wait_for(lambda: tree.view("root", "dmg2")[1] == outer[1] + 1, "the next sync at the root")
+        assert np.array_equal(tree.view("root", "dmg2")[3], _full(-4 if lands else -2))
+    finally:
+        gate.set()
+        eu.after_inner_version, eu._round_trip = after, round_trip
+        ones.close()
