@@ -22,8 +22,9 @@ incarnation of its worker id, so none of its pushes is ever taken for the old on
 resends the very same bytes (same sequence number and digest), so a tier that already applied
 it answers with the recorded acknowledgement. A push given up on unanswered (retries spent,
 Ctrl-C) is asked after at the root by the next push; if the script sends the same gradient
-again (same clocks, same view), that push is answered with the first one's version even when
-a lossy codec would encode it to other bytes the second time. Faults a tier's restart causes (unavailable,
+again (same clocks, same view), that push is answered with the first one's version, known by a
+fingerprint of what it was made from (``_Unheard``): its bytes may differ (a lossy codec's
+second encode, the step's telemetry). Faults a tier's restart causes (unavailable,
 "register again", "budget full, retry") are retried, so the training loop does not see them:
 by default for as long as the tier would hold a silent worker (its member timeout, announced
 at registration) but at least ``RETRY_FLOOR_S`` (60 s), or for an explicit ``retry_s``. Each
@@ -165,12 +166,13 @@ class ParameterClient:
         self._issued = 0            # pipelined pushes: the highest sequence number sent
         # (seq, digest, tier switch count when sent) of a push whose answer never came
         self._unsure: tuple[int, bytes, int] | None = None
-        # and, when its codec is lossy, what it was made from (``input_print``): sent again, the
-        # same gradient encodes to other bytes, so it is known by this instead
-        self._unsure_input: bytes | None = None
+        # The last push whose call raised while it may have been applied: what it was made from,
+        # so that the script sending it again is answered with its version (``_Unheard``).
+        self._unheard: _Unheard | None = None
         # A streamed push interrupted while on its way (``worker.overlap.Sent``): what ends its
         # encoder recording once its delivery ends; the next push calls it first.
         self._pending: Callable[[], None] | None = None
+        self._pending_lock = threading.Lock()  # (the encoding thread of an overlap calls it too)
         self._push_lock = threading.Lock()  # async: several pushes in flight (worker.sender)
         self.bytes_up = 0
         self.bytes_down = 0
@@ -294,9 +296,26 @@ class ParameterClient:
     def _land_pending(self) -> None:
         """Wait for a streamed push interrupted on its way (``_pending``) to be answered or given
         up on, and settle its encode by that; a push may not take its number while it is out."""
-        if self._pending is not None:
-            self._pending()  # (interrupted again: it stays pending)
-            self._pending = None
+        with self._pending_lock:
+            if self._pending is not None:
+                self._pending()  # (interrupted again: it stays pending)
+                self._pending = None
+
+    def _unheard_push(self, seq: int, grad: np.ndarray | torch.Tensor, meta: PushMeta) -> None:
+        """Push ``seq`` (``meta``, made from ``grad``) went unanswered as its call raises to the
+        script: remember what it was made from, in case the script sends it again."""
+        try:
+            self._unheard = _Unheard(seq, self._input_print(grad, meta))
+        except Exception:  # (out of memory copying it to the host): known by its bytes only
+            self._unheard = None
+            log.warning("%s: push %d went unanswered; sending the same gradient again may apply it twice "
+                        "(its fingerprint failed)", self.worker_id, seq, exc_info=True)
+
+    def _heard(self, seq: int, version: int, skipped: bool) -> None:
+        """Push ``seq``'s answer, known after its call raised (asked at the root, or a streamed
+        push whose delivery went on): version ``version`` applied it."""
+        if self._unheard is not None and self._unheard.seq == seq:
+            self._unheard.ack = (version, skipped)
 
     def _settle_unsure(self) -> Any | None:
         """What became of the push given up on unanswered (``_unsure``): its reply (a PushAck)
@@ -306,10 +325,11 @@ class ParameterClient:
         seq, digest, sent_via = self._unsure
         applied = self._retrying("resolving an unanswered push",
                                  lambda: self._resolve_push(seq, digest, moved=sent_via != self._rpc.switches))
-        self._unsure = self._unsure_input = None
+        self._unsure = None
         if applied is not None:
             with self._push_lock:
                 self.acked_seq = max(self.acked_seq, seq)
+            self._heard(seq, applied.applied_version, applied.skipped)
         # What its encode took of the residual stays taken only if something of it was applied.
         self.encoder.settle(applied is not None and not applied.skipped)
         return applied
@@ -623,10 +643,11 @@ class ParameterClient:
         # A push given up on unanswered holds the next number (``_unsure``): the root says what
         # became of it before this one encodes, so that one not applied gives back what it took
         # of the residual (``Encoder.settle``) and this encode starts from there.
-        settled: tuple[Any, int, bytes, bytes | None] | None = None
+        settled: tuple[Any, int, bytes] | None = None
         if not pipelined and self._unsure is not None and self._unsure[0] == self.acked_seq + 1:
-            (unsure_seq, unsure_digest), unsure_input = self._unsure[:2], self._unsure_input
-            settled = (self._settle_unsure(), unsure_seq, unsure_digest, unsure_input)
+            unsure_seq, unsure_digest = self._unsure[:2]
+            settled = (self._settle_unsure(), unsure_seq, unsure_digest)
+        unheard = self._unheard if not pipelined else None
         # A skipped step (step.skip: AMP found an overflow here) carries no gradient: encoding
         # zeros would send what the residual owes earlier steps in a round that is skipped.
         record = bool(contributors) and not pipelined and not step.skip and not self.encoder.lossless
@@ -668,37 +689,41 @@ class ParameterClient:
         try:
             nbytes = payload_bytes(chunks)
             digest = push_digest(frames)
+            # The last push the script heard no answer for was applied: sent again -- the same
+            # gradient on the same view and clocks -- it gets that version, and this encode is
+            # taken back (nothing is sent; the first one's stood, or went back with the settle).
+            # Known by what it was made from, not by its bytes: a lossy codec encodes it to other
+            # bytes the second time (the residual moved on), and the script's telemetry differs.
+            again: tuple[int, bool] | None = None
+            if settled is not None and settled[0] is not None and settled[2] == digest:
+                again = settled[0].applied_version, settled[0].skipped
+            elif (unheard is not None and unheard.ack is not None and unheard.seq == self.acked_seq
+                  and unheard.print == self._input_print(grad, meta)):
+                again = unheard.ack
+            if again is not None:
+                self._unheard = None
+                self.last_skipped = again[1]  # its round skipped: nothing of it was applied
+                self._recorded(record, keep=False)
+                return again[0], nbytes
             if settled is not None and settled[0] is not None:
                 # The number of a push whose answer never came, and the root applied it (asked at
-                # any tier: a resend through another would be placed there as new). This very
-                # push again gets that version; another body takes the next number.
-                # A lossy codec encodes the same gradient to other bytes the second time (the
-                # residual moved on): that push is known by what it was made from. Its encode
-                # here is taken back (nothing is sent); the first one's stands or went back with
-                # the settle.
-                applied = settled[0]
-                if settled[2] == digest or (settled[3] is not None and settled[3] == self._input_print(grad, meta)):
-                    self.last_skipped = applied.skipped  # its round skipped: nothing of it was applied
-                    self._recorded(record, keep=False)
-                    return applied.applied_version, nbytes
+                # any tier: a resend through another would be placed there as new): another body
+                # takes the next number.
                 seq = self.seq = seq + 1
                 frames = encode_push(replace(meta, seq=seq), chunks)
                 digest = push_digest(frames)
-            sending = True
+            self._unheard, sending = None, True
             result = self._deliver(seq, lambda: iter(frames), lambda: digest, contributors, lambda: nbytes)
         except (Stale, BadInput, Conflict):  # not applied, and it will not be
             self._recorded(record, keep=False)
             raise
         except BaseException:  # sent and unanswered, it may still be applied; never sent, it will not be
-            if record and sending and self._unsure is not None and self._unsure[0] == seq:
-                self.encoder.set_aside()  # until the next push asks the root (``_settle_unsure``)
-                try:
-                    self._unsure_input = self._input_print(grad, meta)
-                except Exception:  # (out of memory copying it to the host): known by its bytes only
-                    log.warning("%s: push %d went unanswered; sending the same gradient again may apply it "
-                                "twice (its fingerprint failed)", self.worker_id, seq, exc_info=True)
-            else:
-                self._recorded(record, keep=sending)
+            if sending and self._unsure is not None and self._unsure[0] == seq:
+                if record:
+                    self.encoder.set_aside()  # until the next push asks the root (``_settle_unsure``)
+                self._unheard_push(seq, grad, meta)
+            else:  # refused by an answer, or never sent: not applied
+                self._recorded(record, keep=False)
             raise
         self._recorded(record, keep=not self.last_skipped)
         return result
@@ -775,17 +800,27 @@ class ParameterClient:
                     exc, (TimedOut, Unavailable, Exhausted, NotReady))):
                 try:
                     self._unsure = (seq, digest(), sent_via[-1] if sent_via else self._rpc.switches)
-                    self._unsure_input = None  # (``push`` gives it, for a lossy codec)
                 except BadInput:  # never completed, so never applied
                     pass
             raise
         with self._push_lock:
             self.acked_seq = max(self.acked_seq, seq)
             if self._unsure is not None and self._unsure[0] <= self.acked_seq:
-                self._unsure = self._unsure_input = None
+                self._unsure = None
             self.bytes_up += nbytes()
             self.last_skipped = reply.skipped
         return reply.applied_version, nbytes()
+
+
+@dataclass
+class _Unheard:
+    """A push whose call raised to the script while it may have been applied (``seq``), what it
+    was made from (``ParameterClient._input_print``), and its answer once known: (the version
+    that applied it, whether its round was skipped)."""
+
+    seq: int
+    print: bytes
+    ack: tuple[int, bool] | None = None
 
 
 def env_int(name: str) -> int | None:

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ps.core.config import JobConfig
-from ps.core.errors import Conflict, Stale, TimedOut, UnknownJob
+from ps.core.errors import BadInput, Conflict, Stale, TimedOut, UnknownJob
 from ps.core.exactly_once import MAX_IN_FLIGHT
 from ps.core.optim import flat_hparams, group_defaults, group_index
 from ps.core.types import StepInfo, furthest
@@ -466,7 +466,24 @@ class HpsOptimizer(torch.optim.Optimizer):
             raise
         if self._record:
             self.trace.append((self.clock, self.client.view.version))
-        return self._step_bsp(lambda: sent.finish(info, report), t0, sync_buffers, progress)
+
+        def send() -> tuple[int, int]:
+            try:
+                return sent.finish(info, report)
+            except (Stale, BadInput, Conflict, RuntimeError):  # refused or cut: not applied
+                raise
+            except BaseException:
+                # Unanswered, or interrupted on its way: the script may step again, and that
+                # step goes as a whole push (no backward streamed it). It is known by what it
+                # was made from, the vector ``_gather`` makes, if this one was applied.
+                self._overlap_client()._unheard_push(sent.stream.meta.seq, self._gather(sync_buffers, None)[0],
+                                                     replace(sent.stream.meta, step=info))
+                raise
+        return self._step_bsp(send, t0, sync_buffers, progress)
+
+    def _overlap_client(self) -> ParameterClient:
+        assert isinstance(self.client, ParameterClient)  # (overlap is refused with root shards)
+        return self.client
 
     def _progress(self) -> tuple[tuple[int, int, int], ...]:
         """The leased-data progress this step's push carries: its batch's, after what steps not
@@ -670,6 +687,8 @@ class HpsOptimizer(torch.optim.Optimizer):
         being changed by its encode while they are read or replaced."""
         if self.sender is not None and not self.sender.drain(timeout_s, raise_kept=False):
             raise TimedOut(f"pushes still unacknowledged after {timeout_s:.0f}s")
+        if self._overlap is not None:  # a streamed push interrupted on its way: its encode decided
+            self._overlap.client._land_pending()
 
     def close(self) -> None:
         """Drain the background sender (ssp/async), stop heart-beating and leave the job."""

@@ -96,7 +96,9 @@ class Sent:
 
     def _landed(self) -> None:
         """End the recording by what became of the push's delivery (waited for)."""
-        _, error = self.stream.outcome()
+        reply, error = self.stream.outcome()
+        if reply is not None:  # (the script heard nothing: a step sent again gets this version)
+            self.client._heard(self.stream.meta.seq, reply[0], self.client.last_skipped)
         self._end(error)
 
     def _end(self, error: BaseException | None) -> None:
@@ -292,6 +294,7 @@ class Overlap:
         """Drop this step's push (cut before its end: nothing applied; the encoder's residuals
         as they were before it) and start afresh."""
         self._queue.join()
+        self.client._land_pending()  # an open recording is then this step's, not an interrupted push's
         if self.stream is not None:
             self.stream.abort()
         if self.client.encoder.recording:  # (opening the push may have failed after begin())

@@ -276,10 +276,15 @@ class Encoder:
                     out[k[len(prefix):]] = torch.from_numpy(a.reshape(-1) if flat else a)
             return out
 
-        self._aside = None  # (it undid encodes of residuals that are gone now)
-        self.ef.load_state_dict({k: v for k, v in state.items() if not k.startswith(_STATE_PREFIXES)})
-        self.velocity = arrays("velocity:", flat=True)
-        self.warm = arrays("powersgd_q:", flat=False)
+        residuals = {k: v for k, v in state.items() if not k.startswith(_STATE_PREFIXES)}
+        velocity, warm = arrays("velocity:", flat=True), arrays("powersgd_q:", flat=False)
+        with self._lock:
+            # An encode recorded or set aside undoes onto residuals that are gone now: a roll
+            # back after this would write the old ones over the loaded ones.
+            self._undo = None if self._undo is None else {}
+            self._aside = None
+            self.ef.load_state_dict(residuals)
+            self.velocity, self.warm = velocity, warm
 
 
 def input_print(grad: np.ndarray | torch.Tensor, *fields: object) -> bytes:

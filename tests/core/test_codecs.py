@@ -434,6 +434,27 @@ def test_a_pushs_input_print_is_its_gradients_bits_and_fields_on_either_side_of_
     assert len({p, *others}) == 1 + len(others)
 
 
+def test_a_loaded_state_is_not_overwritten_by_taking_back_an_encode_recorded_before_it():
+    """A checkpoint loaded while a push's encode is recorded (an interrupted push not settled
+    yet): taking that encode back wrote the residuals from before it over the loaded ones."""
+    layout = Layout([KeySpec("a", (64, 32))])
+    rng = np.random.default_rng(3)
+    enc = Encoder("topk", topk=0.05, seed="w0")
+    enc.split(layout, rng.standard_normal(layout.numel).astype(np.float32))
+    other = Encoder("topk", topk=0.05, seed="w1")
+    other.split(layout, rng.standard_normal(layout.numel).astype(np.float32))
+    loaded = other.state_dict()
+    for end in ("roll_back", "settle"):
+        enc.begin()
+        enc.split(layout, rng.standard_normal(layout.numel).astype(np.float32))
+        if end == "settle":
+            enc.set_aside()
+        enc.load_state_dict(loaded)
+        enc.roll_back() if end == "roll_back" else enc.settle(False)
+        got = enc.state_dict()
+        assert got.keys() == loaded.keys() and all(np.array_equal(got[k], loaded[k]) for k in loaded), end
+
+
 def test_an_encode_set_aside_is_taken_back_only_if_settled_as_not_applied_and_not_built_on():
     """A push sent and unanswered: its encodes stand until the root says (``settle``); one
     not applied gives back what it took of the residual. An encode in between builds on them,

@@ -164,12 +164,32 @@ def test_a_round_skipped_for_another_workers_overflow_leaves_the_error_feedback_
             o.close()
 
 
-def test_a_streamed_push_interrupted_on_its_way_is_settled_by_what_became_of_it(tree, monkeypatch):
+def _interrupted_streamed_step(tree, monkeypatch, opt, model, x, y, job: str) -> None:
+    """``opt.step()`` interrupted (Ctrl-C) once its streamed push is placed in the root's round."""
+    wait = StreamedPush._wait
+
+    def interrupted(self) -> None:
+        monkeypatch.setattr(StreamedPush, "_wait", wait)
+        wait_for(lambda: tree.lt.call(lambda: "w0" in tree.tier("root").jobs[job].round.pushed),
+                 "w0's push placed in its round")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(StreamedPush, "_wait", interrupted)
+    opt.zero_grad()
+    mlp_loss(model, x, y).backward()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+
+
+@pytest.mark.parametrize("skipped", [True, False], ids=["skipped", "applied"])
+@pytest.mark.parametrize("then", ["push", "abort", "state_dict"])
+def test_a_streamed_push_interrupted_on_its_way_is_settled_by_what_became_of_it(tree, monkeypatch, then, skipped):
     """Ctrl-C in w0's step() while its streamed push waits for its round: the push goes on being
     delivered by its RPC thread, and w1's overflow then skips the round. Nothing said yet that
     the push was unsure, so its encode was kept at the interrupt and what it took of w0's top-k
     residual was lost. Now it is decided once the delivery ends, before the next push: taken
-    back, as for any push whose round was skipped."""
+    back, as for any push whose round was skipped (and kept if the round was applied). So too
+    before an abort of the next step's push (``idle()``, ``close()``), which took the encode
+    back as its own, and before a checkpoint reads the residuals."""
     models = [small_mlp(), small_mlp()]
     root = tree.add("root", "global")
     job = JobConfig(name="ef3", push_codec="topk", topk=0.1, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
@@ -190,25 +210,48 @@ def test_a_streamed_push_interrupted_on_its_way_is_settled_by_what_became_of_it(
         assert results[0].applied and results[1].applied, results
         before = _residuals(opts[0])
         assert before and any(v.any() for v in before.values())  # top-k left something unsent
-        wait = StreamedPush._wait
-
-        def interrupted(self) -> None:
-            monkeypatch.setattr(StreamedPush, "_wait", wait)
-            wait_for(lambda: tree.lt.call(lambda: "w0" in tree.tier("root").jobs["ef3"].round.pushed),
-                     "w0's push placed in its round")
-            raise KeyboardInterrupt
-        monkeypatch.setattr(StreamedPush, "_wait", interrupted)
-        opts[0].zero_grad()
-        mlp_loss(models[0], x[1], y[1]).backward()
-        with pytest.raises(KeyboardInterrupt):
-            opts[0].step()
+        _interrupted_streamed_step(tree, monkeypatch, opts[0], models[0], x[1], y[1], "ef3")
+        encoded = _residuals(opts[0])  # what the interrupted push's encode left
+        assert any((encoded[k] != before[k]).any() for k in before)
         opts[1].zero_grad()
-        (mlp_loss(models[1], x[1], y[1]) * float("inf")).backward()
-        assert not opts[1].step().applied  # the round, with w0's push in it, was skipped
-        opts[0].client._land_pending()  # what w0's next push does first
-        assert opts[0].client.acked_seq == 2 and opts[0].client.last_skipped
-        after = _residuals(opts[0])
-        assert after.keys() == before.keys() and all((after[k] == before[k]).all() for k in before)
+        loss = mlp_loss(models[1], x[1], y[1])
+        (loss * float("inf") if skipped else loss).backward()
+        assert opts[1].step().applied != skipped  # the round, with w0's push in it
+        if then == "push":
+            opts[0].client._land_pending()  # what w0's next push does first
+        elif then == "abort":
+            opts[0]._overlap.abort()
+        else:
+            opts[0].state_dict()
+        assert opts[0].client.acked_seq == 2 and opts[0].client.last_skipped == skipped
+        after, want = _residuals(opts[0]), before if skipped else encoded
+        assert after.keys() == want.keys() and all((after[k] == want[k]).all() for k in want)
+    finally:
+        for o in opts:
+            o.close()
+
+
+def test_a_streamed_step_the_script_retries_after_ctrl_c_is_applied_once(tree, monkeypatch):
+    """Ctrl-C in w0's step() while its streamed push waits; the round is then applied (w1 steps).
+    The script calls step() again: no backward streamed it, so it goes as a whole push, whose
+    bytes are not the streamed one's. It took the next number, and was refused as Stale (a
+    step told "not applied" that was). Now the interrupted push's answer is waited for, and
+    the step sent again is known by what it was made from: answered with that version."""
+    models = [small_mlp(), small_mlp()]
+    root = tree.add("root", "global")
+    job = JobConfig(name="again", push_codec="topk", topk=0.1, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    x, y = mlp_batches(1, 8)
+    opts = [HpsOptimizer(models[0], root, job, worker_id="w0", overlap=True, bucket_mb=TINY_BUCKETS),
+            HpsOptimizer(models[1], root, job, worker_id="w1")]
+    try:
+        _interrupted_streamed_step(tree, monkeypatch, opts[0], models[0], x[0], y[0], "again")
+        opts[1].zero_grad()
+        mlp_loss(models[1], x[0], y[0]).backward()
+        assert opts[1].step().version == 1
+        result = opts[0].step()  # sent again, as the script's retry loop does
+        assert result.applied and result.version == 1 and opts[0].client.acked_seq == 1, result
+        assert tree.lt.call(lambda: tree.tier("root").jobs["again"].view.version) == 1
+        assert all(bool((p == q).all()) for p, q in zip(models[0].parameters(), models[1].parameters()))
     finally:
         for o in opts:
             o.close()

@@ -39,8 +39,10 @@ def _residual(c: ParameterClient) -> np.ndarray:
     return np.concatenate([np.asarray(v, np.float32).ravel() for k, v in sorted(c.encoder.state_dict().items())])
 
 
-def _interrupted_once_placed(tree, c: ParameterClient, grad: np.ndarray, clock: int) -> None:
-    """``c.push`` interrupted (Ctrl-C) while its round waits, once the root has placed it."""
+def _interrupted_once_placed(tree, c: ParameterClient, grad: np.ndarray | None, clock: int = 0,
+                             go=None, job: str = "j", placed=None) -> None:
+    """``c.push`` (or ``go()``) interrupted (Ctrl-C) while its round waits, once the root has
+    placed it (or once ``placed()``)."""
     call, sent = c._call, threading.Event()
 
     def interrupted(name, request, timeout=None):
@@ -48,13 +50,13 @@ def _interrupted_once_placed(tree, c: ParameterClient, grad: np.ndarray, clock: 
             return call(name, request, timeout)
         sent.set()
         threading.Thread(target=call, args=(name, request, timeout), daemon=True).start()
-        wait_for(lambda: tree.lt.call(lambda: c.worker_id in tree.tier("root").jobs["j"].round.pushed),
+        wait_for(placed or (lambda: tree.lt.call(lambda: c.worker_id in tree.tier("root").jobs[job].round.pushed)),
                  "the push placed")
         raise KeyboardInterrupt
     c._call = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
-            c.push(grad, clock=clock)
+            go() if go is not None else c.push(grad, clock=clock)
     finally:
         c._call = call
 
@@ -184,18 +186,19 @@ def test_a_lossy_push_sent_again_after_its_answer_was_lost_is_applied_once(tree)
     """bsp, top-k. a's push was placed and applied, but a was interrupted before the answer
     came; its script calls push again with the same gradient (a retry loop around the step).
     A lossless push is known by its bytes; a lossy one encoded again is other bytes (its residual
-    moved on), so it took the next number and was applied a second time: in bsp it waited for a
-    round no other worker joined. Now it is known by what it was made from and answered with the
-    first one's version; its second encode is taken back, and the residual holds one encode."""
+    moved on), so it took the next number: in bsp it was refused as Stale, and the script told
+    "not applied" about a step that was (in async, next test, it was applied twice). Now it is
+    known by what it was made from and answered with the first one's version; its second encode
+    is taken back, and the residual holds one encode."""
     a, b, owed = _topk_after_a_round(tree)
     g = _grad(3)
     want = _encoded_from(a, owed, g, step=1)
     _interrupted_once_placed(tree, a, g, clock=1)
     assert b.push(_grad(4), clock=1)[0] == 2
-    again = _round([lambda: a.push(g, clock=1)], wait_s=10)  # (on the code before, it waited for a round 3)
+    again = _round([lambda: a.push(g, clock=1)], wait_s=10)
     if not again:
         b.push(_grad(5), clock=2)  # let it end, then fail
-    assert again[0][0] == 2 and a.acked_seq == 2 and a._unsure is None, again
+    assert again and again[0][0] == 2 and a.acked_seq == 2 and a._unsure is None, again
     got = a.encoder.state_dict()
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
     # A new gradient on the same view is a new push: it takes the next number.
@@ -206,6 +209,60 @@ def test_a_lossy_push_sent_again_after_its_answer_was_lost_is_applied_once(tree)
     assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
     for c in (a, b):
         c.close()
+
+
+def test_in_async_a_lossy_push_sent_again_after_its_answer_was_lost_is_not_applied_twice(tree):
+    """async, top-k: the same, where nothing stops a second application (no round to be stale
+    for): the resend was applied as a version of its own."""
+    (a,) = _clients(tree.add("root", "global"), "a", mode="async", push_codec="topk", topk=0.25)
+    g = _grad(3)
+    _interrupted_once_placed(tree, a, g, clock=0,
+                             placed=lambda: tree.lt.call(lambda: tree.tier("root").jobs["j"].view.version) == 1)
+    assert a.push(g, clock=0)[0] == 1 and a.acked_seq == 1
+    assert tree.lt.call(lambda: tree.tier("root").jobs["j"].view.version) == 1  # applied once
+    assert a.push(_grad(4), clock=1)[0] == 2  # and the next gradient is a push of its own
+    a.close()
+
+
+def test_a_step_the_script_retries_after_its_answer_was_lost_is_applied_once(tree):
+    """fp32, through ``HpsOptimizer``: w0's step is interrupted once its push is placed, and the
+    script calls ``step(loss=...)`` again. The push is lossless, but its header carries the
+    step's telemetry (seconds since the last step), which differs the second time: its digest
+    did not match, so it took the next number and was refused as Stale: the script was told the
+    step was not applied (a lost step) although it was. Now it is known by what it was made
+    from, and answered with the first one's version."""
+    from tests.helpers import mlp_batches, mlp_loss, small_mlp
+    from worker import HpsOptimizer
+
+    root = tree.add("root", "global")
+    job = JobConfig(name="retry", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    models = [small_mlp(), small_mlp()]
+    opts = [HpsOptimizer(m, root, job, worker_id=f"w{i}") for i, m in enumerate(models)]
+    x, y = mlp_batches(2, 8)
+    try:
+        losses = []
+        for i, o in enumerate(opts):
+            o.zero_grad()
+            losses.append(mlp_loss(models[i], x[0], y[0]))
+            losses[-1].backward()
+        _interrupted_once_placed(tree, opts[0].client, None, go=lambda: opts[0].step(loss=losses[0]), job="retry")
+        assert opts[1].step(loss=losses[1]).version == 1
+        time.sleep(0.05)  # (another step time: other telemetry)
+        again = _round([lambda: opts[0].step(loss=losses[0])], wait_s=10)
+        if not again:
+            opts[1].zero_grad()
+            mlp_loss(models[1], x[1], y[1]).backward()
+            opts[1].step()  # let it end, then fail
+        assert again and again[0].applied and again[0].version == 1 and opts[0].client.acked_seq == 1, again
+        assert tree.lt.call(lambda: tree.tier("root").jobs["retry"].view.version) == 1
+        assert torch_equal(models[0], models[1])  # both hold version 1
+    finally:
+        for o in opts:
+            o.close()
+
+
+def torch_equal(a, b) -> bool:
+    return all(bool((p == q).all()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 def test_the_last_pushes_of_an_async_run_failing_is_said_by_drain_not_swallowed(tree):
