@@ -721,7 +721,8 @@ class ParameterClient:
             if sending and self._unsure is not None and self._unsure[0] == seq:
                 if record:
                     self.encoder.set_aside()  # until the next push asks the root (``_settle_unsure``)
-                self._unheard_push(seq, grad, meta)
+                if not pipelined:  # (a pipelined push is never sent again by the script)
+                    self._unheard_push(seq, grad, meta)
             else:  # refused by an answer, or never sent: not applied
                 self._recorded(record, keep=False)
             raise

@@ -466,6 +466,23 @@ class HpsOptimizer(torch.optim.Optimizer):
             raise
         if self._record:
             self.trace.append((self.clock, self.client.view.version))
+        client = self._overlap_client()
+        meta = replace(sent.stream.meta, step=info)
+        unheard = client._unheard
+        if unheard is not None and unheard.ack is not None and unheard.seq == client.acked_seq:
+            # The last step's push went unanswered to the script, and was applied: a step that
+            # ran backward again on the same batch and view is that push again (known by what
+            # it was made from), answered with its version; this one is cut.
+            try:
+                again = unheard.print == client._input_print(self._made_from(sync_buffers), meta)
+            except BaseException:
+                sent.abort()
+                raise
+            if again:
+                sent.abort()
+                (version, skipped), client._unheard = unheard.ack, None
+                client.last_skipped = skipped
+                return self._step_bsp(lambda: (version, 0), t0, sync_buffers, progress)
 
         def send() -> tuple[int, int]:
             try:
@@ -476,10 +493,24 @@ class HpsOptimizer(torch.optim.Optimizer):
                 # Unanswered, or interrupted on its way: the script may step again, and that
                 # step goes as a whole push (no backward streamed it). It is known by what it
                 # was made from, the vector ``_gather`` makes, if this one was applied.
-                self._overlap_client()._unheard_push(sent.stream.meta.seq, self._gather(sync_buffers, None)[0],
-                                                     replace(sent.stream.meta, step=info))
+                try:
+                    client._unheard_push(meta.seq, self._made_from(sync_buffers), meta)
+                except Exception:  # (out of memory): known by its bytes only; the push's error is raised
+                    client._unheard = None
+                if sent.stream.sent_whole and not sent.stream.delivering:
+                    reply, _ = sent.stream.outcome()  # answered as it was interrupted: heard now
+                    if reply is not None:
+                        client._heard(meta.seq, reply[0], client.last_skipped)
                 raise
         return self._step_bsp(send, t0, sync_buffers, progress)
+
+    def _made_from(self, sync_buffers: bool) -> torch.Tensor:
+        """The vector a whole push of this step is made from (``step``: ``_gather``, zeroed if
+        not finite): a streamed push's fingerprint, which a step sent again whole must match."""
+        grad = self._gather(sync_buffers, None)[0]
+        if not bool(torch.isfinite(grad).all()):
+            grad.zero_()
+        return grad
 
     def _overlap_client(self) -> ParameterClient:
         assert isinstance(self.client, ParameterClient)  # (overlap is refused with root shards)

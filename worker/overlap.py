@@ -112,12 +112,12 @@ class Sent:
                 encoder.commit()
         elif isinstance(error, (Stale, BadInput, Conflict, RuntimeError)) or self.stream.aborted:
             encoder.roll_back()  # not applied, and it will not be (refused, or cut before its end)
-        else:  # sent and unanswered: it may still be applied
+        else:  # sent and unanswered (it may still be applied), or refused by another answer
             unsure = self.client._unsure
             if unsure is not None and unsure[0] == self.stream.meta.seq:
                 encoder.set_aside()  # until the next push asks the root what became of it
-            else:
-                encoder.commit()
+            else:  # (an answer: refused credentials, an unknown job): not applied
+                encoder.roll_back()
 
     def abort(self) -> None:
         """Cut the push (nothing of it applied) and take its encode back."""

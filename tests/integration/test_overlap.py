@@ -164,8 +164,9 @@ def test_a_round_skipped_for_another_workers_overflow_leaves_the_error_feedback_
             o.close()
 
 
-def _interrupted_streamed_step(tree, monkeypatch, opt, model, x, y, job: str) -> None:
-    """``opt.step()`` interrupted (Ctrl-C) once its streamed push is placed in the root's round."""
+def _interrupted_streamed_step(tree, monkeypatch, opt, model, x, y, job: str, scale: float = 1.0) -> None:
+    """``opt.step()`` interrupted (Ctrl-C) once its streamed push is placed in the root's round
+    (its loss times ``scale``: inf for a step that overflows)."""
     wait = StreamedPush._wait
 
     def interrupted(self) -> None:
@@ -175,7 +176,7 @@ def _interrupted_streamed_step(tree, monkeypatch, opt, model, x, y, job: str) ->
         raise KeyboardInterrupt
     monkeypatch.setattr(StreamedPush, "_wait", interrupted)
     opt.zero_grad()
-    mlp_loss(model, x, y).backward()
+    (mlp_loss(model, x, y) * scale).backward()
     with pytest.raises(KeyboardInterrupt):
         opt.step()
 
@@ -231,12 +232,15 @@ def test_a_streamed_push_interrupted_on_its_way_is_settled_by_what_became_of_it(
             o.close()
 
 
-def test_a_streamed_step_the_script_retries_after_ctrl_c_is_applied_once(tree, monkeypatch):
+@pytest.mark.parametrize("retry", ["step", "backward-and-step", "overflowed"])
+def test_a_streamed_step_the_script_retries_after_ctrl_c_is_applied_once(tree, monkeypatch, retry):
     """Ctrl-C in w0's step() while its streamed push waits; the round is then applied (w1 steps).
     The script calls step() again: no backward streamed it, so it goes as a whole push, whose
     bytes are not the streamed one's. It took the next number, and was refused as Stale (a
     step told "not applied" that was). Now the interrupted push's answer is waited for, and
-    the step sent again is known by what it was made from: answered with that version."""
+    the step sent again is known by what it was made from: answered with that version. So too
+    when the script runs backward again on the same batch first (a streamed push again, cut),
+    and when the step overflowed (its round skipped: a whole push sends zeros for it)."""
     models = [small_mlp(), small_mlp()]
     root = tree.add("root", "global")
     job = JobConfig(name="again", push_codec="topk", topk=0.1, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
@@ -244,12 +248,18 @@ def test_a_streamed_step_the_script_retries_after_ctrl_c_is_applied_once(tree, m
     opts = [HpsOptimizer(models[0], root, job, worker_id="w0", overlap=True, bucket_mb=TINY_BUCKETS),
             HpsOptimizer(models[1], root, job, worker_id="w1")]
     try:
-        _interrupted_streamed_step(tree, monkeypatch, opts[0], models[0], x[0], y[0], "again")
+        overflowed = retry == "overflowed"
+        _interrupted_streamed_step(tree, monkeypatch, opts[0], models[0], x[0], y[0], "again",
+                                   scale=float("inf") if overflowed else 1.0)
         opts[1].zero_grad()
         mlp_loss(models[1], x[0], y[0]).backward()
-        assert opts[1].step().version == 1
+        assert opts[1].step().applied != overflowed
+        if retry == "backward-and-step":
+            opts[0].zero_grad()
+            mlp_loss(models[0], x[0], y[0]).backward()
         result = opts[0].step()  # sent again, as the script's retry loop does
-        assert result.applied and result.version == 1 and opts[0].client.acked_seq == 1, result
+        assert result.version == 1 and result.applied != overflowed and opts[0].client.acked_seq == 1, result
+        assert opts[0].client.lost_steps == 0 and opts[0].client.last_skipped == overflowed
         assert tree.lt.call(lambda: tree.tier("root").jobs["again"].view.version) == 1
         assert all(bool((p == q).all()) for p, q in zip(models[0].parameters(), models[1].parameters()))
     finally:
