@@ -169,6 +169,7 @@ class ParameterClient:
         # The last push whose call raised while it may have been applied: what it was made from,
         # so that the script sending it again is answered with its version (``_Unheard``).
         self._unheard: _Unheard | None = None
+        self._last_meta: PushMeta | None = None  # the last push sent (``_answered_unheard``)
         # A streamed push interrupted while on its way (``worker.overlap.Sent``): what ends its
         # encoder recording once its delivery ends; the next push calls it first.
         self._pending: Callable[[], None] | None = None
@@ -310,6 +311,14 @@ class ParameterClient:
             self._unheard = None
             log.warning("%s: push %d went unanswered; sending the same gradient again may apply it twice "
                         "(its fingerprint failed)", self.worker_id, seq, exc_info=True)
+
+    def _answered_unheard(self, grad: np.ndarray | torch.Tensor, version: int) -> None:
+        """The last push (made from ``grad``) was answered, applied by ``version``, but the call
+        the script made raised all the same (a sharded push another shard of which failed):
+        remember it as one unheard, answered."""
+        if self._last_meta is not None and self._last_meta.seq == self.acked_seq:
+            self._unheard_push(self.acked_seq, grad, self._last_meta)
+            self._heard(self.acked_seq, version, self.last_skipped)
 
     def _heard(self, seq: int, version: int, skipped: bool) -> None:
         """Push ``seq``'s answer, known after its call raised (asked at the root, or a streamed
@@ -712,7 +721,7 @@ class ParameterClient:
                 seq = self.seq = seq + 1
                 frames = encode_push(replace(meta, seq=seq), chunks)
                 digest = push_digest(frames)
-            self._unheard, sending = None, True
+            self._unheard, self._last_meta, sending = None, replace(meta, seq=seq), True
             result = self._deliver(seq, lambda: iter(frames), lambda: digest, contributors, lambda: nbytes)
         except (Stale, BadInput, Conflict):  # not applied, and it will not be
             self._recorded(record, keep=False)

@@ -339,7 +339,22 @@ class ShardedClient:
                 return c.push(parts[i], clock, clock_max=clock_max, base_version=held[1],
                               view_epoch=c.view.epoch, contributors=contributors, report=report,
                               pipelined=pipelined, step=sub)
-        results = self._each(one, self._push_pool)
+        futures = [self._push_pool.submit(one, i, c) for i, c in enumerate(self.clients)]
+        answered: dict[int, tuple[int, int]] = {}
+        error: BaseException | None = None
+        for i, f in enumerate(futures):
+            try:
+                answered[i] = f.result()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            # The script hears an error for a push some shards applied: sent again, the same
+            # gradient must get their versions there, not be applied a second time.
+            if contributors and not pipelined:
+                for i, (v, _) in answered.items():
+                    self.clients[i]._answered_unheard(parts[i], v)
+            raise error
+        results = [answered[i] for i in range(len(self.clients))]
         versions = [v for v, _ in results]
         if self.config.mode == "bsp" and len(set(versions)) > 1:
             log.error("%s: the shards applied one push at versions %s (a round aborted at some shards "
