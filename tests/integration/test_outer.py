@@ -1135,7 +1135,8 @@ def test_a_failed_inner_loop_starts_again_only_once_its_sync_in_flight_has_lande
     Exact arithmetic (``_Ones``): the new lineage's values are the outer view's."""
     tree.add("root", "global")
     tree.add("eu", "regional", parent="root")
-    ones = _Ones([tree.add("eu-a", "zone", parent="eu")], "dmg2", round_timeout_s=20)
+    # (the failing step waits out its round timeout: its zone retries while the restart waits)
+    ones = _Ones([tree.add("eu-a", "zone", parent="eu")], "dmg2", round_timeout_s=4)
     (w,) = ones.clients
     eu = tree.tier("eu")
     after, round_trip = eu.after_inner_version, eu._round_trip
