@@ -339,14 +339,28 @@ class ShardedClient:
                 return c.push(parts[i], clock, clock_max=clock_max, base_version=held[1],
                               view_epoch=c.view.epoch, contributors=contributors, report=report,
                               pipelined=pipelined, step=sub)
-        futures = [self._push_pool.submit(one, i, c) for i, c in enumerate(self.clients)]
+        futures = []
         answered: dict[int, tuple[int, int]] = {}
         error: BaseException | None = None
+        try:
+            for i, c in enumerate(self.clients):
+                futures.append(self._push_pool.submit(one, i, c))
+        except BaseException as exc:  # (Ctrl-C while starting them: those started are waited for)
+            error = exc
         for i, f in enumerate(futures):
             try:
                 answered[i] = f.result()
-            except BaseException as exc:
+                continue
+            except BaseException as exc:  # the shard's failure, or Ctrl-C in this thread
                 error = error or exc
+            # Interrupted, the shard's push runs on in the pool: its answer is waited for, so
+            # that a push the script sends again never runs beside it on that shard's client,
+            # and an answered one is remembered (a second interrupt leaves at once).
+            try:
+                answered[i] = f.result()
+            except BaseException:
+                if not f.done():
+                    raise
         if error is not None:
             # The script hears an error for a push some shards applied: sent again, the same
             # gradient must get their versions there, not be applied a second time.

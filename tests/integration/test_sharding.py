@@ -545,3 +545,43 @@ def test_a_push_one_shard_left_unanswered_is_applied_once_everywhere_when_sent_a
         assert c.push(_grad(1), clock=1)[0] == 2  # and the next gradient is a push of its own
     finally:
         c.close()
+
+
+def test_ctrl_c_while_the_shards_push_waits_for_them_and_a_push_sent_again_is_applied_once(tree):
+    """Ctrl-C in the script while the shards' pushes run in the pool: the first wait was
+    interrupted and the push was given up on while that shard's push ran on and was applied,
+    so the same gradient sent again was a new push there (applied twice in async). Now the
+    pushes are waited for before Ctrl-C is raised, and every answered one is remembered."""
+    import _thread
+
+    addresses = [tree.add(f"cc{i}", "global", shard=f"{i}/2") for i in range(2)]
+    job = JobConfig(name="cc", mode="async", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
+                    sharding=ShardingConfig(weights=(1.0, 1.0), block_elems=64))
+    c = ShardedClient(addresses, "cc", "w0", timeout_s=10, retry_s=30)
+
+    def versions() -> list[int]:
+        return [tree.lt.call(lambda i=i: tree.tier(f"cc{i}").jobs["cc"].view.version) for i in range(2)]
+    try:
+        c.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        c.register()
+        c.pull()
+        slow = c.clients[1]
+        call, once = slow._call, threading.Event()
+
+        def interrupting(name, request, timeout=None):
+            if name == "Push" and not once.is_set():
+                once.set()
+                time.sleep(0.2)  # (the script waits for the shards by now)
+                _thread.interrupt_main()  # Ctrl-C while this push is still on its way
+                time.sleep(0.5)
+            return call(name, request, timeout)
+        slow._call = interrupting
+        g = _grad(0)
+        with pytest.raises(KeyboardInterrupt):
+            c.push(g, clock=0)
+        slow._call = call
+        assert versions() == [1, 1]  # both applied, before push() raised
+        assert c.push(g, clock=0)[0] == 1  # sent again: answered with version 1 at both
+        assert versions() == [1, 1]
+    finally:
+        c.close()
