@@ -34,8 +34,9 @@ is allocated) or a bad checksum ends the segment's valid data, and the rest is c
   * in an earlier segment only when the next segment continues right after its last valid record
     (a failed append whose undo failed too, or a torn tail an older build wrote past); otherwise
     the damaged bytes may have held acknowledged versions, and recovery refuses.
-A whole record that fails its checksum with bytes after it is refused too, in any segment: a
-crash tears only the record being appended, so one followed by more was acknowledged.
+A whole record that fails its checksum with bytes after it is refused too, in any segment, and
+so is a bad header (magic, lengths) with a whole valid record somewhere after it: a crash tears
+only the record being appended, so one followed by more was acknowledged.
 Versions must be contiguous across the whole log: a gap, or the same version twice with
 different contents (a fork), raises ``WalCorrupt`` and changes nothing on disk, because guessing
 would silently lose acknowledged versions. ``records(after=v)`` also refuses when the log

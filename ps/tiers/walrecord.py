@@ -175,7 +175,11 @@ def scan_file(f, size: int) -> Scan:
         why, fields = _check_head(head, pos, size)
         if why:  # another format of ours (older, or newer than this build) is refused, never cut
             other = head[:3] == b"HPS" and head[:4] not in (MAGIC, SPARSE_MAGIC)
-            return Scan(entries, pos, size, why, other, 0)
+            # A crash tears only the record being appended: a whole valid record after this
+            # one means damage in the middle of the log, whose cut would drop acknowledged ones.
+            later = None if other or len(head) < HEAD else _whole_record_after(f, pos + 1, size)
+            return Scan(entries, pos, size, why if later is None else f"{why} (and a whole record at offset {later})",
+                        other, 0 if later is None else size - pos)
         h = xxhash.xxh3_64(head[:_FIELDS.size])
         left = fields[5] + fields[6]
         while left:
@@ -191,6 +195,43 @@ def scan_file(f, size: int) -> Scan:
         entries.append(Entry(fields[1], pos, n, checksum))
         pos += n
     return Scan(entries, pos, size, "", False, 0)
+
+
+def _whole_record_after(f, start: int, size: int) -> int | None:
+    """The offset of the first whole, valid record at or after ``start`` in ``f``, or None.
+    Reads what follows once, in pieces (only when recovery met a bad header)."""
+    overlap = len(MAGIC) - 1
+    pos, carry = start, b""
+    while pos < size:
+        f.seek(pos)
+        piece = carry + f.read(min(_CHUNK, size - pos))
+        base = pos - len(carry)
+        for magic in (MAGIC, SPARSE_MAGIC):
+            i = piece.find(magic)
+            while i >= 0:
+                if _valid_at(f, base + i, size):
+                    return base + i
+                i = piece.find(magic, i + 1)
+        pos += len(piece) - len(carry)
+        carry = piece[-overlap:]
+    return None
+
+
+def _valid_at(f, offset: int, size: int) -> bool:
+    f.seek(offset)
+    head = f.read(HEAD)
+    why, fields = _check_head(head, offset, size)
+    if why or fields is None:
+        return False
+    h = xxhash.xxh3_64(head[:_FIELDS.size])
+    left = fields[5] + fields[6]
+    while left:
+        data = f.read(min(left, _CHUNK))
+        if not data:
+            return False
+        h.update(data)
+        left -= len(data)
+    return h.intdigest() == _SUM.unpack_from(head, _FIELDS.size)[0]
 
 
 def scan(path: Path) -> Scan:

@@ -231,31 +231,47 @@ def test_a_torn_tail_left_in_an_earlier_segment_is_cut_when_the_next_continues(t
     assert _seg(tmp_path, 1).stat().st_size == len(a) - len(torn)
 
 
-@pytest.mark.parametrize("where", ["payload", "length"])
-def test_a_corrupted_record_in_the_last_segment_ends_it(tmp_path, caplog, where):
+@pytest.mark.parametrize("where", ["payload", "length", "magic"])
+def test_a_corrupted_record_in_the_last_segment_with_records_after_it_is_refused(tmp_path, where):
+    """A whole record damaged with records after it is not what a crash leaves (it tears only
+    the record being appended, the last), so versions 3.. were acknowledged: nothing is cut.
+    A bad length or magic used to end the segment there, silently dropping versions 3-6."""
     data = bytearray(_write_segment(tmp_path, 1, range(1, 7)))
     rec_len = len(_encode(_rec(1)))
     third = 2 * rec_len
     if where == "payload":
         data[third + rec_len - 2] ^= 0x10  # a bit flip in record 3's gradient
-        why = "checksum mismatch"
-    else:
+        match = f"version 3 at offset {third}.* {3 * rec_len} bytes follow"
+    elif where == "length":
         data[third + 40 + 5] = 0x7F  # record 3's payload length (bytes 40..48): ~2**46 bytes
-        why = "past the end of the file"
+        match = f"past the end of the file \\(and a whole record at offset {third + rec_len}\\)"
+    else:
+        data[third + 2] ^= 0x01  # record 3's magic
+        match = f"a bad magic .* \\(and a whole record at offset {third + rec_len}\\)"
     _seg(tmp_path, 1).write_bytes(bytes(data))
-    if where == "payload":
-        # A whole record damaged with records after it: not what a crash leaves (it tears only
-        # the record being appended), so versions 3.. were acknowledged; nothing is cut.
-        with pytest.raises(WalCorrupt, match=f"version 3 at offset {third}.* {3 * rec_len} bytes follow"):
-            WriteAheadLog(tmp_path)
-        assert _seg(tmp_path, 1).read_bytes() == bytes(data)
-        return
+    with pytest.raises(WalCorrupt, match=match):
+        WriteAheadLog(tmp_path)
+    assert _seg(tmp_path, 1).read_bytes() == bytes(data)
+
+
+@pytest.mark.parametrize("where", ["length", "magic", "header"])
+def test_a_damaged_last_record_is_cut_as_a_torn_tail(tmp_path, caplog, where):
+    """The same damage in the last record, with nothing whole after it: what a crash during
+    its append can leave (never acknowledged), so it is cut and replay ends before it."""
+    data = bytearray(_write_segment(tmp_path, 1, range(1, 4)))
+    rec_len = len(_encode(_rec(1)))
+    third = 2 * rec_len
+    if where == "length":
+        data[third + 40 + 5] = 0x7F
+    elif where == "magic":
+        data[third + 2] ^= 0x01
+    else:
+        del data[third + 20:]  # a header cut short
+    _seg(tmp_path, 1).write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, "hps.wal"):
-        got = _replay(tmp_path)
-    # In this scenario versions 3.. were never acknowledged (the root stopped at the damage).
-    assert [r.version for r in got] == [1, 2]
-    assert why in caplog.text and f"offset {third}" in caplog.text and "at version 3" in caplog.text
-    assert _seg(tmp_path, 1).name in caplog.text and _seg(tmp_path, 1).stat().st_size == third
+        assert _versions(tmp_path) == [1, 2]
+    assert f"offset {third}" in caplog.text and "at version 3" in caplog.text
+    assert _seg(tmp_path, 1).stat().st_size == third
 
 
 def test_recovery_allocates_nothing_as_large_as_a_record(tmp_path):
