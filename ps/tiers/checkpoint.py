@@ -13,7 +13,8 @@ True
 (array([1., 1., 1.], dtype=float32), {'job': 'lm'})
 
 The root takes an in-memory copy and calls ``save`` in a thread, so training does not stall
-on the disk. A crash mid-write leaves only a ``.tmp`` file, which loading ignores.
+on the disk. A crash mid-write leaves only a ``.tmp`` file, which loading ignores
+(and a root deletes at start: ``sweep_temporary``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ import fcntl
 import io
 import json
 import os
+import threading
 import zipfile
 from pathlib import Path
 from typing import IO
 
 import numpy as np
 
-__all__ = ["save", "save_bytes", "to_bytes", "load_latest", "list_checkpoints", "write_atomic", "fsync_dir", "hold"]
+__all__ = ["save", "save_bytes", "to_bytes", "load_latest", "list_checkpoints", "write_atomic", "fsync_dir", "hold",
+           "sweep_temporary"]
 
 LOCK_FILE = ".lock"
 
@@ -59,6 +62,22 @@ def hold(directory: str | Path, holder: str = "root", advice: str = "give this o
     return f
 
 
+def sweep_temporary(directory: str | Path) -> int:
+    """Delete the temporary files writes that never finished left (a crash mid-write) in a
+    checkpoint directory and its job directories; how many. Call it only while holding the
+    directory (``hold``) and before this process writes: each writer's temporary name is its
+    own (``write_atomic``), so without this every crash during a checkpoint left one behind."""
+    gone = 0
+    d = Path(directory)
+    for p in [*d.glob(".*.tmp"), *d.glob("*/.*.tmp")]:
+        try:
+            p.unlink()
+            gone += 1
+        except FileNotFoundError:
+            pass
+    return gone
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(Path(directory).glob("ckpt-*.npz"))
 
@@ -82,8 +101,11 @@ def save(directory: str | Path, version: int, arrays: dict[str, np.ndarray], met
 
 def write_atomic(path: Path, data: bytes | str, tmp: Path | None = None) -> None:
     """Replace ``path`` with ``data`` durably: a temporary file, fsync, rename, fsync of the
-    directory (a crash leaves the old file or the new one, never a part)."""
-    tmp = tmp or path.with_suffix(path.suffix + ".tmp")
+    directory (a crash leaves the old file or the new one, never a part). The temporary name is
+    this writer's own (process, thread): two writers of one path never publish each other's
+    half-written file."""
+    base = (tmp.name if tmp is not None else f".{path.name}").removesuffix(".tmp")
+    tmp = path.with_name(f"{base}.{os.getpid()}-{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
         f.flush()

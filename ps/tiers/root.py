@@ -103,6 +103,9 @@ class Root(Durable, Pairing, Tier):
         super().__init__(config, **kw)
         # One root per checkpoint directory: refused before anything in it is read or written.
         self._dir_lock = checkpoint.hold(config.checkpoint_dir) if config.checkpoint_dir else None
+        if config.checkpoint_dir and (swept := checkpoint.sweep_temporary(config.checkpoint_dir)):
+            log.warning("%s: deleted %d temporary file(s) writes that never finished left in %s (a crash "
+                        "mid-write)", self.role, swept, config.checkpoint_dir)
         warm_up()  # here, not on the event loop at the first job: a stall a standby would read as death
         self._ckpt_tasks: set[asyncio.Task] = set()
         self.declared: dict[str, JobConfig] = {}   # configured, waiting for parameters

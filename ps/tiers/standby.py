@@ -138,6 +138,7 @@ class Standby:
                 raise Unavailable(f"{self.primary} holds term {m.term}, older than this root's {root.term}")
             self.connected = True
             self._seen = set()
+            await self._writers_done(None)
             root.reset_for_follow(m.term, m.epoch)
             log.info("following the primary %s (term %d): receiving its state", self.primary, m.term,
                      extra=event("standby.following", term=m.term))
@@ -152,6 +153,7 @@ class Standby:
             held = root.jobs.get(m.job)  # sent twice (announced at its creation, then bootstrapped)
             if held is not None and held.wal is not None:
                 held.wal.close()  # its files are replaced next
+            await self._writers_done(m.job)
             await asyncio.to_thread(self._write_state, m)
             js = root._load(Path(root._job_dir(m.job)))
             if js is None:
@@ -176,6 +178,7 @@ class Standby:
                           extra=event("standby.kept", job=m.job))
         elif m.kind == "declared":
             self._seen.add(m.job)
+            await self._writers_done(m.job)
             await asyncio.to_thread(self._wipe, m.job)
             root.follow_declared(json.loads(m.data))
         elif m.kind == "ended":
@@ -184,6 +187,7 @@ class Standby:
             js = root.jobs.pop(m.job, None)
             if js is not None and js.wal is not None:
                 js.wal.close()
+            await self._writers_done(m.job)
             await asyncio.to_thread(self._wipe, m.job)
             if root.tokens is not None:
                 await asyncio.to_thread(root.tokens.set_hash, m.job, b"")
@@ -206,6 +210,15 @@ class Standby:
             root.set_role(synced=True)
             log.info("in sync with the primary %s: %d job(s) at term %d", self.primary, len(root.jobs),
                      root.term, extra=event("standby.synced", term=root.term))
+
+    async def _writers_done(self, job: str | None) -> None:
+        """Wait for the checkpoints of ``job`` (None: of every job) still being written, from
+        records before: one that finished after its directory was wiped or rewritten would put
+        back a state the primary no longer holds (a version it never made durable), which a
+        restart of this root, promoted meanwhile, would restore under the versions it served."""
+        mine = [t for t in self.root._ckpt_tasks if job is None or getattr(t, "job", None) == job]
+        if mine:
+            await asyncio.gather(*mine, return_exceptions=True)
 
     def _wipe(self, job: str) -> None:
         shutil.rmtree(self.root._job_dir(job), ignore_errors=True)
