@@ -167,21 +167,24 @@ class Durable:
         for d in sorted(Path(self.config.checkpoint_dir).glob("*/")):
             if d.name.startswith("."):  # no job's (names start with a letter or digit): a tool's work
                 continue                # in progress, such as `hps reshard` staging a target
-            if (d / "ENDED").exists():
-                version = json.loads((d / "ENDED").read_text())["version"]
-                self.ended[d.name] = version
-                if (d / "declared.json").exists():
-                    declared = config_from_json(json.loads((d / "declared.json").read_text()))
-                    self.ended_configs[d.name] = (declared, version)
-                continue
+            # One job's damaged files make that job unserved, not the root unable to start.
             try:
+                if (d / "ENDED").exists():
+                    version = json.loads((d / "ENDED").read_text())["version"]
+                    declared = (config_from_json(json.loads((d / "declared.json").read_text()))
+                                if (d / "declared.json").exists() else None)
+                    self.ended[d.name] = version
+                    if declared is not None:
+                        self.ended_configs[d.name] = (declared, version)
+                    continue
                 js = self._load(d)
-            except (WalCorrupt, HpsError, OSError, ValueError, KeyError) as exc:
+                cfg = (config_from_json(json.loads((d / "declared.json").read_text()))
+                       if js is None and (d / "declared.json").exists() else None)
+            except (WalCorrupt, HpsError, OSError, ValueError, KeyError, TypeError) as exc:
                 self.damaged[d.name] = f"its checkpoint and write-ahead log could not be restored: {exc}"
                 log.critical("job %s is not served: %s", d.name, exc, extra=event("job.damaged", job=d.name))
                 continue
-            if js is None and (d / "declared.json").exists():
-                cfg = config_from_json(json.loads((d / "declared.json").read_text()))
+            if cfg is not None:
                 self.declared[cfg.name] = cfg
                 self.declared_at[cfg.name] = self.clock()
 

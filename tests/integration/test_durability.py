@@ -404,6 +404,25 @@ def test_a_restart_that_cannot_reach_an_acknowledged_version_refuses_the_job_lou
     assert "j" not in root.jobs and "no checkpoint to replay it on" in root.damaged["j"], root.damaged
 
 
+def test_one_jobs_damaged_marker_files_leave_that_job_unserved_not_the_root_unstarted(tmp_path):
+    """A job's ENDED or declared.json that does not parse (disk damage) raised out of the
+    root's restore: no job of that root was served, and it could not start at all. Now that
+    job is not served, saying why, and the root starts."""
+    from ps.core.config import ServerConfig
+    from ps.tiers.root import Root
+
+    ckpt = tmp_path / "ckpt"
+    for name, file, text in (("ended", "ENDED", "{not json"), ("decl", "declared.json", '{"name": 3'),
+                             ("ended2", "ENDED", '{"version": 4}')):
+        (ckpt / name).mkdir(parents=True)
+        (ckpt / name / file).write_text(text)
+    (ckpt / "ended2" / "declared.json").write_text("[]")  # its config damaged
+    root = Root(ServerConfig(role="global", checkpoint_dir=str(ckpt)))
+    assert sorted(root.damaged) == ["decl", "ended", "ended2"], root.damaged
+    assert all("could not be restored" in why for why in root.damaged.values())
+    assert not root.jobs and not root.ended and not root.declared
+
+
 def test_a_version_logged_but_never_published_takes_the_job_out_of_service_until_a_restart(tree, tmp_path):
     """An append whose failure could not be undone (fsync failed, and so did cutting the record
     back out) leaves in the log a version this process never published. Rolling back from disk
