@@ -164,6 +164,15 @@ def test_a_round_skipped_for_another_workers_overflow_leaves_the_error_feedback_
             o.close()
 
 
+def _streaming_and_whole(tree, job: str) -> tuple[list, list[HpsOptimizer]]:
+    """A top-k bsp job at a root: w0 streams its pushes from backward, w1 pushes whole."""
+    models = [small_mlp(), small_mlp()]
+    root = tree.add("root", "global")
+    cfg = JobConfig(name=job, push_codec="topk", topk=0.1, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    return models, [HpsOptimizer(models[0], root, cfg, worker_id="w0", overlap=True, bucket_mb=TINY_BUCKETS),
+                    HpsOptimizer(models[1], root, cfg, worker_id="w1")]
+
+
 def _interrupted_streamed_step(tree, monkeypatch, opt, model, x, y, job: str, scale: float = 1.0) -> None:
     """``opt.step()`` interrupted (Ctrl-C) once its streamed push is placed in the root's round
     (its loss times ``scale``: inf for a step that overflows)."""
@@ -191,12 +200,8 @@ def test_a_streamed_push_interrupted_on_its_way_is_settled_by_what_became_of_it(
     back, as for any push whose round was skipped (and kept if the round was applied). So too
     before an abort of the next step's push (``idle()``, ``close()``), which took the encode
     back as its own, and before a checkpoint reads the residuals."""
-    models = [small_mlp(), small_mlp()]
-    root = tree.add("root", "global")
-    job = JobConfig(name="ef3", push_codec="topk", topk=0.1, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    models, opts = _streaming_and_whole(tree, "ef3")
     x, y = mlp_batches(2, 8)
-    opts = [HpsOptimizer(models[0], root, job, worker_id="w0", overlap=True, bucket_mb=TINY_BUCKETS),
-            HpsOptimizer(models[1], root, job, worker_id="w1")]
     results: dict = {}
 
     def step(i: int) -> None:
@@ -241,12 +246,8 @@ def test_a_streamed_step_the_script_retries_after_ctrl_c_is_applied_once(tree, m
     the step sent again is known by what it was made from: answered with that version. So too
     when the script runs backward again on the same batch first (a streamed push again, cut),
     and when the step overflowed (its round skipped: a whole push sends zeros for it)."""
-    models = [small_mlp(), small_mlp()]
-    root = tree.add("root", "global")
-    job = JobConfig(name="again", push_codec="topk", topk=0.1, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    models, opts = _streaming_and_whole(tree, "again")
     x, y = mlp_batches(1, 8)
-    opts = [HpsOptimizer(models[0], root, job, worker_id="w0", overlap=True, bucket_mb=TINY_BUCKETS),
-            HpsOptimizer(models[1], root, job, worker_id="w1")]
     try:
         overflowed = retry == "overflowed"
         _interrupted_streamed_step(tree, monkeypatch, opts[0], models[0], x[0], y[0], "again",

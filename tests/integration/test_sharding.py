@@ -23,7 +23,7 @@ from ps.core.config import JobConfig, OptimizerConfig, ShardingConfig
 from ps.core.errors import BadInput, Conflict, PermissionDenied, Unauthenticated, Unavailable, UnknownJob
 from ps.core.view import KeySpec, Layout
 from ps.tools.status import fetch_status
-from tests.helpers import ServeProcess, mlp_batches, mlp_loss, small_mlp, train_mlp, wait_for
+from tests.helpers import ServeProcess, mlp_batches, mlp_loss, small_mlp, train_mlp
 from worker import HpsOptimizer, ParameterClient
 from worker.sharded import ShardedClient
 
@@ -508,38 +508,39 @@ def test_an_idle_worker_and_an_ssp_0_worker_step_over_shards(roots, tmp_path):
     opt.close()
 
 
+def _async_over_two_shards(tree, job: str):
+    """An async job over two in-process root shards, and its registered worker; and what
+    version each shard holds."""
+    addresses = [tree.add(f"{job}{i}", "global", shard=f"{i}/2") for i in range(2)]
+    cfg = JobConfig(name=job, mode="async", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
+                    sharding=ShardingConfig(weights=(1.0, 1.0), block_elems=64))
+    c = ShardedClient(addresses, job, "w0", timeout_s=10, retry_s=30)
+
+    def versions() -> list[int]:
+        return [tree.lt.call(lambda i=i: tree.tier(f"{job}{i}").jobs[job].view.version) for i in range(2)]
+    try:
+        c.create_job(cfg, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        c.register()
+        c.pull()
+    except BaseException:
+        c.close()
+        raise
+    return c, versions
+
+
 def test_a_push_one_shard_left_unanswered_is_applied_once_everywhere_when_sent_again(tree):
     """async over 2 shards (in-process roots). Shard 1's answer is lost (Ctrl-C as it came),
     shard 0 answered: the script hears an error and sends the same gradient again. Shard 1
     asked its root and gave the version back; shard 0, which had answered, sent it as a new
     push and it was applied a second time there. Now each shard that answered remembers the
     push as one the script did not hear, and answers the same gradient again with its version."""
-    addresses = [tree.add(f"re{i}", "global", shard=f"{i}/2") for i in range(2)]
-    job = JobConfig(name="re", mode="async", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
-                    sharding=ShardingConfig(weights=(1.0, 1.0), block_elems=64))
-    c = ShardedClient(addresses, "re", "w0", timeout_s=10, retry_s=30)
+    from tests.integration.test_worker_faults import _interrupted_once_placed
 
-    def versions() -> list[int]:
-        return [tree.lt.call(lambda i=i: tree.tier(f"re{i}").jobs["re"].view.version) for i in range(2)]
+    c, versions = _async_over_two_shards(tree, "re")
     try:
-        c.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
-        c.register()
-        c.pull()
-        shard1 = c.clients[1]
-        call, sent = shard1._call, threading.Event()
-
-        def interrupted(name, request, timeout=None):
-            if name != "Push" or sent.is_set():
-                return call(name, request, timeout)
-            sent.set()
-            threading.Thread(target=call, args=(name, request, timeout), daemon=True).start()
-            wait_for(lambda: versions()[1] == 1, "shard 1 applying the push")
-            raise KeyboardInterrupt
-        shard1._call = interrupted
-        g = _grad(0)
-        with pytest.raises(KeyboardInterrupt):
-            c.push(g, clock=0)
-        shard1._call = call
+        g = _grad(0)  # shard 1's Push interrupted once its root applied it
+        _interrupted_once_placed(tree, c.clients[1], None, go=lambda: c.push(g, clock=0),
+                                 placed=lambda: versions()[1] == 1)
         assert c.push(g, clock=0)[0] == 1  # sent again: both shards answer with version 1
         assert versions() == [1, 1]  # applied once at each
         assert c.push(_grad(1), clock=1)[0] == 2  # and the next gradient is a push of its own
@@ -554,17 +555,8 @@ def test_ctrl_c_while_the_shards_push_waits_for_them_and_a_push_sent_again_is_ap
     pushes are waited for before Ctrl-C is raised, and every answered one is remembered."""
     import _thread
 
-    addresses = [tree.add(f"cc{i}", "global", shard=f"{i}/2") for i in range(2)]
-    job = JobConfig(name="cc", mode="async", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
-                    sharding=ShardingConfig(weights=(1.0, 1.0), block_elems=64))
-    c = ShardedClient(addresses, "cc", "w0", timeout_s=10, retry_s=30)
-
-    def versions() -> list[int]:
-        return [tree.lt.call(lambda i=i: tree.tier(f"cc{i}").jobs["cc"].view.version) for i in range(2)]
+    c, versions = _async_over_two_shards(tree, "cc")
     try:
-        c.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
-        c.register()
-        c.pull()
         slow = c.clients[1]
         call, once = slow._call, threading.Event()
 
