@@ -204,7 +204,10 @@ def _whole_record_after(f, start: int, size: int) -> int | None:
     pos, carry = start, b""
     while pos < size:
         f.seek(pos)
-        piece = carry + f.read(min(_CHUNK, size - pos))
+        data = f.read(min(_CHUNK, size - pos))
+        if not data:  # (shorter than it said)
+            break
+        piece = carry + data
         base = pos - len(carry)
         for magic in (MAGIC, SPARSE_MAGIC):
             i = piece.find(magic)
