@@ -160,18 +160,38 @@ class ShardedClient:
         self._minted = ""  # the job token shard 0 minted when this client created the job
 
     # -- what every shard does ------------------------------------------------------------
-    def _each(self, fn: Callable[[int, ParameterClient], T], pool: ThreadPoolExecutor | None = None) -> list[T]:
-        """``fn`` on every shard at once; the first failure is raised once all have finished."""
-        futures = [(pool or self._pool).submit(fn, i, c) for i, c in enumerate(self.clients)]
-        out, error = [], None
-        for f in futures:
+    def _each(self, fn: Callable[[int, ParameterClient], T], pool: ThreadPoolExecutor | None = None,
+              answered: dict[int, T] | None = None) -> list[T]:
+        """``fn`` on every shard at once; the first failure is raised once all have finished.
+        ``answered`` (a caller that must know every shard's outcome, also when one failed): filled
+        with each shard's result, and a Ctrl-C here waits for the shards still running before it
+        is raised (a second one leaves at once); without it, an interrupted shard runs on."""
+        out: dict[int, T] = {} if answered is None else answered
+        futures: list = []
+        error: BaseException | None = None
+        try:
+            for i, c in enumerate(self.clients):
+                futures.append((pool or self._pool).submit(fn, i, c))
+        except BaseException as exc:  # (Ctrl-C while starting them: those started are waited for)
+            if answered is None:
+                raise
+            error = exc
+        for i, f in enumerate(futures):
             try:
-                out.append(f.result())
-            except BaseException as exc:
+                out[i] = f.result()
+                continue
+            except BaseException as exc:  # the shard's failure, or Ctrl-C in this thread
                 error = error or exc
+                if answered is None:
+                    continue
+            try:  # interrupted while the shard's call runs on in the pool: waited for once more
+                out[i] = f.result()
+            except BaseException:
+                if not f.done():
+                    raise
         if error is not None:
             raise error
-        return out
+        return [out[i] for i in range(len(self.clients))]
 
     def _registered(self) -> ShardPlan:
         if self.plan is None:
@@ -339,36 +359,16 @@ class ShardedClient:
                 return c.push(parts[i], clock, clock_max=clock_max, base_version=held[1],
                               view_epoch=c.view.epoch, contributors=contributors, report=report,
                               pipelined=pipelined, step=sub)
-        futures = []
         answered: dict[int, tuple[int, int]] = {}
-        error: BaseException | None = None
         try:
-            for i, c in enumerate(self.clients):
-                futures.append(self._push_pool.submit(one, i, c))
-        except BaseException as exc:  # (Ctrl-C while starting them: those started are waited for)
-            error = exc
-        for i, f in enumerate(futures):
-            try:
-                answered[i] = f.result()
-                continue
-            except BaseException as exc:  # the shard's failure, or Ctrl-C in this thread
-                error = error or exc
-            # Interrupted, the shard's push runs on in the pool: its answer is waited for, so
-            # that a push the script sends again never runs beside it on that shard's client,
-            # and an answered one is remembered (a second interrupt leaves at once).
-            try:
-                answered[i] = f.result()
-            except BaseException:
-                if not f.done():
-                    raise
-        if error is not None:
+            results = self._each(one, self._push_pool, answered)
+        except BaseException:
             # The script hears an error for a push some shards applied: sent again, the same
             # gradient must get their versions there, not be applied a second time.
             if contributors and not pipelined:
                 for i, (v, _) in answered.items():
                     self.clients[i]._answered_unheard(parts[i], v)
-            raise error
-        results = [answered[i] for i in range(len(self.clients))]
+            raise
         versions = [v for v, _ in results]
         if self.config.mode == "bsp" and len(set(versions)) > 1:
             log.error("%s: the shards applied one push at versions %s (a round aborted at some shards "
