@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from ps.core.config import ServerConfig
 from ps.core.types import LogMessage
 from ps.tiers.root import Root
@@ -95,3 +97,45 @@ def test_a_forced_promotion_of_a_standby_not_in_sync_starts_a_new_lineage(tmp_pa
     assert term == 4 and epoch == view_epoch != 0xE0E0 and logged == 0
     term, epoch, view_epoch, logged = asyncio.run(promote(synced=True))
     assert term == 4 and epoch == view_epoch == 0xE0E0 and logged == 1
+
+
+def test_a_standby_waits_for_a_checkpoint_still_being_written_before_it_wipes_that_job(tmp_path):
+    """A checkpoint of job "lm" a record before started in a thread; the primary then says the
+    job ended (or sends its state again, or a new "hello"). A writer that finished after the wipe
+    put back a checkpoint of a state the primary no longer holds, which this root, once promoted,
+    restored. The wipe waits for the writer."""
+    import json
+    import threading
+    from pathlib import Path
+
+    from ps.tiers import checkpoint
+    from ps.tiers.standby import Standby
+
+    async def end_while_writing() -> tuple[bool, list[str]]:
+        root = Root(ServerConfig(role="global", checkpoint_dir=str(tmp_path), lease_s=1.0))
+        root.state = "standby"
+        standby = Standby(root, "127.0.0.1:1")
+        job_dir = Path(root._job_dir("lm"))
+        started, release = threading.Event(), threading.Event()
+
+        def slow_save() -> None:  # the writer, stalled on a slow disk until the wipe was asked for
+            started.set()
+            release.wait(10)
+            checkpoint.save(job_dir, 7, {"values": np.zeros(3, np.float32)}, {"job": "lm"})
+
+        task = asyncio.create_task(asyncio.to_thread(slow_save))
+        task.job = "lm"  # as Root._checkpoint names its tasks
+        root._ckpt_tasks.add(task)
+        task.add_done_callback(root._ckpt_tasks.discard)
+        await asyncio.to_thread(started.wait, 10)
+        handled = asyncio.create_task(standby._handle(LogMessage("ended", job="lm", data=json.dumps(
+            {"version": 7, "why": "done"}).encode())))
+        await asyncio.sleep(0.3)
+        waited = not handled.done()
+        release.set()
+        await asyncio.wait_for(handled, 10)
+        return waited, sorted(p.name for p in job_dir.iterdir())
+
+    waited, left = asyncio.run(end_while_writing())
+    assert waited
+    assert left == ["ENDED"], left   # the late checkpoint was wiped with the rest, not left behind

@@ -580,3 +580,26 @@ def test_a_segment_found_at_recovery_has_its_directory_entry_made_durable_before
     wal.append(WalRecord(2, 1, 0, np.ones(3, np.float32)))
     assert calls == [tmp_path]  # once per segment, not per record
     wal.close()
+
+
+def test_a_segment_whose_close_fails_at_rotation_loses_nothing_and_the_next_append_starts_anew(tmp_path):
+    """``rotate`` runs in the checkpoint task, after the version was acknowledged: a failed close
+    must not raise there (every record was fsync'ed at its append), and must lose no record."""
+    wal = WriteAheadLog(tmp_path)
+    wal.append(_rec(1))
+    real = wal._file
+
+    class FailingClose:  # the open segment's file, whose close reports EIO
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def close(self):
+            real.close()
+            raise OSError(errno.EIO, "Input/output error (simulated)")
+
+    wal._file = FailingClose()
+    wal.rotate(next_version=2)       # raises nothing
+    wal.append(_rec(2))
+    wal.close()
+    assert [s.name for _, s in WriteAheadLog(tmp_path).segments()] == ["wal-000000000001.log", "wal-000000000002.log"]
+    assert [r.version for r in WriteAheadLog(tmp_path).records(after=0)] == [1, 2]
