@@ -92,7 +92,7 @@ async def _settle_read(read: asyncio.Future) -> None:
 
 class Upstream:
     def __init__(self, address: str, member: str, role: str, incarnation: int, own_address: str = "",
-                 timeout_s: float = 10.0, tls: TlsFiles | None = None) -> None:
+                 timeout_s: float = 10.0, tls: TlsFiles | None = None, admin_token: str | None = None) -> None:
         self.address = address
         self.parents = address_list(address) or (address,)
         self.index = 0                 # which of ``parents`` the calls go to
@@ -110,6 +110,10 @@ class Upstream:
         self.job_tokens: dict[str, str] = {}      # job -> the token its parent accepted (memory only)
         self.token_hashes: dict[str, bytes] = {}  # job -> SHA-256 of its token (b"": parent has none)
         self.minted: dict[str, str] = {}          # job -> token minted by a forwarded CreateJob
+        # The admin token this relay's tier holds (every tier of a deployment holds the same), on
+        # heartbeats only: it makes the parent record this relay's address for `hps status` to
+        # visit. Never on calls made for a child (a register would admit it to any job).
+        self.admin_token = admin_token
         self._tls = tls  # this relay's certificate, shown to its parent
         self._rpc = AsyncCaller(self.parents[0], tls)
         self._retired: list[AsyncCaller] = []  # earlier parents' links: calls in flight finish there
@@ -223,6 +227,8 @@ class Upstream:
 
     async def heartbeat(self, jobs: list[str]) -> tuple[int, list[str]]:
         held = tuple(dict.fromkeys(self.job_tokens[j] for j in jobs if j in self.job_tokens))
+        if self.admin_token:
+            held += (self.admin_token,)
         r = await self._call("Heartbeat", pb.HeartbeatRequest(
             member=self.member, jobs=jobs, server_epoch=self.server_epoch, role=ROLE[self.role],
             address=self.own_address), tokens=held)

@@ -271,7 +271,9 @@ def guard_for(config, tier) -> Guard:
         guard = Guard(admin, store=store)
         tier.tokens = guard  # the root sends job tokens' hashes to its standby (ps.tiers.root)
     else:
-        guard = Guard(admin, hashes_from=tier.parent_link().token_hashes)
+        link = tier.parent_link()
+        guard = Guard(admin, hashes_from=link.token_hashes)
+        link.admin_token = admin  # shown on its heartbeats: the parent lists it for `hps status`
     if not guard.enabled:
         log.warning("%s %s: NO ADMIN TOKEN (--admin-token-file): this tier accepts every call from anyone "
                     "who can reach it, without a token; run it so only on a trusted network",

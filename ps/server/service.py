@@ -232,6 +232,12 @@ class _Servicer:
     def _check_job(self, context, job: str, relay_role: bool = False) -> None:
         self.guard.check_job(_tokens(context), job, relay_identity(context) if relay_role else None)
 
+    def _trusted(self, context) -> bool:
+        """The caller is a relay (a verified relay certificate) or the admin, or every caller is
+        trusted here (no admin token): the addresses it reports may be visited with the admin token."""
+        return (not self.guard.enabled or relay_identity(context) is not None
+                or self.guard.is_admin(_tokens(context)))
+
     def _check_child(self, context, member: str, role: str) -> None:
         """With mTLS, a relay child must hold a relay certificate naming it (ps.server.peers)."""
         check_relay_child(context, member, role, self.tier.children, self.tier.config.display_name,
@@ -255,10 +261,16 @@ class _Servicer:
             if attached:  # refused: not attached for it (it held the parent's rounds of the job)
                 await self.tier.detach(req.job)  # type: ignore[attr-defined]
             raise
+        # A relay's address is one `hps status` visits with the admin token: kept only from a
+        # caller that is a relay (its certificate) or the admin. Over plaintext a job token's
+        # holder registered as a "zone" at an address of theirs, and collected the admin token
+        # there (security review). A relay shows itself by heartbeat (``Upstream.heartbeat``).
+        address = reachable_address(req.address[:256], context.peer())
+        if relay_role and not self._trusted(context):
+            address = ""
         with self.rpc.timed("register") as timing:
             timing.job = req.job
-            reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role],
-                                           reachable_address(req.address[:256], context.peer()),
+            reg = await self.tier.register(req.job, req.member, ROLE_NAME[req.role], address,
                                            req.last_seq, req.incarnation)
         return pb.RegisterReply(
             config=job_to_pb(reg.config), keys=layout_to_pb(reg.layout), server_epoch=reg.server_epoch,
@@ -279,17 +291,17 @@ class _Servicer:
             if self.guard.knows(job):
                 self._check_job(context, job, ROLE_NAME.get(req.role, "worker") != "worker")
                 checked.append(job)
-        trusted = (not self.guard.enabled or relay_identity(context) is not None
-                   or self.guard.is_admin(_tokens(context)))
+        trusted = self._trusted(context)
         # A job this tier cannot check the caller's token for (the root holds no token for it:
         # the admin's alone) is not kept alive by an unchecked caller: a token-less heartbeat
         # naming a dead member kept it in the round until the round timeout.
         jobs = list(req.jobs) if trusted else checked
         address = reachable_address(req.address, context.peer())
-        if not trusted and not checked:
-            # A heartbeat naming no job needs no token: over plaintext anyone could list an
-            # address of theirs as a relay child here, and `hps status` walking the tree sent
-            # the admin token there. A child's address comes only from a caller checked.
+        if not trusted:
+            # `hps status` walks a relay child's address with the admin token: over plaintext
+            # anyone (a heartbeat naming no job needs no token), or a job token's holder, could
+            # list an address of theirs and collect it there. A relay's heartbeat presents the
+            # admin token its tier holds (``Upstream.admin_token``), or its certificate.
             address = ""
         unknown = self.tier.heartbeat(check_member(req.member), jobs, ROLE_NAME.get(req.role, "worker"), address)
         return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import logging
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -200,6 +201,43 @@ def test_a_workers_registered_address_is_not_visited_by_hps_status_and_no_child_
     finally:
         w.close()
     assert visited == [root]
+
+
+def test_a_job_token_holder_posing_as_a_relay_is_not_visited_by_hps_status_and_a_real_relay_is(tree, tmp_path):
+    """Over plaintext the root cannot tell a zone from a job token's holder who says it is one:
+    registered and heartbeating as a "zone" at an address of theirs, with the job's token, they
+    were visited by `hps status` with the admin token (security review). Only the addresses a
+    relay certificate or the admin token vouches for are visited; a real zone, whose heartbeats
+    present the admin token its tier holds, still is."""
+    from ps.tools.status import walk
+    admin_file = tmp_path / "admin"
+    admin_file.write_text(ADMIN + "\n")
+    tree.add("root", "global", admin_token_file=str(admin_file))
+    root = tree.addr("root")
+    zone = tree.add("eu-a", "zone", parent="root", admin_token_file=str(admin_file))
+    w = ParameterClient(root, job="walk", worker_id="w0", token=ADMIN)
+    z = None
+    try:
+        w.create_job(_job("walk"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+        z = ParameterClient(zone, job="walk", worker_id="wz", token=w.minted)
+        z.register()  # the zone registers with the root for the job, and heartbeats
+        with Caller(root, token=w.minted) as rpc:
+            rpc.call("Register", pb.RegisterRequest(job="walk", member="collector", role=pb.ROLE_ZONE,
+                                                    address="203.0.113.9:7000", incarnation=9), 5)
+            rpc.call("Heartbeat", pb.HeartbeatRequest(member="collector", role=pb.ROLE_ZONE, jobs=["walk"],
+                                                      address="203.0.113.9:7001"), 5)
+        for _ in range(100):  # the zone's first heartbeat (every heartbeat_s)
+            if any(c.member == "eu-a" for c in fetch_status(root, token=ADMIN).children):
+                break
+            time.sleep(0.1)
+        visited = [address for _, address, _, _ in walk(root, token=ADMIN)]
+        members = {m.member: m.address for j in fetch_status(root, token=ADMIN).jobs for m in j.members}
+    finally:
+        w.close()
+        if z is not None:
+            z.close()
+    assert visited == [root, zone], visited
+    assert members["collector"] == "", members   # its registration counts; its address is not listed
 
 
 def test_a_heartbeat_without_a_token_keeps_no_member_of_an_admin_only_job_alive(tree, tmp_path):
