@@ -41,7 +41,7 @@ from ps.net.wire import RELAY_READY, stubs
 
 __all__ = ["MAX_MESSAGE", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "status_of", "trailers",
            "error_from", "abort", "bearer", "bearer_tokens", "FORWARDED", "Caller", "AsyncCaller",
-           "cannot_connect", "RELAY_CHECK", "relay_check", "relay_check_failed"]
+           "cannot_connect", "cancelled_here", "RELAY_CHECK", "relay_check", "relay_check_failed"]
 
 MAX_MESSAGE = 16 * 1024 * 1024
 _SIZE = [("grpc.max_send_message_length", MAX_MESSAGE + 4096),
@@ -315,6 +315,20 @@ class Caller:
         self.close()
 
 
+def cancelled_here() -> Unavailable:
+    """What a call that grpc.aio cancelled on this side, without this task being cancelled, is:
+    its channel was closed under it (a retired parent's, a certificate rotation), so it never
+    got its answer and its outcome is unknown -- retried, as a broken connection is. Raised as
+    asyncio.CancelledError it ended the task awaiting it (a relay's forward, whose children then
+    waited for good). Call it in ``except asyncio.CancelledError``: it re-raises when the task
+    itself is being cancelled."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    return Unavailable("the call was cancelled on this side before its answer (its channel was closed); "
+                       "its outcome is unknown")
+
+
 class Outgoing:
     """A client-streamed call being written (``AsyncCaller.open``); gRPC errors become hps ones.
     A call cancelled is never taken for a whole one: the server sees no end of its stream."""
@@ -325,6 +339,8 @@ class Outgoing:
     async def write(self, frame: bytes) -> None:
         try:
             await self._call.write(frame)
+        except asyncio.CancelledError:
+            raise cancelled_here() from None
         except (grpc.RpcError, asyncio.InvalidStateError):
             # The server answered already (a refusal; grpc.aio raises InvalidStateError for a
             # write to a call that has ended): its status, not this write's error.
@@ -335,6 +351,8 @@ class Outgoing:
         try:
             await self._call.done_writing()
             return await self._call
+        except asyncio.CancelledError:
+            raise cancelled_here() from None
         except grpc.RpcError as err:
             raise error_from(err) from None
 
@@ -367,6 +385,8 @@ class AsyncCaller:
     async def call(self, name: str, request: Any, timeout: float, tokens: Iterable[str] = ()) -> Any:
         try:
             return await (await self._stubs())[name](request, timeout=timeout, metadata=bearer(tokens))
+        except asyncio.CancelledError:
+            raise cancelled_here() from None
         except grpc.RpcError as err:
             raise error_from(err) from None
 
@@ -374,6 +394,8 @@ class AsyncCaller:
         try:
             return [m async for m in (await self._stubs())[name](request, timeout=timeout,
                                                                  metadata=bearer(tokens))]
+        except asyncio.CancelledError:
+            raise cancelled_here() from None
         except grpc.RpcError as err:
             raise error_from(err) from None
 
@@ -382,6 +404,8 @@ class AsyncCaller:
         child's stream on): ``write`` each, then ``finish`` for the reply, or ``cancel``."""
         return Outgoing((await self._stubs())[name](timeout=timeout, metadata=bearer(tokens)))
 
-    async def close(self) -> None:
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channels; calls still in flight get ``grace`` seconds to end first (None:
+        cancelled at once, which they report as ``cancelled_here``)."""
         for ch in self._ch.retired + [self._ch.channel]:
-            await ch.close()
+            await ch.close(grace)

@@ -60,7 +60,15 @@ from ps.net.messages import (
     rank_from_pb,
     shards_to_pb,
 )
-from ps.net.rpc import FORWARDED, RELAY_CHECK, AsyncCaller, cannot_connect, relay_check, relay_check_failed
+from ps.net.rpc import (
+    FORWARDED,
+    RELAY_CHECK,
+    AsyncCaller,
+    cancelled_here,
+    cannot_connect,
+    relay_check,
+    relay_check_failed,
+)
 from ps.net.tls import TlsFiles
 from ps.net.wire import decode_pull_reply, encode_create_job, keys_to_pb, pb
 
@@ -142,6 +150,8 @@ class Upstream:
             self._probe = AsyncCaller(address, self._tls)
         try:
             r = await relay_check(self._probe.channel)(RELAY_CHECK, timeout=timeout)
+        except asyncio.CancelledError:  # its channel closed under it (a switch): no answer
+            raise cancelled_here() from None
         except grpc.RpcError as err:
             return relay_check_failed(err)
         return r.status == health_pb2.HealthCheckResponse.SERVING
@@ -161,7 +171,8 @@ class Upstream:
         error that is not the parent's answer)."""
         old = self._rpc
         while len(self._retired) > 2:  # bounded: a flapping pair must not pile up channels
-            self._closing.add(task := asyncio.ensure_future(self._retired.pop(0).close()))
+            # (a call still in flight there has a call's time to end before it is cut)
+            self._closing.add(task := asyncio.ensure_future(self._retired.pop(0).close(grace=self.timeout_s)))
             task.add_done_callback(self._closing.discard)
         self._retired.append(old)
         self.index = (self.index + 1) % len(self.parents) if to is None else to

@@ -184,8 +184,14 @@ class Tier(Membership):
             js.stats.duplicates += 1
             return replace(book.ack_of(meta.seq), duplicate=True)
         pkey = (meta.sender, meta.incarnation, meta.seq)
-        if kind == "pending":  # the same push is still in a batch: share its outcome
-            return replace(await asyncio.shield(js.pending[pkey]), duplicate=True)
+        if kind == "pending":  # the same push is still in a batch: share its outcome (as long
+            # as a push waits for its round: a forward that never ended held this retry for good)
+            try:
+                return replace(await wait_for(asyncio.shield(js.pending[pkey]), self.config.round_timeout_s),
+                               duplicate=True)
+            except asyncio.TimeoutError:
+                raise TimedOut(f"the push this one retries is still in its {'round' if js.bsp else 'window'} "
+                               f"after {self.config.round_timeout_s:.0f}s; it stays there") from None
         if not intake.decoded and meta.contributors:
             # It was a retry of a pending push when its header came; that batch failed since.
             raise Unavailable("the push this one retries was refused while it arrived; send it again")

@@ -176,3 +176,43 @@ def test_a_child_registering_while_the_relay_leaves_its_parent_finds_it_attached
     v, _ = second.push(np.ones(LAYOUT.numel, np.float32), clock=0)
     assert v == 1
     second.close()
+
+
+def test_a_forward_whose_channel_is_closed_under_it_is_sent_again_not_left_unanswered(tree):
+    """grpc.aio ends a call whose channel is closed (a relay retiring an old parent's channel
+    after a few switches, a certificate rotation) with asyncio.CancelledError. That escaped the
+    relay's forward, so the round's batch was never answered: its workers' pushes timed out and
+    their retries waited on it for good (review). It is an unknown outcome now, retried under
+    the same number, and the round completes once its other member pushes."""
+    from ps.net.rpc import AsyncCaller
+
+    tree.add("root", "global", round_timeout_s=30.0)
+    zone = tree.add("eu-a", "zone", parent="root", round_timeout_s=30.0)
+    job = JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    below = ParameterClient(zone, "j", "w-zone", timeout_s=40, retry_s=20)
+    direct = ParameterClient(tree.addr("root"), "j", "w-root", timeout_s=40, retry_s=20)
+    below.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    below.register()
+    direct.register()
+    answers: list = []
+    pushing = threading.Thread(target=lambda: answers.append(below.push(np.ones(LAYOUT.numel, np.float32))))
+    pushing.start()
+    root_job = lambda: tree.tier("root").jobs["j"]  # noqa: E731
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not tree.lt.call(lambda: root_job().round.pushed):
+        time.sleep(0.05)  # the zone's forward waits in the root's round for the direct worker
+    assert tree.lt.call(lambda: root_job().round.pushed), "the zone's forward never reached the root"
+
+    async def close_under_it():
+        up = tree.tier("eu-a").up
+        old, up._rpc = up._rpc, AsyncCaller(up.current)
+        await old.close()  # no grace: the forward's call is cancelled on the zone's side
+    tree.lt.run(close_under_it())
+    time.sleep(0.5)
+    direct.push(np.ones(LAYOUT.numel, np.float32))
+    pushing.join(timeout=30)
+    assert not pushing.is_alive(), "the push through the zone was never answered"
+    assert answers and answers[0][0] == 1, answers
+    assert tree.view("root", "j")[1] == 1  # applied once
+    below.close()
+    direct.close()
