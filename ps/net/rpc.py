@@ -122,6 +122,14 @@ def error_from(err: grpc.RpcError) -> HpsError:
         # of going to the standby.
         return Unavailable(f"{details} (gRPC, not the peer: the connection broke while the call was "
                            "sent; its outcome is unknown)")
+    if named is None and code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
+        # Not a tier's answer either (a tier names every refusal, its own bugs as Internal):
+        # gRPC's for a stream reset under the call ("Stream removed"), a server shutting down
+        # with the call in flight. Passed down as final, a relay's forward was reported to its
+        # workers as refused while its parent applied it, and the next round, a different sum
+        # under the same number, was refused as a Conflict for good (review).
+        return Unavailable(f"{details} (gRPC {code.name}, not the peer's answer: the call broke in transit; "
+                           "its outcome is unknown)")
     cls = named or _BY_CODE.get(code.name, HpsError)
     if cls is Stale:
         wait, epoch = meta.get("hps-wait-version"), meta.get("hps-epoch")

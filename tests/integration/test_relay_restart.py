@@ -216,3 +216,50 @@ def test_a_forward_whose_channel_is_closed_under_it_is_sent_again_not_left_unans
     assert tree.view("root", "j")[1] == 1  # applied once
     below.close()
     direct.close()
+
+
+def test_a_forward_broken_in_transit_with_a_grpc_status_is_retried_not_reported_refused(tree):
+    """A forward whose stream was reset under it (gRPC UNKNOWN "Stream removed", no hps error
+    named) while its parent applied it was passed to the workers as a final refusal; the next
+    round, another sum under the same number, was then refused as a Conflict for good (review).
+    It is an unknown outcome now: sent again under its number, answered with its version."""
+    import grpc
+
+    from ps.net.rpc import error_from
+
+    class Reset(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNKNOWN
+
+        def details(self):
+            return "Stream removed"
+
+        def trailing_metadata(self):
+            return ()
+
+    tree.add("root", "global")
+    zone = tree.add("eu-a", "zone", parent="root")
+    job = JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    w = ParameterClient(zone, "j", "w0", timeout_s=20, retry_s=10)
+    w.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    w.pull(min_version=0)
+    up = tree.tier("eu-a").up
+    real, delivered = up.push, []
+
+    async def reset_once(frames, **kw):
+        if not delivered:  # the parent gets it and applies it; the answer is lost on the way back
+            delivered.append(await real(frames, **kw))
+            raise error_from(Reset())
+        return await real(frames, **kw)
+    tree.lt.call(lambda: setattr(up, "push", reset_once))
+    g = np.ones(LAYOUT.numel, np.float32)
+    for step in range(3):
+        version, _ = w.push(g, clock=step)
+        assert version == step + 1
+        w.pull(min_version=version)
+    assert delivered and delivered[0].applied_version == 1
+    root = tree.view("root", "j")
+    assert root[1] == 3  # each step applied once
+    assert (w.view.version, w.view.checksum) == root[1:3]
+    w.close()

@@ -36,6 +36,17 @@ def test_an_hps_peers_answer_keeps_its_error_and_grpcs_own_internal_is_a_broken_
     assert type(error_from(_Failed(grpc.StatusCode.INTERNAL, "Exception deserializing request!"))) is Internal
 
 
+def test_a_call_broken_in_transit_is_an_unknown_outcome_and_a_peers_unknown_is_its_answer():
+    """A stream reset under the call (UNKNOWN "Stream removed", grpc/grpc#34076) or a server
+    shutting down with it in flight (CANCELLED) is not the parent's answer: a relay passed it to
+    its workers as final while the parent had applied the push (review). An hps tier names its
+    answers in a trailer (its own bugs as Internal), so those stay what they say."""
+    for code, details in ((grpc.StatusCode.UNKNOWN, "Stream removed"), (grpc.StatusCode.CANCELLED, "Cancelled")):
+        err = error_from(_Failed(code, details))
+        assert isinstance(err, Unavailable) and "outcome is unknown" in str(err), (code, err)
+    assert type(error_from(_Failed(grpc.StatusCode.INTERNAL, "bug", trailers(Internal("bug"))))) is Internal
+
+
 def test_a_client_streamed_write_after_the_servers_answer_raises_that_answer():
     """``Outgoing`` (a relay passing a child's CreateJob on): the server refused at the first
     frame, without reading the rest. grpc.aio raises InvalidStateError for a write to an ended
