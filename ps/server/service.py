@@ -249,6 +249,7 @@ class _Servicer:
             raise BadInput(f"register needs the role of a worker, zone or regional master, not enum value {req.role}")
         self._check_child(context, req.member, ROLE_NAME[req.role])
         relay_role = ROLE_NAME[req.role] != "worker"
+        self.tier.check_register(req.job, req.member, req.incarnation)  # before the parent is joined
         attached = False
         if self.relay and self.guard.enabled and not self.guard.knows(req.job):
             # Join the parent first (it checks the tokens this call presented) to learn the
@@ -259,7 +260,7 @@ class _Servicer:
             self._check_job(context, req.job, relay_role)
         except HpsError:
             if attached:  # refused: not attached for it (it held the parent's rounds of the job)
-                await self.tier.detach(req.job)  # type: ignore[attr-defined]
+                await self.tier.detach(req.job, refused=True)  # type: ignore[attr-defined]
             raise
         # A relay's address is one `hps status` visits with the admin token: kept only from a
         # caller that is a relay (its certificate) or the admin. Over plaintext a job token's

@@ -235,25 +235,36 @@ class Relay(ParentLink, Tier):
                            "retry shortly")
         return task.result()
 
-    async def detach(self, job: str) -> None:
+    async def detach(self, job: str, refused: bool = False) -> None:
         """Undo ``attach`` for a child refused here (its credentials, after the parent's reply
         told the server the job's token hash, or its registration): a relay attached with no
         child would hold the parent's rounds for the job until its heartbeats stopped, which
         they never do, and a token it kept from that call that is not the job's is the refused
-        caller's."""
+        caller's. ``refused``: the caller was refused; a job no child ever joined here is then
+        forgotten whole, so a stranger cannot have a relay copy a job of their choosing across
+        the WAN and hold it in memory."""
         held = self.up.job_tokens.get(job)
         if held is not None and hashlib.sha256(held.encode()).digest() != self.up.token_hashes.get(job):
             del self.up.job_tokens[job]
         js = self.jobs.get(job)
         if js is not None and len(js.members) == 0:
-            await self._members_changed(js)
+            await self._members_changed(js)  # leaves the parent's rounds
+        if refused and js is not None:
+            async with self._locks.hold(job):  # a child's attach meanwhile keeps it
+                st = js.stats
+                if (self.jobs.get(job) is js and job not in self.attached and len(js.members) == 0
+                        and st.members_left + st.members_expired + st.members_replaced == 0):
+                    del self.jobs[job]  # its follow loop ends with its next pull
+                    self.up.token_hashes.pop(job, None)
+                    self.up.job_tokens.pop(job, None)
+                    log.info("%s: forgot job %s: the caller that brought it here was refused", self.role, job)
 
     async def register(self, job: str, member: str, role: str, address: str, last_seq: int,
                        incarnation: int) -> Registration:
         try:
             return await super().register(job, member, role, address, last_seq, incarnation)
         except HpsError:
-            await self.detach(job)  # joined the parent for a child refused here
+            await self.detach(job, refused=True)  # joined the parent for a child refused here
             raise
 
     async def _members_changed(self, js: RelayJob) -> None:

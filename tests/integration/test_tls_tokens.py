@@ -132,3 +132,52 @@ def test_a_zone_moves_back_to_its_restarted_regional_master_with_tokens(tree, tm
         assert np.allclose(w.view.values, -0.5)  # sgd, lr 0.1, five steps of ones, one worker
     finally:
         w.close()
+
+
+def test_a_caller_refused_at_a_zone_leaves_no_copy_of_the_job_there(tree, tmp_path, monkeypatch):
+    """Under mutual TLS the root admits a zone for any job on its relay certificate, so a zone
+    asked to register a job it never held joins the root for it first, to learn its token hash,
+    then checks the caller. Refused callers (a cluster certificate with another job's token, or
+    a valid token with no incarnation) left the zone following that job -- a snapshot, then
+    every delta, across the WAN, held whole in its memory -- for as long as it ran (review)."""
+    from ps.core.errors import BadInput
+    from ps.net.rpc import Caller
+    from ps.net.wire import pb
+
+    certs = init_certs(tmp_path / "certs", TOPOLOGY, workers=["w0", "admin"])
+    admin_file = tmp_path / "admin-token"
+    admin_file.write_text(ADMIN + "\n")
+
+    def secure(name, role, parent=""):
+        f = certs[name]
+        return tree.add(name, role, parent=parent, tls_cert=f.cert, tls_key=f.key, tls_ca=f.ca,
+                        admin_token_file=str(admin_file))
+
+    root = secure("root", "global")
+    zone = secure("eu-a", "zone", parent="root")
+    for var, path in (("CERT", certs["admin"].cert), ("KEY", certs["admin"].key), ("CA", certs["admin"].ca)):
+        monkeypatch.setenv(f"HPS_TLS_{var}", path)  # fetch_status's certificate
+    maker = ParameterClient(root, "a", "admin", timeout_s=10, retry_s=5, tls=certs["admin"], token=ADMIN)
+    maker.create_job(_job("a"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    maker2 = ParameterClient(root, "c", "admin", timeout_s=10, retry_s=5, tls=certs["admin"], token=ADMIN)
+    maker2.create_job(_job("c"), LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    token_a, token_c = maker.minted, maker2.minted
+    maker.close()
+    maker2.close()
+    held = lambda: tree.lt.call(lambda: sorted(tree.tier("eu-a").jobs))  # noqa: E731
+    stranger = ParameterClient(zone, "c", "w0", timeout_s=5, retry_s=1, tls=certs["w0"], token=token_a)
+    with pytest.raises((PermissionDenied, Unauthenticated)):
+        stranger.register()
+    stranger.close()
+    assert held() == [], held()
+    with Caller(zone, certs["w0"], token_c) as rpc, pytest.raises(BadInput, match="incarnation"):
+        rpc.call("Register", pb.RegisterRequest(job="c", member="w0", role=pb.ROLE_WORKER), 5)
+    assert held() == [], held()
+    wait_for(lambda: not [m for j in fetch_status(root, token=ADMIN).jobs if j.name == "c" for m in j.members],
+             "the zone to leave the root's rounds of c")
+    w = ParameterClient(zone, "c", "w0", timeout_s=10, retry_s=5, tls=certs["w0"], token=token_c)
+    try:
+        w.register()  # the job's own token still joins it there
+        assert held() == ["c"]
+    finally:
+        w.close()
