@@ -287,16 +287,15 @@ class _Servicer:
         if ROLE_NAME.get(req.role) == "global":
             raise BadInput("a heartbeat needs the role of a worker, zone or regional master, not a global root's")
         self._check_child(context, req.member, ROLE_NAME.get(req.role, "worker"))
-        checked: list[str] = []
-        for job in req.jobs:  # every job it names that this tier can check (see ps.server.auth)
-            if self.guard.knows(job):
-                self._check_job(context, job, ROLE_NAME.get(req.role, "worker") != "worker")
-                checked.append(job)
+        # Every job it names that this tier can check (see ps.server.auth), each once.
+        relay_role = ROLE_NAME.get(req.role, "worker") != "worker"
+        checked = self.guard.check_known(_tokens(context), list(req.jobs),
+                                         relay_identity(context) if relay_role else None)
         trusted = self._trusted(context)
         # A job this tier cannot check the caller's token for (the root holds no token for it:
         # the admin's alone) is not kept alive by an unchecked caller: a token-less heartbeat
         # naming a dead member kept it in the round until the round timeout.
-        jobs = list(req.jobs) if trusted else checked
+        jobs = list(dict.fromkeys(req.jobs)) if trusted else checked
         address = reachable_address(req.address, context.peer())
         if not trusted:
             # `hps status` walks a relay child's address with the admin token: over plaintext

@@ -303,3 +303,27 @@ def test_job_tokens_survive_a_root_kill_9(tmp_path):
         assert {r["config"].name for r in jobctl.list_jobs(addr, ADMIN)} == {"a", "b"}
         logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
         assert not [s for s in (ADMIN, token_a, token_b) if s in logs]
+
+
+def test_checking_a_heartbeat_hashes_each_token_once_whatever_it_names(monkeypatch):
+    """A heartbeat names up to 1000 jobs and presents as many tokens as gRPC's metadata holds:
+    each job's check hashed every token, twice, so one job token's holder could send ~10^5
+    SHA-256s per call to the root's event loop and starve every other call (review). The
+    tokens are hashed once per call now; the outcome is unchanged."""
+    import ps.server.auth as auth
+
+    guard = auth.Guard(ADMIN)
+    token = guard.mint("j")
+    guard.mint("other")
+    hashed = []
+    real = auth.digest
+    monkeypatch.setattr(auth, "digest", lambda t: hashed.append(t) or real(t))
+    junk = tuple(f"junk-{i}" for i in range(200))
+    assert guard.check_known(junk + (token,), ["j"] * 1000 + ["unknown"]) == ["j"]
+    assert len(hashed) == len(junk) + 1, len(hashed)
+    with pytest.raises(Unauthenticated):
+        guard.check_known(junk, ["j"] * 1000)
+    with pytest.raises(PermissionDenied):  # another job's token: said so
+        guard.check_known((guard.mint("third"),), ["j"])
+    assert guard.check_known((ADMIN,), ["j", "other"]) == ["j", "other"]
+    assert guard.check_known((), ["unknown"]) == []
