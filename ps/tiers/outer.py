@@ -152,15 +152,32 @@ class OuterRelay(OuterSync, Relay):
         js = await self._job_for_register(job)
         if not runs_inner(js.config, self.role):
             return await super().register(job, member, role, address, last_seq, incarnation)
-        inner = await self._ensure_inner(js)
-        await self._rejoin(js, inner)
         try:
+            inner = await self._ensure_inner(js)
+            await self._rejoin(js, inner)
             return await inner.register(job, member, role, address, last_seq, incarnation)
         except HpsError:
-            ijs = inner.jobs.get(job)
-            if ijs is not None and len(ijs.members) == 0:  # nobody here: do not hold the root's rounds
-                await self.inner_empty(job)
+            await self._leave_if_no_child(job)
             raise
+
+    async def _leave_if_no_child(self, job: str) -> None:
+        """A child's registration failed here after the region joined the root's job for it
+        (torch still loading, no outer view yet, a refusal): with no child in the region, leave
+        the root's rounds, which would otherwise wait for this region's syncs -- every region's
+        synchronous outer rounds, for good, while the heartbeats kept the region a member."""
+        ijs = self.inner.jobs.get(job) if self.inner is not None else None
+        if ijs is not None and len(ijs.members) > 0:
+            return
+        st = self.outer.get(job)
+        if st is not None and not st.detached:
+            await self.inner_empty(job)  # its steps since the last sync go up first
+            return
+
+        def nobody() -> bool:  # (asked again under the job's attach lock)
+            held = self.inner.jobs.get(job) if self.inner is not None else None
+            now = self.outer.get(job)
+            return (held is None or len(held.members) == 0) and (now is None or now.detached)
+        await self._leave_parent(job, nobody)
 
     async def _ensure_inner(self, ojs: RelayJob) -> InnerRoot:
         """Make the region's inner job from the outer view (its first child, or after a restart)."""

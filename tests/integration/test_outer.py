@@ -1183,3 +1183,43 @@ def test_a_failed_inner_loop_starts_again_only_once_its_sync_in_flight_has_lande
         gate.set()
         eu.after_inner_version, eu._round_trip = after, round_trip
         ones.close()
+
+
+def test_a_region_whose_first_child_could_not_join_does_not_hold_the_other_regions(tree):
+    """A regional master joins the root's job for its first child before it makes the region's
+    inner loop; when making it failed (torch still loading, no outer view yet: NotReady) and
+    that child never came back, the region stayed a member at the root, kept alive by its
+    heartbeats, and every synchronous outer round waited for its syncs: the other regions
+    stopped for good (review). It leaves the root's rounds again."""
+    from ps.core.errors import NotReady
+    from ps.net.rpc import Caller
+    from ps.net.wire import pb
+
+    tree.add("root", "global", round_timeout_s=20.0)
+    tree.add("eu", "regional", parent="root")
+    tree.add("us", "regional", parent="root")
+    eu_zone, us_zone = (tree.add(f"{r}-a", "zone", parent=r) for r in ("eu", "us"))
+    job = JobConfig(name="lone", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
+                    outer=OuterConfig(inner_steps=2, codec="fp32", delta_codec="fp32"))
+    us = tree.tier("us")
+    real, failed = us._ensure_inner, []
+
+    async def not_yet(ojs):
+        if not failed:
+            failed.append(1)
+            raise NotReady("loading (injected)")
+        return await real(ojs)
+    tree.lt.call(lambda: setattr(us, "_ensure_inner", not_yet))
+    model = _model()
+    x, y = mlp_batches(4, PER_WORKER)
+    with HpsOptimizer(model, eu_zone, job, worker_id="eu-w", timeout_s=20) as opt:
+        with Caller(us_zone) as rpc, pytest.raises(HpsError, match="loading"):  # us's only worker, once
+            rpc.call("Register", pb.RegisterRequest(job="lone", member="us-w", role=pb.ROLE_WORKER,
+                                                    incarnation=7), 10)
+        wait_for(lambda: tree.lt.call(lambda: [m.id for m in tree.tier("root").jobs["lone"].members]) == ["eu"],
+                 "us to leave the root's rounds")
+        for s in range(4):  # two syncs of eu's, each a synchronous outer round
+            opt.zero_grad()
+            _loss(model, x[s], y[s]).backward()
+            assert opt.step().applied
+    assert tree.view("root", "lone")[1] >= 2
