@@ -338,6 +338,14 @@ class Relay(ParentLink, Tier):
         if js.config.outer is None or js.config.outer.inner_tier != self.role:
             await self._leave_if_childless(js)
 
+    def _carries_pseudo_gradients(self, js: RelayJob) -> bool:
+        """Whether this edge of an outer job carries pseudo-gradients (at or above the tier that
+        runs the inner loop). Its residual is training the region did that the outer model has
+        not received yet, and that the region's parameters no longer hold once rebased: a new
+        root lineage (a restart, a takeover) does not void it, as it voids a gradient's."""
+        cfg = js.config
+        return cfg.outer is not None and (js.above_inner or cfg.outer.inner_tier == self.role)
+
     def workers_below(self, js: RelayJob) -> int:
         """The live workers a push up speaks for (the parent weighs asynchronous updates by it)."""
         return js.members.workers()
@@ -715,7 +723,7 @@ class Relay(ParentLink, Tier):
             log.warning("%s: job %s moved to root epoch %#x at version %d; resynced from a snapshot",
                         self.role, js.config.name, meta.view_epoch, js.view.version)
             js.reset_round(js.view.version, "the root restarted")
-            if js.encoder is not None:
+            if js.encoder is not None and not self._carries_pseudo_gradients(js):
                 js.encoder.reset()  # residuals of gradients on the old lineage are void
         if js.view.version >= js.parent_version:
             js.synced_at = self.clock()

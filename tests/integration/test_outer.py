@@ -1223,3 +1223,41 @@ def test_a_region_whose_first_child_could_not_join_does_not_hold_the_other_regio
             _loss(model, x[s], y[s]).backward()
             assert opt.step().applied
     assert tree.view("root", "lone")[1] >= 2
+
+
+def test_a_regions_residual_outlives_a_root_restart(tree, tmp_path):
+    """A top-k pseudo-gradient leaves most of the region's update in its encoder's residual, to
+    go up with the next syncs. A root restart (its log restores every acknowledged version) made
+    a new lineage, and the region dropped that residual as a raw gradient's is dropped: training
+    the outer model never received, and the region's rebased parameters no longer held (review)."""
+    ckpt = str(tmp_path / "ckpt")
+    tree.add("root", "global", checkpoint_dir=ckpt)
+    tree.add("eu", "regional", parent="root")
+    zone = tree.add("eu-a", "zone", parent="eu")
+    job = JobConfig(name="kept", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
+                    outer=OuterConfig(inner_steps=1, codec="topk", delta_codec="fp32"))
+    model = _model()
+    x, y = mlp_batches(3, PER_WORKER)
+    eu = tree.tier("eu")
+
+    def residual() -> float:
+        state = eu.jobs["kept"].encoder.state_dict()
+        return float(sum(np.square(v, dtype=np.float64).sum() for k, v in state.items() if ":" not in k))
+
+    with HpsOptimizer(model, zone, job, worker_id="w", timeout_s=30) as opt:
+        for s in range(2):
+            opt.zero_grad()
+            _loss(model, x[s], y[s]).backward()
+            assert opt.step().applied
+        wait_for(lambda: tree.lt.call(lambda: eu.outer["kept"].inflight is None), "eu's last sync to land")
+        before = tree.lt.call(residual)
+        assert before > 0
+        port, epoch = tree.servers["root"][1], tree.view("root", "kept")[0]
+        tree.stop("root")
+        tree.add("root", "global", checkpoint_dir=ckpt, listen=f"127.0.0.1:{port}")
+        wait_for(lambda: tree.view("eu", "kept")[0] not in (0, epoch), "eu to follow the root's new lineage",
+                 timeout=20)
+        assert tree.lt.call(residual) == before
+        opt.zero_grad()
+        _loss(model, x[2], y[2]).backward()
+        assert opt.step().applied  # and training goes on
