@@ -452,6 +452,11 @@ class Relay(ParentLink, Tier):
                 if own:
                     self.own_unsure[job] = (seq, own, sent_via if sent_via is not None else self.up.switches,
                                             nbytes)
+                elif enc.recording:
+                    # The parent may have applied it: its encode stands until the root says
+                    # (``_settled``). Taken back, the residual held what the applied part
+                    # carried as well, sent again later (error feedback broken).
+                    enc.set_aside()
                 raise failure
             log.warning("%s: pushing round %d of %s up failed (%s); retrying", self.role,
                         agg.round, job, failure)
@@ -509,7 +514,7 @@ class Relay(ParentLink, Tier):
                 # One of its pushes was applied with another body: its sender asked elsewhere,
                 # was told "not applied" and reused the number. So this forward, applied whole
                 # or not at all, was not; refusing every round here for it wedged this relay.
-                for s in self.unanswered.settled(job, keys, applied=False):
+                for s in self._settled(js, keys, applied=False):
                     log.warning("%s: round %d of %s, given up on with its outcome unknown, was not "
                                 "applied (%s)", self.role, s, job, exc)
                 continue
@@ -519,6 +524,14 @@ class Relay(ParentLink, Tier):
             if any(seq == s for s, _ in self.unanswered.pending(job)):
                 raise Unavailable(f"round {seq} of job {job} that this {self.role} forwarded is still in "
                                   "flight above (its outcome is not known yet); push again shortly")
+
+    def _settled(self, js: RelayJob, keys: tuple[PushKey, ...], applied: bool) -> list[int]:
+        """The forwards given up on that held these pushes are settled (``Unanswered.settled``),
+        and so is the encode set aside for them: kept if applied, else taken back."""
+        done = self.unanswered.settled(js.config.name, keys, applied)
+        if done and js.encoder is not None:
+            js.encoder.settle(applied)
+        return done
 
     def _unsure_of(self, js: RelayJob, keys: tuple[PushKey, ...]) -> bool:
         return self.unanswered.holds(js.config.name, keys)
@@ -551,7 +564,7 @@ class Relay(ParentLink, Tier):
             answer = await self.up.resolve(job, keys, wait_s, moved)
         outcome, version = answer[0], answer[1]
         if outcome != UNKNOWN:
-            for seq in self.unanswered.settled(job, keys, applied=outcome == APPLIED):
+            for seq in self._settled(js, keys, applied=outcome == APPLIED):
                 if outcome == APPLIED:
                     self._up_acked[job] = max(self._up_acked.get(job, 0), seq)
                 log.warning("%s: round %d of %s, given up on with its outcome unknown, was %s", self.role,

@@ -432,3 +432,35 @@ def test_a_resend_asks_the_root_first_only_at_another_incarnation_than_its_earli
     assert tree.view("root", "j")[1] == 2
     assert tree.lt.call(lambda: tree.tier("z").jobs["j"].stats.resolved) == 1
     assert tree.lt.call(lambda: tree.tier("root").jobs["j"].stats.double_applied) == 0
+
+
+def test_a_lossy_zones_forward_given_up_on_keeps_its_encode_once_the_root_says_it_was_applied(tree):
+    """A top-k zone encodes its round's sum s = topk(g + r) and keeps g + r - s as its residual.
+    When it gave up on the forward unanswered, it put the residual back to r, as for a forward
+    refused: if the root had applied s, the residual owed s a second time, and sent it again
+    (error feedback broken: the applied sum drifts). The encode now stands until the root says:
+    applied, kept (review)."""
+    tree.add("root", "global")
+    zone = tree.add("z", "zone", parent="root", round_timeout_s=2.0, up_codec="topk")
+    a, b = ParameterClient(zone, "j", "a"), ParameterClient(zone, "j", "b")
+    d = ParameterClient(tree.addr("root"), "j", "d", round_timeout_s=20)
+    a.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=LR)), LAYOUT,
+                 np.zeros(10, np.float32))
+    for c in (a, b, d):
+        c.register()
+        c.pull()
+    ga, gb, gd = (np.arange(10, dtype=np.float32) * g for g in (1.0, 2.0, 3.0))
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(a.push, ga), pool.submit(b.push, gb)]:  # the zone gives up after 2 s
+            with pytest.raises(TimedOut):
+                f.result(30)
+        assert d.push(gd)[0] == 1  # the root's round closes, with the zone's forward in it
+    assert a.push(ga)[0] == 1  # asked through the zone: applied; the zone's forward is settled
+    sent = -3 * tree.view("root", "j")[3] / LR - gd  # what the root applied of the zone's sum
+    assert 0 < np.count_nonzero(sent) < 10  # top-k
+    residual = tree.lt.call(lambda: tree.tier("z").jobs["j"].encoder.state_dict())
+    held = np.concatenate([np.zeros(0, np.float32)] + [v.ravel() for k, v in sorted(residual.items()) if ":" not in k])
+    assert held.size == 10, residual  # (taken back to the residual before the round: none)
+    np.testing.assert_allclose(held, ga + gb - sent, rtol=1e-5, atol=1e-5)
+    for c in (a, b, d):
+        c.close()
