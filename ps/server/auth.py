@@ -268,6 +268,10 @@ class Guard:
                                    f"{_JOB_TOKEN_HINT}")
         raise Unauthenticated(f"the token presented is not the token of job {short(job)}; {_JOB_TOKEN_HINT}")
 
+    def admin_only(self, job: str) -> bool:
+        """Whether only the admin's token acts on ``job`` here (its root held no token for it)."""
+        return self._hashes.get(job) == ADMIN_ONLY
+
     def knows(self, job: str) -> bool:
         """Whether this tier can check ``job``'s tokens itself (a relay: once it registered)."""
         return job in self._hashes

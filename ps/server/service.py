@@ -52,7 +52,7 @@ from google.protobuf.message import DecodeError
 
 from ps.core import codecs
 from ps.core.config import JobConfig, check_member, check_name
-from ps.core.errors import BadInput, Conflict, HpsError, Internal, short
+from ps.core.errors import BadInput, Conflict, HpsError, Internal, PermissionDenied, Unauthenticated, short
 from ps.core.tensors import Assembler
 from ps.net.aio import wait_for
 from ps.net.frames import BodyReader
@@ -257,7 +257,17 @@ class _Servicer:
             await self.tier.attach(check_name(req.job))  # type: ignore[attr-defined]
             attached = True
         try:
-            self._check_job(context, req.job, relay_role)
+            try:
+                self._check_job(context, req.job, relay_role)
+            except (Unauthenticated, PermissionDenied):
+                # A job its root held no token for (admin only) may have been given one since
+                # (`hps job create` mints it): this relay asks its parent again, at most every
+                # few seconds a job, and checks once more. It kept refusing the new token until
+                # it registered upstream again, for good while it ran (review).
+                if not (self.relay and self.guard.admin_only(req.job) and _tokens(context)
+                        and await self.tier.refresh_token_hash(req.job)):  # type: ignore[attr-defined]
+                    raise
+                self._check_job(context, req.job, relay_role)
         except HpsError:
             if attached:  # refused: not attached for it (it held the parent's rounds of the job)
                 await self.tier.detach(req.job, refused=True)  # type: ignore[attr-defined]
@@ -394,7 +404,11 @@ class _Servicer:
         with a token never gets another), the one the root minted for a relayed CreateJob, or
         at a root shard the one ``adopted`` from shard 0 (kept, not handed back)."""
         if self.relay:
-            return self.tier.parent_link().minted.pop(name, "")  # type: ignore[attr-defined]
+            link = self.tier.parent_link()
+            token = link.minted.pop(name, "")
+            if token and name in link.token_hashes:  # (a job held here as admin only: it has one now)
+                link.token_hashes[name] = token_hash(token)
+            return token
         if not self.guard.enabled:
             return ""
         # One at a time per job: creators that arrive together (each waits for the standby)

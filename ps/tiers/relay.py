@@ -74,6 +74,7 @@ __all__ = ["Relay"]
 log = logging.getLogger("hps.relay")
 
 _PULL_WAIT_S = 5.0   # long-poll window of the follow loop
+_TOKEN_REFRESH_S = 5.0  # a job's token hash is asked for again at most this often (refresh_token_hash)
 # First and largest retry delay. The largest matches the channels' reconnect backoff (at most
 # 500 ms, ps.net.rpc): with 2 s, the first version after a root restart came 1.1-1.5 s after
 # the root was serving again (benchmarks/chaos.py), the relays still sleeping off their backoff.
@@ -144,6 +145,7 @@ class Relay(ParentLink, Tier):
         self._locks = _JobLocks()
         self._up_acked: dict[str, int] = {}  # last sequence number the parent acknowledged
         self._force_snapshot: set[str] = set()
+        self._token_asked: dict[str, float] = {}  # job -> when its token hash was last asked for again
         self._fwd_locks: dict[str, asyncio.Lock] = {}
         self._up_issued: dict[str, int] = {}  # async: the highest sequence number sent up
         # Forwards given up on with their outcome unknown: settled at the root before their
@@ -234,6 +236,25 @@ class Relay(ParentLink, Tier):
             raise NotReady(f"this {self.role} tier is loading {what} (torch, the first time: seconds); "
                            "retry shortly")
         return task.result()
+
+    async def refresh_token_hash(self, job: str) -> bool:
+        """Ask the parent for ``job``'s token hash again (a registration with this relay's own
+        credentials for the job: it keeps its place there), at most once every
+        ``_TOKEN_REFRESH_S`` a job: a stranger's refused calls do not each cost a call upstream.
+        Whether it asked."""
+        now = self.clock()
+        if job not in self.attached or now - self._token_asked.get(job, -_TOKEN_REFRESH_S) < _TOKEN_REFRESH_S:
+            return False
+        self._token_asked[job] = now
+        async with self._locks.hold(job):
+            if job not in self.attached:
+                return False
+            try:
+                await self.up.register(job, last_seq=max(self._up_acked.get(job, 0), self._up_issued.get(job, 0)))
+            except HpsError as exc:
+                log.warning("%s: asking the parent for job %s's token again failed: %s", self.role, job, exc)
+                return False
+        return True
 
     async def detach(self, job: str, refused: bool = False) -> None:
         """Undo ``attach`` for a child refused here (its credentials, after the parent's reply

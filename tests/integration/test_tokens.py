@@ -158,7 +158,21 @@ def test_a_job_the_root_holds_no_token_for_is_the_admins_alone_at_its_relays_too
             errors.append(_refused(lambda rpc=rpc: rpc.stream("Pull", pb.PullRequest(job="old", member="w-admin"), 5)))
     assert all("only the admin token acts on it" in str(e) for e in errors), [str(e) for e in errors]
     assert tree.lt.call(lambda: len(tree.tier("eu-a").jobs["old"].members)) == 1
-    boss.close()
+    # The admin gives the job a token (`hps job create` mints one for a job that has none):
+    # the zone, which held "admin only" for it, takes it too -- it refused it for good (review).
+    _, minted = jobctl.create(tree.addr("root"), _job("old"), ADMIN)
+    assert minted and minted != token
+    tree.lt.call(lambda: tree.tier("eu-a")._token_asked.clear())  # (the refusals above asked within 5 s)
+    joined = ParameterClient(zone, "old", "w-new", timeout_s=10, retry_s=5, token=minted)
+    try:
+        joined.register()
+        joined.pull(min_version=0)
+        still = ParameterClient(zone, "old", "w-old", timeout_s=5, retry_s=1, token=token)
+        assert "is not the token of job" in str(_refused(still.register))  # the old one stays refused
+        still.close()
+    finally:
+        joined.close()
+        boss.close()
 
 
 def test_a_heartbeat_without_credentials_lists_no_address_for_hps_status_to_visit(tree, tmp_path):
