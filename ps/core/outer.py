@@ -289,23 +289,28 @@ class Pace:
 
 class PendingProgress:
     """Leased data a region trained (its inner versions' ``StepInfo.progress``), held until the
-    data's gradient is in the outer model: after ``fragments`` syncs that succeeded (each
-    carries one fragment), so the root counts a sample as trained iff every fragment of its
-    gradient was applied there. ``due`` is what the next sync carries; ``synced(n)`` when it
-    succeeded (``n``: what ``due`` saw; data trained after it waits for the next syncs).
+    data's gradient is in the outer model: after a sync of every fragment succeeded, so the root
+    counts a sample as trained iff every fragment of its gradient was applied there. ``due(f)``
+    is what a sync of fragment ``f`` carries; ``synced(n, f)`` when it succeeded (``n``: what
+    ``due`` saw; data trained after it waits for the next syncs). Counted by fragment, not by
+    sync: a synchronous region's fragment follows the outer version, so after a failed sync the
+    next may be of a fragment synced already, and counting syncs sent the data up as trained
+    with one fragment of it still only here (review).
 
     >>> p = PendingProgress(fragments=2)
-    >>> p.add(((0, 3, 8),)); n, carried = p.due(); carried     # one fragment of it is not enough
+    >>> p.add(((0, 3, 8),)); n, carried = p.due(0); carried     # one fragment of it is not enough
     ()
-    >>> p.synced(n); p.add(((0, 3, 16), (0, 4, 4))); n, carried = p.due(); carried
-    ((0, 3, 8),)
-    >>> p.synced(n); p.due()[1], bool(p)
-    (((0, 3, 16), (0, 4, 4)), True)
+    >>> p.synced(n, 0); p.add(((0, 3, 16), (0, 4, 4))); n, carried = p.due(0); carried  # fragment 0 again
+    ()
+    >>> p.synced(n, 0); n, carried = p.due(1); carried   # fragment 1 completes both
+    ((0, 3, 16), (0, 4, 4))
+    >>> p.synced(n, 1); bool(p)
+    False
     """
 
     def __init__(self, fragments: int) -> None:
         self.fragments = fragments
-        self._items: list[list] = []  # [{(epoch, shard): furthest end}, syncs still needed]
+        self._items: list[tuple[dict, set[int]]] = []  # ({(epoch, shard): furthest end}, fragments still needed)
         self._open = False            # the last item takes more data (no sync has seen it yet)
 
     def __bool__(self) -> bool:
@@ -315,18 +320,19 @@ class PendingProgress:
         if not entries:
             return
         if not self._open:
-            self._items.append([{}, self.fragments])
+            self._items.append(({}, set(range(self.fragments))))
             self._open = True
         furthest = self._items[-1][0]
         for e, s, end in entries:
             furthest[(e, s)] = max(end, furthest.get((e, s), end))
 
-    def due(self) -> tuple[int, tuple[tuple[int, int, int], ...]]:
-        """(how many items this sync covers, the progress it completes: furthest per shard)."""
+    def due(self, fragment: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+        """(how many items a sync of ``fragment`` covers, the progress it completes: furthest
+        per shard, of the items it is the last fragment of)."""
         self._open = False
         furthest: dict[tuple[int, int], int] = {}
         for done, left in self._items:
-            if left == 1:
+            if left == {fragment}:
                 for k, end in done.items():
                     furthest[k] = max(end, furthest.get(k, end))
         return len(self._items), tuple((e, s, end) for (e, s), end in sorted(furthest.items()))
@@ -335,10 +341,10 @@ class PendingProgress:
         """The furthest offset of (epoch, shard) trained here and not yet at the root (0: none)."""
         return max((done.get((epoch, shard), 0) for done, _ in self._items), default=0)
 
-    def synced(self, n: int) -> None:
-        for item in self._items[:n]:
-            item[1] -= 1
-        self._items = [item for item in self._items if item[1] > 0]
+    def synced(self, n: int, fragment: int) -> None:
+        for _, left in self._items[:n]:
+            left.discard(fragment)
+        self._items = [item for item in self._items if item[1]]
 
     def clear(self) -> None:
         self._items, self._open = [], False

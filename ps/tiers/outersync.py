@@ -197,7 +197,7 @@ class OuterSync:
         f = st.plan.fragment(st.sent if asynchronous else u)
         st.scratch = st.plan.pseudo_gradient(st.base, ijs.params, f, st.workers, out=st.scratch)
         dynamic = ijs.config.outer is not None and ijs.config.outer.dynamic_steps
-        n, progress = st.progress.due()
+        n, progress = st.progress.due(f)
         rate = st.rate.close()  # (measured always: the lease-timeout check reads it too)
         step = StepInfo(absent=st.plan.absent(f), buffers=st.workers if st.plan.buffers(f) else 0,
                         progress=progress, inner_rate=rate if dynamic else 0.0)
@@ -300,7 +300,7 @@ class OuterSync:
                         short(str(exc), 200), extra=event("outer.sync_failed", job=name, version=p.outer_version))
             return
         st.sent += 1  # synced: the next fragment's turn (a failed sync tries the same one again)
-        st.progress.synced(p.progress)
+        st.progress.synced(p.progress, p.fragment)
         ack: Ack = task.result()
         outer = ijs.config.outer
         if outer is not None and outer.dynamic_steps and ack.pace > 0:

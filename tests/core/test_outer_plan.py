@@ -66,3 +66,25 @@ def test_lost_steps_count_what_no_outer_version_holds():
     assert plan.lost_steps(19, outer_version=3) == 4      # its sync never made outer version 4
     assert plan.lost_steps(19, outer_version=4) == 0      # it did: nothing lost
     assert plan.lost_steps(15, outer_version=3) == 0
+
+
+def test_leased_data_waits_for_a_sync_of_every_fragment_not_for_any_f_syncs():
+    """A synchronous region syncs the fragment of the outer version. Its sync of fragment 1
+    failed (the root closed that round without it), and the next, two outer versions on, was
+    of fragment 0 again: counted by syncs, the data trained before both was sent up as trained
+    while its fragment-1 part was still only at the region, lost if the region died (review)."""
+    from ps.core.outer import PendingProgress
+
+    p = PendingProgress(fragments=2)
+    p.add(((0, 3, 8),))
+    n, carried = p.due(0)
+    assert carried == ()
+    p.synced(n, 0)       # fragment 0 in; the sync of fragment 1 failed: nothing synced
+    n, carried = p.due(0)  # fragment 0's turn again
+    assert carried == ()
+    p.synced(n, 0)
+    assert p.furthest(0, 3) == 8  # still held here, for a restarted worker not to train it again
+    n, carried = p.due(1)
+    assert carried == ((0, 3, 8),)
+    p.synced(n, 1)
+    assert not p
