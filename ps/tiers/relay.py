@@ -319,7 +319,7 @@ class Relay(ParentLink, Tier):
     # -- upward ----------------------------------------------------------------------------
     def _finish_round(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
                       fut: asyncio.Future) -> None:
-        task = asyncio.create_task(self._forward(js, agg, keys, floor, fut))
+        task = asyncio.create_task(self._forward(js, agg, keys, floor, fut, js.view.epoch))
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
@@ -329,11 +329,21 @@ class Relay(ParentLink, Tier):
         return MAX_IN_FLIGHT if js.config.mode == "async" else 1
 
     async def _forward(self, js: RelayJob, agg: Aggregate, keys: tuple[PushKey, ...], floor: int,
-                       fut: asyncio.Future) -> None:
+                       fut: asyncio.Future, epoch: int | None = None) -> None:
+        """Send a closed batch up. ``epoch``: the lineage its gradients were computed on (the
+        view's when the batch closed); one the view left while the forward waited for its turn
+        (the lock, settling a forward given up on) is refused Stale, never stamped with the new
+        lineage and placed on it (invariant 5)."""
         job = js.config.name
+
+        def same_lineage() -> None:
+            if epoch is not None and epoch != js.view.epoch:
+                raise Stale(f"round {agg.round} of job {short(job)} was computed on root lineage {epoch:#x}, "
+                            f"which this {self.role} tier has left for {js.view.epoch:#x}; pull and compute again")
         try:
             if js.config.mode == "async":
                 # Each window in flight has its own sequence number, reused by its own retries.
+                same_lineage()
                 seq = self._up_issued[job] = max(self._up_issued.get(job, 0), self._up_acked.get(job, 0)) + 1
                 await self._forward_one(js, agg, keys, floor, fut, seq)
             else:
@@ -343,6 +353,7 @@ class Relay(ParentLink, Tier):
                 # acknowledged, never applied (invariant 4).
                 async with self._fwd_locks.setdefault(job, asyncio.Lock()):
                     await self._settle_unsure(js)
+                    same_lineage()
                     await self._forward_one(js, agg, keys, floor, fut, self._up_acked.get(job, 0) + 1)
         except Exception as exc:  # never leave the children of a closed batch waiting
             if not isinstance(exc, HpsError):

@@ -12,7 +12,7 @@ import numpy as np
 from ps.core.config import JobConfig, OptimizerConfig
 from ps.core.errors import UnknownJob
 from ps.core.view import KeySpec, Layout
-from tests.helpers import same_bits
+from tests.helpers import same_bits, wait_for
 from worker import ParameterClient
 
 LAYOUT = Layout([KeySpec("w", (16, 8))])
@@ -262,4 +262,55 @@ def test_a_forward_broken_in_transit_with_a_grpc_status_is_retried_not_reported_
     root = tree.view("root", "j")
     assert root[1] == 3  # each step applied once
     assert (w.view.version, w.view.checksum) == root[1:3]
+    w.close()
+
+
+def test_a_round_closed_on_one_root_lineage_is_not_sent_up_on_the_next(tree, tmp_path):
+    """A zone's closed round waits for its turn to go up (the forward lock, or settling a
+    forward given up on) while the zone's view moves to the root's new lineage. It went up
+    stamped with the new lineage's epoch, so the root placed gradients computed on the old
+    lineage's parameters on the new one (invariant 5; after a forced takeover the numbers no
+    longer name the same values). It is refused Stale, as the open rounds are (review)."""
+    from ps.core.errors import Stale
+
+    ckpt = str(tmp_path / "ckpt")
+    tree.add("root", "global", checkpoint_dir=ckpt)
+    zone = tree.add("eu-a", "zone", parent="root")
+    job = JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    w = ParameterClient(zone, "j", "w0", timeout_s=30, retry_s=20)
+    w.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    w.pull(min_version=0)
+    g = np.ones(LAYOUT.numel, np.float32)
+    assert w.push(g)[0] == 1
+    w.pull(min_version=1)
+    z = tree.tier("eu-a")
+    release = asyncio.Event()
+
+    async def hold_turn():  # another forward of the job holds the turn
+        async with z._fwd_locks.setdefault("j", asyncio.Lock()):
+            await release.wait()
+    held = asyncio.run_coroutine_threadsafe(hold_turn(), tree.lt.loop)
+    outcome: list = []
+
+    def push() -> None:
+        try:
+            outcome.append(w.push(g))
+        except Exception as exc:
+            outcome.append(exc)
+    t = threading.Thread(target=push)
+    t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not tree.lt.call(lambda: any(
+            task.get_coro().__name__ == "_forward" for task in z._tasks if not task.done())):
+        time.sleep(0.05)  # the round closed (one worker); its forward waits for the turn
+    port, epoch = tree.servers["root"][1], tree.view("eu-a", "j")[0]
+    tree.stop("root")
+    tree.add("root", "global", checkpoint_dir=ckpt, listen=f"127.0.0.1:{port}")
+    wait_for(lambda: tree.view("eu-a", "j")[0] not in (0, epoch), "the zone to follow the new lineage", timeout=20)
+    tree.lt.call(release.set)
+    held.result(10)
+    t.join(30)
+    assert outcome and isinstance(outcome[0], Stale), outcome
+    assert tree.view("root", "j")[1] == 1  # nothing of it applied
     w.close()
