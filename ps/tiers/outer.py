@@ -223,13 +223,8 @@ class OuterRelay(OuterSync, Relay):
             async with ijs.apply_lock:  # (a sync may have started while the lock was awaited)
                 if st.inflight is None and (st.unsynced() or st.progress):
                     self._send(ijs, st)
-                lost = st.drop_unsent() if st.inflight is None else 0
-                if lost:  # not sent (no outer view to sync with): leaving the root's rounds without them
-                    ijs.stats.inner_steps_since_sync = 0
-                    ijs.stats.inner_steps_lost += lost
-                    log.warning("%s: job %s: %d inner step(s) trained before every member left could not be "
-                                "synced (no outer view); leaving the root's rounds without them", self.role, job,
-                                lost, extra=event("outer.steps_lost", job=job, steps=lost))
+                if st.inflight is None:  # not sent (no outer view to sync with)
+                    self._lost_leaving(ijs, st, "could not be synced (no outer view)")
         if st.inflight is not None:  # the last pseudo-gradient lands first
             task = asyncio.create_task(self._leave_after(job, st, st.inflight), name=f"outer-leave-{job}")
             self._tasks.append(task)
@@ -258,21 +253,30 @@ class OuterRelay(OuterSync, Relay):
                 # Steps trained since (a child came back, and left again before this landed) or
                 # a failed sync's go up too, as leased data still short of a fragment's sync does.
                 if i == st.plan.fragments and st.detached and st.unsynced():
-                    lost, ijs.stats.inner_steps_since_sync = st.drop_unsent(), 0
-                    ijs.stats.inner_steps_lost += lost
-                    log.warning("%s: job %s: %d inner step(s) trained before every member left are in no "
-                                "sync after %d tries; leaving the root's rounds without them", self.role, job,
-                                lost, st.plan.fragments + 1, extra=event("outer.steps_lost", job=job, steps=lost))
+                    self._lost_leaving(ijs, st, f"are in no sync after {st.plan.fragments + 1} tries")
                 if (i == st.plan.fragments or not st.detached
                         or not (st.progress or st.unsynced())):
                     break
                 self._send(ijs, st)
-                if st.inflight is None:
+                if st.inflight is None:  # not sent: leaving without them, counted (they went uncounted)
+                    self._lost_leaving(ijs, st, "could not be synced (no outer view)")
                     break
                 sync = st.inflight
         # Another leave's sync in flight (the region left twice): that one leaves once it lands.
         if st.inflight in (None, sync):
             await self._leave_root(job, st)
+
+    def _lost_leaving(self, ijs, st: OuterState, why: str) -> None:
+        """The steps the region still holds as it leaves the root's rounds are lost: counted
+        and said, never silent."""
+        lost = st.drop_unsent()
+        if not lost:
+            return
+        job = ijs.config.name
+        ijs.stats.inner_steps_since_sync = 0
+        ijs.stats.inner_steps_lost += lost
+        log.warning("%s: job %s: %d inner step(s) trained before every member left %s; leaving the root's rounds "
+                    "without them", self.role, job, lost, why, extra=event("outer.steps_lost", job=job, steps=lost))
 
     async def _leave_root(self, job: str, st: OuterState) -> None:
         """The region has left (every child gone, its last syncs sent): leave the root's rounds,

@@ -1261,3 +1261,39 @@ def test_a_regions_residual_outlives_a_root_restart(tree, tmp_path):
         opt.zero_grad()
         _loss(model, x[2], y[2]).backward()
         assert opt.step().applied  # and training goes on
+
+
+def test_steps_a_leaving_region_could_not_send_are_counted_lost(tree):
+    """Every worker of a region left: it sends each fragment's steps in turn before it leaves
+    the root's rounds. When a later one of those syncs could not be sent (no outer view to sync
+    with), the region left with those steps neither sent nor counted: lost silently (review)."""
+    tree.add("root", "global")
+    tree.add("eu", "regional", parent="root")
+    zone = tree.add("eu-a", "zone", parent="eu")
+    job = JobConfig(name="gone", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1),
+                    outer=OuterConfig(inner_steps=4, fragments=2, codec="fp32", delta_codec="fp32"))
+    eu = tree.tier("eu")
+    model = _model()
+    x, y = mlp_batches(3, PER_WORKER)
+    opt = HpsOptimizer(model, zone, job, worker_id="w", timeout_s=20)
+    try:
+        for s in range(3):  # a sync of one fragment after 2 steps; both fragments hold steps after 3
+            opt.zero_grad()
+            _loss(model, x[s], y[s]).backward()
+            assert opt.step().applied
+        wait_for(lambda: tree.lt.call(lambda: eu.outer["gone"].inflight is None), "the first sync to land")
+        real, sends = eu._send, []
+
+        def first_only(ijs, st):  # the leave's first sync goes; the next finds no outer view
+            sends.append(1)
+            if len(sends) == 1:
+                return real(ijs, st)
+            ijs.stats.outer_sync_failures += 1
+        tree.lt.call(lambda: setattr(eu, "_send", first_only))
+    finally:
+        opt.close()  # the region's last worker leaves
+    wait_for(lambda: tree.lt.call(lambda: len(tree.tier("root").jobs["gone"].members)) == 0,
+             "the region to leave the root's rounds")
+    stats = tree.lt.call(lambda: eu.inner.jobs["gone"].stats)
+    assert len(sends) == 2, sends
+    assert stats.inner_steps_lost > 0 and stats.inner_steps_since_sync == 0, stats
