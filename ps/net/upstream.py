@@ -236,13 +236,15 @@ class Upstream:
             self.job_tokens[job] = (own or list(tokens))[0]
         return Registration(job_from_pb(r.config), layout_from_pb(r.keys), r.start_version, r.server_epoch)
 
-    async def heartbeat(self, jobs: list[str]) -> tuple[int, list[str]]:
+    async def heartbeat(self, jobs: list[str], workers: list[int] | None = None) -> tuple[int, list[str]]:
+        """``workers``: per job of ``jobs``, the live workers below this relay (the parent
+        weighs asynchronous updates by every member's share before all of them have pushed)."""
         held = tuple(dict.fromkeys(self.job_tokens[j] for j in jobs if j in self.job_tokens))
         if self.admin_token:
             held += (self.admin_token,)
         r = await self._call("Heartbeat", pb.HeartbeatRequest(
             member=self.member, jobs=jobs, server_epoch=self.server_epoch, role=ROLE[self.role],
-            address=self.own_address), tokens=held)
+            address=self.own_address, workers=workers or ()), tokens=held)
         return r.server_epoch, list(r.unknown_jobs)
 
     async def leave(self, job: str) -> None:

@@ -313,7 +313,11 @@ class _Servicer:
             # list an address of theirs and collect it there. A relay's heartbeat presents the
             # admin token its tier holds (``Upstream.admin_token``), or its certificate.
             address = ""
-        unknown = self.tier.heartbeat(check_member(req.member), jobs, ROLE_NAME.get(req.role, "worker"), address)
+        # A relay's workers per job (checked ones only: a count weighs the job's async updates).
+        workers = {j: w for j, w in zip(req.jobs, req.workers) if w and j in jobs} \
+            if relay_role and len(req.workers) == len(req.jobs) else {}
+        unknown = self.tier.heartbeat(check_member(req.member), jobs, ROLE_NAME.get(req.role, "worker"), address,
+                                      workers)
         return pb.HeartbeatReply(server_epoch=self.tier.epoch, unknown_jobs=unknown)
 
     @_unary("Leave")

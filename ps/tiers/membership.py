@@ -21,6 +21,7 @@ __all__ = ["Membership"]
 
 log = logging.getLogger("hps.tier")
 
+MAX_WORKERS_SAID = 1 << 20  # workers one relay may say it speaks for (a count, bounded)
 MAX_CHILDREN = 4096  # relay children listed (by heartbeat) at most: a tree has tens
 _REPLACED_KEPT = 8  # incarnations remembered per member id, to catch two processes sharing one
 MAX_REPLACED_IDS = 4096  # member ids whose replaced incarnations are remembered (newest replaced first)
@@ -153,7 +154,8 @@ class Membership:
     async def _job_for_register(self, job: str) -> JobState:
         return self.job(job)
 
-    def heartbeat(self, member: str, jobs: list[str], role: str = "worker", address: str = "") -> list[str]:
+    def heartbeat(self, member: str, jobs: list[str], role: str = "worker", address: str = "",
+                  workers: dict[str, int] | None = None) -> list[str]:
         now = self.clock()
         # A relay child, remembered for `hps status` even while it has no job; only one whose
         # role check (``ps.server.peers``) ran as a relay: a worker's heartbeat that named an
@@ -162,7 +164,17 @@ class Membership:
             if member not in self.children and len(self.children) >= MAX_CHILDREN:
                 raise Exhausted(f"this tier already lists {MAX_CHILDREN} relay children; {member!r} is not added")
             self.children[member] = (role, address[:256], now)
-        return [j for j in jobs if j not in self.jobs or not self.jobs[j].members.touch(member, now)]
+        unknown = [j for j in jobs if j not in self.jobs or not self.jobs[j].members.touch(member, now)]
+        if workers and role != "worker":
+            # A relay's live workers, as its pushes report them: an asynchronous job weighs each
+            # update by its share of every member's workers, and a member that had not pushed
+            # yet counted as one (a region of 8 workers' first pseudo-gradient applied at 8/9,
+            # not 1/2, while the other region of 8 had not synced).
+            for j, n in workers.items():
+                m = self.jobs[j].members.find(member) if j in self.jobs else None
+                if m is not None:
+                    m.workers = min(n, MAX_WORKERS_SAID)
+        return unknown
 
     async def leave(self, job: str, member: str) -> None:
         js = self.job(job)

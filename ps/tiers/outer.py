@@ -417,11 +417,12 @@ class OuterRelay(OuterSync, Relay):
             st.progress.add(progress)
 
     # -- children's calls: the inner root answers for inner jobs ----------------------------
-    def heartbeat(self, member: str, jobs: list[str], role: str = "worker", address: str = "") -> list[str]:
-        unknown = super().heartbeat(member, [j for j in jobs if not self._inner(j)], role, address)
+    def heartbeat(self, member: str, jobs: list[str], role: str = "worker", address: str = "",
+                  workers: dict[str, int] | None = None) -> list[str]:
+        unknown = super().heartbeat(member, [j for j in jobs if not self._inner(j)], role, address, workers)
         if self.inner is None:
             return unknown
-        return unknown + self.inner.heartbeat(member, [j for j in jobs if self._inner(j)], role, address)
+        return unknown + self.inner.heartbeat(member, [j for j in jobs if self._inner(j)], role, address, workers)
 
     async def leave(self, job: str, member: str) -> None:
         if self.inner is not None and self._inner(job):

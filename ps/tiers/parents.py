@@ -48,7 +48,9 @@ class ParentLink:
             known = self.up.server_epoch
             parent = self.up.current
             try:
-                epoch, unknown = await self.up.heartbeat(sorted(self.attached))
+                jobs = sorted(self.attached)
+                epoch, unknown = await self.up.heartbeat(
+                    jobs, [self.workers_below(self.jobs[j]) if j in self.jobs else 0 for j in jobs])
             except HpsError as exc:
                 now = self.clock()
                 if self.cut_off_at is None:

@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -1297,3 +1298,34 @@ def test_steps_a_leaving_region_could_not_send_are_counted_lost(tree):
     stats = tree.lt.call(lambda: eu.inner.jobs["gone"].stats)
     assert len(sends) == 2, sends
     assert stats.inner_steps_lost > 0 and stats.inner_steps_since_sync == 0, stats
+
+
+def test_asynchronous_outer_shares_count_the_workers_of_regions_that_have_not_synced_yet(tree):
+    """The root applies a region's pseudo-gradient at its share of every region's workers. A
+    region's count came only with its pushes, and one that had not synced yet counted as one:
+    eu's first sync (2 workers) was applied at 2/3, not 2/4, while us's 2 workers trained on
+    (review). Relays now say their workers with their heartbeats."""
+    zones = _two_regions(tree)
+    layout = Layout([KeySpec("w", (6,))])
+    outer = OuterConfig(inner_steps=1, codec="fp32", delta_codec="fp32", asynchronous=True,
+                        optimizer=OptimizerConfig(kind="sgd", lr=1.0))
+    job = JobConfig(name="share", mode="outer", optimizer=OptimizerConfig(kind="sgd", lr=0.1), outer=outer)
+    clients = [ParameterClient(zones[i % 2], "share", f"w{i}", timeout_s=20) for i in range(4)]  # eu, us, eu, us
+    try:
+        clients[0].create_job(job, layout, np.zeros(6, np.float32))
+        for c in clients:
+            c.register()
+            c.pull(min_version=0)
+        root = tree.tier("root")
+        wait_for(lambda: tree.lt.call(lambda: sorted((m.id, m.workers) for m in root.jobs["share"].members))
+                 == [("eu", 2), ("us", 2)], "the regions' heartbeats to say their workers")
+        g = np.arange(6, dtype=np.float32)
+        with ThreadPoolExecutor(2) as pool:  # eu's round: both push g
+            a, b = [f.result(20)[0] for f in [pool.submit(clients[i].push, g) for i in (0, 2)]]
+            assert a == b  # one inner version
+        wait_for(lambda: tree.view("root", "share")[1] == 1, "eu's sync")
+        # inner: -0.1 g (the average of two g); its pseudo-gradient 0.1 g, at eu's share 2 of 4
+        np.testing.assert_allclose(tree.view("root", "share")[3], -0.05 * g, rtol=1e-6)
+    finally:
+        for c in clients:
+            c.close()
