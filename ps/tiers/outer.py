@@ -392,6 +392,12 @@ class OuterRelay(OuterSync, Relay):
             # rounds as the old one was leaving them (a child coming back rejoins: ``_rejoin``).
             new.detached = True
             await self._leave_root(job, new)
+            return
+        # The old lineage's children register again with the new one within a member timeout;
+        # if none does (they died with it, or the new one could not start), the region must not
+        # stay in the root's rounds, which would wait for its syncs for good (review).
+        await asyncio.sleep(self.config.member_timeout_s)
+        await self._leave_if_no_child(job)
 
     def note_old_lineage(self, job: str, view_epoch: int, since: int) -> None:
         """A child pulled holding ``since`` of another lineage: if it is one this process never

@@ -1329,3 +1329,43 @@ def test_asynchronous_outer_shares_count_the_workers_of_regions_that_have_not_sy
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_region_whose_inner_loop_started_again_with_no_child_coming_back_leaves_the_roots_rounds(tree):
+    """The region's inner loop failed part-way and started a new lineage; its children must
+    register with the new one. When none did (they died with it), the new lineage had no member
+    to leave, so the region stayed in the root's rounds, kept alive by its heartbeats, and
+    every other region's synchronous rounds waited for it (review). After a member timeout
+    with no child, it leaves them."""
+    tree.add("root", "global")
+    ones = _Ones([tree.add("eu", "regional", parent="root")], "orphan", round_timeout_s=20)  # a worker at eu
+    (w,) = ones.clients
+    eu = tree.tier("eu")
+    after = eu.after_inner_version
+    fail = threading.Event()
+
+    async def failing(ijs, contributors):
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("injected: the version's sync bookkeeping failed")
+        await after(ijs, contributors)
+
+    eu.after_inner_version = failing
+    try:
+        ones.step(w)
+        old = tree.lt.call(lambda: eu.inner.jobs["orphan"])
+        w._hb_stop.set()  # the worker dies with the old lineage: no heartbeat, no goodbye, no return
+        w._hb_thread.join(5)
+        fail.set()
+        with pytest.raises(HpsError):
+            ones.step(w)  # its last push: applied, then the inner loop failed
+        w._config = None  # (its close says no goodbye either)
+        wait_for(lambda: tree.lt.call(lambda: eu.inner.jobs.get("orphan") not in (None, old)), "a new inner lineage")
+        # (The client registered with the new lineage as its push failed; a worker killed at
+        # that moment never does: the new lineage has no member, and no member ever leaves it.)
+        tree.lt.call(lambda: eu.inner.jobs["orphan"].members.leave("w-0"))
+        wait_for(lambda: tree.lt.call(lambda: len(tree.tier("root").jobs["orphan"].members)) == 0,
+                 "the region to leave the root's rounds", timeout=15)
+    finally:
+        eu.after_inner_version = after
+        ones.close()
