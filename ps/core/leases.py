@@ -178,6 +178,15 @@ class LeaseBook:
             del self._holders[k]
         return [(*k, m) for k, m in gone]
 
+    def renew_all(self, now: float) -> None:
+        """Every lease lasts a full timeout from ``now`` (a root that takes over: a holder's
+        renewals reached only its old primary, which never told its standby -- they do not
+        change the roster -- so the new primary's clocks said nothing of its holders' lives)."""
+        ds = self.dataset
+        if ds is not None:
+            for h in self._holders.values():
+                h[2] = max(h[2], now + ds.lease_timeout_s)
+
     def release(self, member: str, incarnation: int = 0) -> int:
         """``member`` left cleanly: its leases go back to the pool now. Returns how many."""
         mine = [k for k, h in self._holders.items() if h[0] == member and (not incarnation or h[1] == incarnation)]
@@ -231,12 +240,16 @@ class LeaseBook:
             self.done = {int(e): [int(x) for x in d] for e, d in state["done"].items()}
             self.finished = {int(e) for e in state.get("finished", ())}
             self.current_epoch = int(state.get("current_epoch", 0))
-            self._left = {e: sum(x < ds.shard_len(s) for s, x in enumerate(d)) for e, d in self.done.items()} \
-                if ds is not None else {}
         if ds is not None:  # epochs a lease opened since the checkpoint (the roster lists them)
             for e in state.get("open", ()):
                 if int(e) not in self.finished:
                     self._epoch(int(e), bounded=False)
+        # The shards each open epoch still waits for, from ``done`` whenever the dataset is known:
+        # a standby loads a checkpoint's ``done`` before the roster that declares the dataset, and
+        # counted nothing then -- the first shard finished afterwards raised KeyError in every
+        # apply of the record that finished it, and the job stopped (review).
+        self._left = {e: sum(x < ds.shard_len(s) for s, x in enumerate(d)) for e, d in self.done.items()} \
+            if ds is not None else {}
         if "leases" in state and ds is not None:
             self._holders = {(int(e), int(s)): [str(m), int(i), now + ds.lease_timeout_s]
                              for e, s, m, i in state["leases"]}

@@ -172,3 +172,24 @@ def test_an_epoch_a_lease_opened_after_the_checkpoint_keeps_its_leases_across_a_
     restored.load({**checkpointed, "leases": roster["leases"], "open": roster["open"]}, now=5)
     assert restored.holders() == {(0, 0): "a"}
     assert restored.lease("b", 1, 0, now=6).shard == 1
+
+
+def test_a_standby_that_loads_the_offsets_before_the_dataset_still_finishes_shards():
+    """A standby attaching mid-epoch loads the checkpoint's trained offsets (its job directory
+    was just rewritten: no roster, so no dataset yet), then the roster that declares the
+    dataset. The shards each epoch still waited for were counted only with the offsets: none,
+    and the first shard finished afterwards raised KeyError in the standby's apply -- every
+    time the primary sent that record again, so no round finishing a shard was ever applied
+    (review)."""
+    book = LeaseBook()
+    book.declare(DS)
+    book.lease("a", 1, 0, now=0)
+    book.progress([(0, 0, 5)], now=1)
+    state = json.loads(json.dumps(book.state()))
+    standby = LeaseBook()
+    standby.load({k: v for k, v in state.items() if k not in ("dataset", "leases", "open")}, now=2)  # the checkpoint
+    standby.load({"dataset": state["dataset"], "leases": state["leases"], "open": state["open"]}, now=2)  # roster
+    assert standby.progress([(0, 0, DS.shard_len(0))], now=3) == 1   # shard 0 finished
+    for s in range(1, DS.shards):
+        standby.progress([(0, s, DS.shard_len(s))], now=3)
+    assert 0 in standby.finished  # and the epoch ends with its last shard
