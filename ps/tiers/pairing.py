@@ -151,6 +151,10 @@ class Pairing:
                 js.log.clear()
         for js in self.jobs.values():
             js.reset_round(js.view.version, "promoted")
+            # Renewals went to the old primary only (they change no roster): each holder gets a
+            # full lease timeout here, as a restart gives it, or its healthy holder lost its shard
+            # to the next worker that asked (review).
+            js.leases.renew_all(self.clock())
         log.warning("promoted to primary with term %d: %s; %d job(s) at versions %s", self.term, why,
                     len(self.jobs), {n: js.view.version for n, js in self.jobs.items()},
                     extra=event("root.promoted", term=self.term))

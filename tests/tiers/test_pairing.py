@@ -139,3 +139,28 @@ def test_a_standby_waits_for_a_checkpoint_still_being_written_before_it_wipes_th
     waited, left = asyncio.run(end_while_writing())
     assert waited
     assert left == ["ENDED"], left   # the late checkpoint was wiped with the rest, not left behind
+
+
+def test_a_promoted_standby_gives_every_lease_a_full_timeout(tmp_path):
+    """A lease's renewals reach only the primary (they change no roster, so the standby is not
+    told): on the standby its expiry stays where the last roster put it. Promoted, the new
+    primary expired every lease its holder had only renewed since, at the first lease call,
+    and handed a healthy worker's shard to the next one (review). A restart gives every lease a
+    full timeout; a takeover now does too."""
+    from ps.core.config import JobConfig
+    from ps.core.leases import Dataset
+    from ps.core.view import KeySpec, Layout
+
+    async def promote() -> list:
+        root = Root(ServerConfig(role="global", checkpoint_dir=str(tmp_path), lease_s=1.0))
+        root.state = "standby"
+        root.reset_for_follow(3, 0xE0E0)
+        js = root._install(JobConfig(name="j"), Layout([KeySpec("w", (4,))]), np.zeros(4, np.float32), 5)
+        js.leases.declare(Dataset(length=64, shard_size=16, lease_timeout_s=30))
+        js.leases.lease("a", 1, 0, now=root.clock() - 60)  # the roster's last word, 60 s ago
+        root.set_role(synced=True)
+        await root.promote("test")
+        await asyncio.gather(*root._ckpt_tasks, return_exceptions=True)
+        return js.leases.expire(root.clock())
+
+    assert asyncio.run(promote()) == []
