@@ -35,7 +35,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from ps.core.config import address_list
-from ps.core.errors import ERRORS, HpsError, Internal, NotReady, Stale, Unavailable
+from ps.core.errors import ERRORS, HpsError, Internal, NotReady, Stale, TimedOut, Unavailable
+from ps.net.aio import wait_for
 from ps.net.tls import ClientTls, TlsFiles, client_options
 from ps.net.wire import RELAY_READY, stubs
 
@@ -372,6 +373,11 @@ class Outgoing:
         self._call.cancel()
 
 
+# How long a server-streamed call read with an idle timeout (``AsyncCaller.stream``) may take in
+# all: 400 MB at 10 Mbit/s is ~5.5 min; a stream that keeps trickling is cut after this.
+LONGEST_STREAM_S = 3600.0
+
+
 class AsyncCaller:
     """``Caller`` for grpc.aio: a relay's calls to its parent."""
 
@@ -398,10 +404,31 @@ class AsyncCaller:
         except grpc.RpcError as err:
             raise error_from(err) from None
 
-    async def stream(self, name: str, request: Any, timeout: float, tokens: Iterable[str] = ()) -> list:
+    async def stream(self, name: str, request: Any, timeout: float, tokens: Iterable[str] = (),
+                     idle: float | None = None) -> list:
+        """A server-streamed call's messages. ``idle``: ``timeout`` bounds the wait for the first
+        message only, and each next one must come within ``idle`` seconds, however long the
+        whole takes (at most ``LONGEST_STREAM_S``): a relay's pull of a large model over a WAN
+        (400 MB at 100 Mbit/s: 32 s) never fit one call's deadline, and was pulled again and
+        again, from the start, for good (review)."""
         try:
-            return [m async for m in (await self._stubs())[name](request, timeout=timeout,
-                                                                 metadata=bearer(tokens))]
+            if idle is None:
+                return [m async for m in (await self._stubs())[name](request, timeout=timeout,
+                                                                     metadata=bearer(tokens))]
+            call = (await self._stubs())[name](request, timeout=timeout + LONGEST_STREAM_S, metadata=bearer(tokens))
+            out: list = []
+            messages = call.__aiter__()
+            limit = timeout
+            while True:
+                try:
+                    out.append(await wait_for(messages.__anext__(), limit))
+                except StopAsyncIteration:
+                    return out
+                except asyncio.TimeoutError:
+                    call.cancel()
+                    raise TimedOut(f"{name} to {self.address}: no message for {limit:.1f}s "
+                                   f"({'none yet' if not out else f'after {len(out)}'})") from None
+                limit = idle
         except asyncio.CancelledError:
             raise cancelled_here() from None
         except grpc.RpcError as err:

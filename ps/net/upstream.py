@@ -194,11 +194,11 @@ class Upstream:
         return (held,) if held else FORWARDED.get()
 
     async def _call(self, name: str, request, timeout: float | None = None, stream: bool = False,
-                    job: str | None = None, tokens: tuple[str, ...] | None = None):
+                    job: str | None = None, tokens: tuple[str, ...] | None = None, idle: float | None = None):
         tokens = self._tokens(job) if tokens is None else tokens
         try:
             if stream:
-                reply = await self._rpc.stream(name, request, timeout or self.timeout_s, tokens)
+                reply = await self._rpc.stream(name, request, timeout or self.timeout_s, tokens, idle)
             else:
                 reply = await self._rpc.call(name, request, timeout or self.timeout_s, tokens)
         except HpsError as exc:
@@ -340,6 +340,9 @@ class Upstream:
                    ) -> tuple[PullMeta, list[tuple[VersionMeta, list]]]:
         req = pb.PullRequest(job=job, member=self.member, view_epoch=view_epoch, since_version=since,
                              min_version=min_version, wait_ms=int(wait_s * 1000))
-        frames = await self._call("Pull", req, timeout=wait_s + self.timeout_s, stream=True, job=job)
+        # The long-poll and the first frame within wait_s + the upstream timeout; then each
+        # frame within the upstream timeout, however long a large reply takes across a WAN.
+        frames = await self._call("Pull", req, timeout=wait_s + self.timeout_s, stream=True, job=job,
+                                  idle=self.timeout_s)
         return decode_pull_reply(frames)
 

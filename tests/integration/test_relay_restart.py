@@ -314,3 +314,34 @@ def test_a_round_closed_on_one_root_lineage_is_not_sent_up_on_the_next(tree, tmp
     assert outcome and isinstance(outcome[0], Stale), outcome
     assert tree.view("root", "j")[1] == 1  # nothing of it applied
     w.close()
+
+
+def test_a_snapshot_longer_than_a_calls_deadline_still_reaches_a_zone_over_a_slow_link(tree):
+    """A relay's pull had one deadline for the whole call: the long-poll plus the upstream
+    timeout (5 + 10 s by default). A reply that took longer to cross its link -- the first
+    snapshot of a 100M-parameter model, 400 MB at 100 Mbit/s: 32 s -- never arrived, and the
+    relay pulled it again, from the start, for good (review). The first frame must come within
+    that time, and each next one within the upstream timeout, however long the whole takes."""
+    from ps.core.config import ServerConfig
+    from ps.server import create_server
+    from ps.tools.wanem import Link, LinkProxy
+
+    root = tree.add("root", "global")
+    link = tree.lt.run(LinkProxy(Link(bandwidth_mbit=24.0), root).start())  # 3 MB/s: a 4 MiB frame in 1.4 s
+    tree.servers["eu-a"] = tree.lt.run(create_server(ServerConfig(role="zone", name="eu-a", parent=link.address,
+                                                                  upstream_timeout_s=2.0, heartbeat_s=0.1,
+                                                                  member_timeout_s=5.0)))
+    big = Layout([KeySpec("w", (8_000_000,))])  # 32 MB: ~11 s across the link, past 5 s + 2 s
+    maker = ParameterClient(root, "big", "maker", timeout_s=30)
+    w = ParameterClient(tree.addr("eu-a"), "big", "w0", timeout_s=60, retry_s=60)
+    try:
+        maker.create_job(JobConfig(name="big", optimizer=OptimizerConfig(kind="sgd", lr=0.1)), big,
+                         np.arange(big.numel, dtype=np.float32))
+        maker.close()
+        w.register()
+        w.pull(min_version=0, wait_s=60)
+        assert w.view.ready and same_bits(w.view.values, tree.view("root", "big")[3])
+    finally:
+        w.close()
+        tree.stop("eu-a")
+        tree.lt.run(link.close())
