@@ -584,7 +584,11 @@ class ParameterClient:
                                        "run different hps releases (the view checksum changed from CRC-32 "
                                        "to XXH3-64 on 2026-11-26, to per-block digests on 2026-11-28)") from None
                     time.sleep(0.2 * bad_snapshots)  # never a tight loop of multi-megabyte pulls
-                if time.monotonic() > deadline:  # bounded like every other way round this loop
+                # Bounded like every other way round this loop; but a failed delta is always
+                # followed by the snapshot its docstring promises (the next pull: epoch 0), even
+                # past the deadline: an async step pulls with none (wait_s=0) and raised TimedOut
+                # instead, leaving the view at epoch 0 for the script's next push (review).
+                if time.monotonic() > deadline and meta.snapshot:
                     raise TimedOut(f"version {min_version} did not arrive within the deadline: {exc}") from None
                 continue
             moved = start_epoch and view.epoch != start_epoch  # new lineage: versions restart
@@ -688,7 +692,8 @@ class ParameterClient:
                                             only=self._carried(step.absent)) if contributors and not step.skip else []
                 meta = PushMeta(
                     self.job, self.worker_id, seq, self.view.version if base_version is None else base_version,
-                    self.view.epoch if view_epoch is None else view_epoch, contributors, clock, clock_max,
+                    (self.view.epoch or self._dropped_epoch) if view_epoch is None else view_epoch,
+                    contributors, clock, clock_max,
                     clock_max + 1, *report, incarnation=self.incarnation, step=step)
                 frames = encode_push(meta, chunks)
             except BaseException:  # (out of memory, Ctrl-C): nothing was sent; the encode is taken back

@@ -71,3 +71,34 @@ def test_snapshots_that_keep_failing_their_checksum_end_the_pull_with_a_sentence
     finally:
         monkeypatch.undo()
         c.close()
+
+
+def test_a_delta_that_fails_its_checksum_is_followed_by_a_snapshot_even_with_no_time_to_wait(tree):
+    """An async step pulls with no wait (wait_s=0). A delta that failed its checksum left the
+    view at epoch 0 and the deadline already past, so the pull raised TimedOut into the script
+    instead of taking the snapshot its docstring promises; a script that went on pushed with
+    view epoch 0, which the root's lineage check skips (review)."""
+    import dataclasses
+
+    root = tree.add("root", "global")
+    layout = Layout([KeySpec("w", (64,))])
+    c = ParameterClient(root, job="bad", worker_id="w0", timeout_s=10)
+    d = ParameterClient(root, job="bad", worker_id="w1", timeout_s=10)
+    c.create_job(JobConfig(name="bad", mode="async"), layout, np.zeros(64, np.float32))
+    try:
+        for x in (c, d):
+            x.register()
+            x.pull()
+        d.push(np.ones(64, np.float32))  # version 1, c still at 0
+
+        def corrupt():
+            log = tree.tier("root").jobs["bad"].log
+            newest = log._entries[-1]
+            log._entries[-1] = dataclasses.replace(newest, checksum=newest.checksum ^ 1)
+        tree.lt.call(corrupt)
+        c.pull(wait_s=0.0)  # the delta fails; the snapshot follows
+        assert c.view.ready and c.view.version == 1
+        assert c.view.values.tobytes() == tree.view("root", "bad")[3].tobytes()
+    finally:
+        c.close()
+        d.close()
