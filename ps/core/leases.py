@@ -39,6 +39,7 @@ or held by it), ``renewed`` (a renewal that asked for no new shard).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -50,6 +51,8 @@ GRANTED, WAIT, DONE, RENEWED = "granted", "wait", "done", "renewed"
 MAX_SHARDS = 1 << 20        # per epoch (a lease scans them: keep shards large)
 MAX_OPEN_EPOCHS = 64        # unfinished epochs held at once
 MAX_EPOCH = 1 << 40
+MAX_MEMBERS_SEEN = 4096     # worker ids whose incarnations are remembered (the least recent forgotten first)
+_OLDER_KEPT = 8             # replaced incarnations remembered per worker id
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class LeaseBook:
         self.current_epoch = 0
         self._holders: dict[tuple[int, int], list] = {}  # (epoch, shard) -> [member, incarnation, expires]
         self._left: dict[int, int] = {}        # unfinished epoch -> shards not yet done
+        # member -> its incarnations in the order first seen here, newest last (memory only)
+        self._seen: OrderedDict[str, list[int]] = OrderedDict()
 
     def declare(self, ds: Dataset) -> bool:
         """The job's dataset; True when this call declared it."""
@@ -134,6 +139,7 @@ class LeaseBook:
         whose answer was lost). A lease it does not list is not renewed and expires."""
         ds = self._declared()
         check_epoch(epoch)
+        self._incarnation(member, incarnation)
         self.expire(now)
         for key in [k for k, h in self._holders.items() if h[0] == member and h[1] != incarnation]:
             del self._holders[key]  # its predecessor died: back to the pool, from the done offset
@@ -170,6 +176,26 @@ class LeaseBook:
                 return Grant(GRANTED, epoch, s, offset, ds.shard_len(s), self.current_epoch, lost)
             mine = mine or holder[0] != member
         return Grant(WAIT if mine else DONE, epoch, current_epoch=self.current_epoch, lost=lost)
+
+    def _incarnation(self, member: str, incarnation: int) -> None:
+        """Conflict for a process of ``member`` that a newer one replaced (an incarnation first
+        seen here before the newest). A partitioned old pod whose replacement runs under its id
+        took every one of the new one's leases back and re-adopted its own, so a third worker
+        was granted the new one's shard while both trained theirs (review)."""
+        seen = self._seen.get(member)
+        if seen is None:
+            seen = self._seen[member] = []
+        self._seen.move_to_end(member)
+        while len(self._seen) > MAX_MEMBERS_SEEN:
+            self._seen.popitem(last=False)
+        if seen and seen[-1] == incarnation:
+            return
+        if incarnation in seen:
+            raise Conflict(f"worker id {member!r}: this process (incarnation {incarnation:#x}) was replaced by a newer "
+                           f"one ({seen[-1]:#x}) that leases data shards under the same id; stop it, or give each "
+                           "worker its own id")
+        seen.append(incarnation)
+        del seen[:-_OLDER_KEPT]
 
     def expire(self, now: float) -> list[tuple[int, int, str]]:
         """Leases not renewed within the timeout go back to the pool: (epoch, shard, holder)."""

@@ -193,3 +193,19 @@ def test_a_standby_that_loads_the_offsets_before_the_dataset_still_finishes_shar
     for s in range(1, DS.shards):
         standby.progress([(0, s, DS.shard_len(s))], now=3)
     assert 0 in standby.finished  # and the epoch ends with its last shard
+
+
+def test_a_replaced_process_cannot_take_its_successors_leases_back():
+    """A partitioned old pod comes back while its replacement runs under the same id: its
+    renewal took every lease of the new incarnation back and re-adopted its own, so a third
+    worker could be granted the new one's shard while both trained theirs (review). The old
+    process is refused with a sentence; the new one keeps what it holds."""
+    book = LeaseBook()
+    book.declare(DS)
+    assert book.lease("a", 1, 0, now=0).shard == 0
+    assert book.lease("a", 2, 0, now=1).shard == 0          # a restarted: its predecessor's shard again
+    with pytest.raises(Conflict, match="was replaced by a newer"):
+        book.lease("a", 1, 0, now=2, held=((0, 0),))
+    assert book.holders() == {(0, 0): "a"}
+    assert book.lease("a", 2, 0, now=3, want=False, held=((0, 0),)).lost == ()   # still the new one's
+    assert book.lease("b", 1, 0, now=3).shard == 1
