@@ -1082,6 +1082,22 @@ def test_a_sync_applied_whose_outer_version_is_slow_to_arrive_is_not_counted_fai
         ones.close()
 
 
+def _fail_next_inner_version(eu) -> threading.Event:
+    """Set the returned event, and the region's next inner version fails part-way: after it is
+    published, in its sync bookkeeping (restore ``eu.after_inner_version`` when done)."""
+    after = eu.after_inner_version
+    fail = threading.Event()
+
+    async def failing(ijs, contributors):
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("injected: the version's sync bookkeeping failed")
+        await after(ijs, contributors)
+
+    eu.after_inner_version = failing
+    return fail
+
+
 def test_a_regions_inner_loop_that_fails_part_way_starts_again_from_the_outer_view(tree, caplog):
     """The region's inner root keeps no log: a version that failed part-way (here the step
     after publishing it) left the job refusing every call until the regional master was
@@ -1093,15 +1109,7 @@ def test_a_regions_inner_loop_that_fails_part_way_starts_again_from_the_outer_vi
     (w,) = ones.clients
     eu = tree.tier("eu")
     after = eu.after_inner_version
-    fail = threading.Event()
-
-    async def failing(ijs, contributors):
-        if fail.is_set():
-            fail.clear()
-            raise RuntimeError("injected: the version's sync bookkeeping failed")
-        await after(ijs, contributors)
-
-    eu.after_inner_version = failing
+    fail = _fail_next_inner_version(eu)
     try:
         for _ in range(3):  # H = 2: one sync landed, one inner step since
             ones.step(w)
@@ -1342,15 +1350,7 @@ def test_a_region_whose_inner_loop_started_again_with_no_child_coming_back_leave
     (w,) = ones.clients
     eu = tree.tier("eu")
     after = eu.after_inner_version
-    fail = threading.Event()
-
-    async def failing(ijs, contributors):
-        if fail.is_set():
-            fail.clear()
-            raise RuntimeError("injected: the version's sync bookkeeping failed")
-        await after(ijs, contributors)
-
-    eu.after_inner_version = failing
+    fail = _fail_next_inner_version(eu)
     try:
         ones.step(w)
         old = tree.lt.call(lambda: eu.inner.jobs["orphan"])

@@ -27,8 +27,9 @@ def _job(name: str) -> JobConfig:
     return JobConfig(name=name, optimizer=OptimizerConfig(kind="sgd", lr=0.1))
 
 
-def test_certificates_and_tokens_together(tree, tmp_path, monkeypatch):
-    certs = init_certs(tmp_path / "certs", TOPOLOGY, workers=["w0", "w1", "admin"])
+def _secure_root_and_zone(tree, tmp_path, workers: list[str]):
+    """A root and a zone with mutual TLS and the admin token: (certificates, root, zone)."""
+    certs = init_certs(tmp_path / "certs", TOPOLOGY, workers=workers)
     admin_file = tmp_path / "admin-token"
     admin_file.write_text(ADMIN + "\n")
 
@@ -37,8 +38,11 @@ def test_certificates_and_tokens_together(tree, tmp_path, monkeypatch):
         return tree.add(name, role, parent=parent, tls_cert=f.cert, tls_key=f.key, tls_ca=f.ca,
                         admin_token_file=str(admin_file))
 
-    root = secure("root", "global")
-    zone = secure("eu-a", "zone", parent="root")
+    return certs, secure("root", "global"), secure("eu-a", "zone", parent="root")
+
+
+def test_certificates_and_tokens_together(tree, tmp_path, monkeypatch):
+    certs, root, zone = _secure_root_and_zone(tree, tmp_path, ["w0", "w1", "admin"])
     a = certs["admin"]  # `hps job` reads its certificate from HPS_TLS_* like every tool
     monkeypatch.setenv("HPS_TLS_CERT", a.cert)
     monkeypatch.setenv("HPS_TLS_KEY", a.key)
@@ -144,17 +148,7 @@ def test_a_caller_refused_at_a_zone_leaves_no_copy_of_the_job_there(tree, tmp_pa
     from ps.net.rpc import Caller
     from ps.net.wire import pb
 
-    certs = init_certs(tmp_path / "certs", TOPOLOGY, workers=["w0", "admin"])
-    admin_file = tmp_path / "admin-token"
-    admin_file.write_text(ADMIN + "\n")
-
-    def secure(name, role, parent=""):
-        f = certs[name]
-        return tree.add(name, role, parent=parent, tls_cert=f.cert, tls_key=f.key, tls_ca=f.ca,
-                        admin_token_file=str(admin_file))
-
-    root = secure("root", "global")
-    zone = secure("eu-a", "zone", parent="root")
+    certs, root, zone = _secure_root_and_zone(tree, tmp_path, ["w0", "admin"])
     for var, path in (("CERT", certs["admin"].cert), ("KEY", certs["admin"].key), ("CA", certs["admin"].ca)):
         monkeypatch.setenv(f"HPS_TLS_{var}", path)  # fetch_status's certificate
     maker = ParameterClient(root, "a", "admin", timeout_s=10, retry_s=5, tls=certs["admin"], token=ADMIN)
