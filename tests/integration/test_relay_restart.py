@@ -58,6 +58,18 @@ def test_a_regional_master_restart_does_not_end_the_job_below_it(tree):
     w.close()
 
 
+def _one_worker_below_a_zone(tree, root: dict | None = None, **client) -> ParameterClient:
+    """A root (``root``: its settings), zone "eu-a" below it, and bsp job "j" (SGD, lr 0.1)
+    created, joined and pulled by worker "w0" at the zone (``client``: its settings)."""
+    tree.add("root", "global", **(root or {}))
+    w = ParameterClient(tree.add("eu-a", "zone", parent="root"), "j", "w0", **client)
+    w.create_job(JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.1)), LAYOUT,
+                 np.zeros(LAYOUT.numel, np.float32))
+    w.register()
+    w.pull(min_version=0)
+    return w
+
+
 def test_a_bsp_push_on_the_held_version_moves_an_empty_round_left_behind(tree):
     """After a refusal a relay reopens the refused round; if its parent went on meanwhile, the
     relay holds a newer version than its open round (seen after a root kill -9: a zone at round
@@ -65,13 +77,7 @@ def test_a_bsp_push_on_the_held_version_moves_an_empty_round_left_behind(tree):
     to retry forever."""
     from ps.core.consistency import BspRound
 
-    tree.add("root", "global")
-    zone = tree.add("eu-a", "zone", parent="root")
-    job = JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
-    w = ParameterClient(zone, "j", "w0", timeout_s=10)
-    w.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
-    w.register()
-    w.pull(min_version=0)
+    w = _one_worker_below_a_zone(tree, timeout_s=10)
     g = np.ones(LAYOUT.numel, np.float32)
     for _ in range(2):
         version, _ = w.push(g)
@@ -237,13 +243,7 @@ def test_a_forward_broken_in_transit_with_a_grpc_status_is_retried_not_reported_
         def trailing_metadata(self):
             return ()
 
-    tree.add("root", "global")
-    zone = tree.add("eu-a", "zone", parent="root")
-    job = JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
-    w = ParameterClient(zone, "j", "w0", timeout_s=20, retry_s=10)
-    w.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
-    w.register()
-    w.pull(min_version=0)
+    w = _one_worker_below_a_zone(tree, timeout_s=20, retry_s=10)
     up = tree.tier("eu-a").up
     real, delivered = up.push, []
 
@@ -274,13 +274,7 @@ def test_a_round_closed_on_one_root_lineage_is_not_sent_up_on_the_next(tree, tmp
     from ps.core.errors import Stale
 
     ckpt = str(tmp_path / "ckpt")
-    tree.add("root", "global", checkpoint_dir=ckpt)
-    zone = tree.add("eu-a", "zone", parent="root")
-    job = JobConfig(name="j", optimizer=OptimizerConfig(kind="sgd", lr=0.1))
-    w = ParameterClient(zone, "j", "w0", timeout_s=30, retry_s=20)
-    w.create_job(job, LAYOUT, np.zeros(LAYOUT.numel, np.float32))
-    w.register()
-    w.pull(min_version=0)
+    w = _one_worker_below_a_zone(tree, dict(checkpoint_dir=ckpt), timeout_s=30, retry_s=20)
     g = np.ones(LAYOUT.numel, np.float32)
     assert w.push(g)[0] == 1
     w.pull(min_version=1)
